@@ -1,0 +1,166 @@
+"""Public kernel functions: check arguments, allocate outputs, pick the implementation.
+
+CUDA tensors go to the Triton kernels, CPU tensors to the plain-torch path. ``backend``
+overrides the choice ("triton" on CPU tensors needs ``TRITON_INTERPRET=1`` set before the
+first import of :mod:`onebit.kernels.triton_kernels`).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from . import torch_kernels
+from ._checks import check_buffer, check_tensor, check_world_size
+from .layout import Layout, empty_message, padded_numel
+
+_BACKENDS = (None, "torch", "triton")
+
+
+def _backend(device: torch.device, backend: str | None) -> ModuleType:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of None, 'torch', 'triton', got {backend!r}")
+    if backend == "torch" or (backend is None and device.type != "cuda"):
+        return torch_kernels
+    from . import triton_kernels  # imported on first use: CPU-only users never need triton
+
+    return triton_kernels
+
+
+def _message_out(name: str, out: torch.Tensor | None, layout: Layout, segments: int, device):
+    if out is None:
+        return empty_message(layout, segments, device)
+    size = segments * layout.segment_bytes
+    check_buffer(name, out, device, torch.uint8, f"{size} bytes", out.numel() == size)
+    return out
+
+
+def _check_x(x: object) -> torch.Tensor:
+    check_tensor("x", x)
+    assert isinstance(x, torch.Tensor)
+    if not x.is_contiguous():
+        raise ValueError("x: expected a contiguous tensor")
+    return x
+
+
+def worker_compress(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    world_size: int = 1,
+    *,
+    update_error: bool = True,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Error-compensated 1-bit compression of ``x`` (worker side).
+
+    ``z = pad(x, N) + worker_error``; ``scale = ||z|| / sqrt(N)``; the packed bits of
+    ``sgn(z)`` (most significant bit first, bit 1 for +1) and ``scale`` go into a message of
+    ``world_size`` segments (see :mod:`onebit.kernels.layout`), one per chunk of ``N/W``.
+    With ``update_error``, ``worker_error <- z - scale*sgn(z)`` (skipped if ``scale`` is not
+    finite). Returns the message (uint8, ``Layout(N, W).message_bytes``).
+
+    Shapes: ``x`` float32/bfloat16/float16, contiguous, any shape, ``n`` elements;
+    ``worker_error`` float32 ``[N]``, ``N >= n``, ``N % (8*W) == 0``.
+
+    Example (16 elements, W = 1): ``x = [4, -4, 2, -2, 2, 0, -0., 2, -2, 2, -2, 2, 0, 0, -0., 0]``,
+    zero error: scale 2.0, bytes ``[0xAF, 0x5F]``, new error
+    ``[2, -2, 0, 0, 0, -2, -2, 0, 0, 0, 0, 0, -2, -2, -2, -2]``.
+    """
+    x = _check_x(x)
+    W = check_world_size(world_size)
+    n = x.numel()
+    check_buffer(
+        "worker_error", worker_error, x.device, torch.float32,
+        f"length N >= {n} with N % {8 * W} == 0",
+        worker_error.numel() >= n and worker_error.numel() % (8 * W) == 0
+        if isinstance(worker_error, torch.Tensor) else None,
+    )
+    layout = Layout(worker_error.numel(), W)
+    impl = _backend(x.device, backend)
+    msg = _message_out("out", out, layout, W, x.device)
+    if layout.N:
+        impl.worker_compress(x.view(-1), worker_error, layout, msg, update_error)
+    return msg
+
+
+def server_reduce(
+    received: torch.Tensor,
+    server_error: torch.Tensor,
+    world_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Server side for one chunk: ``received`` holds W segments (one per rank, bits and scale).
+
+    ``m = sum_r sgn_r * (s_r * (1/W)) + server_error``; ``s = ||m|| / sqrt(C)``; returns one
+    segment with the packed ``sgn(m)`` and ``s``; ``server_error <- m - s*sgn(m)``. If any
+    received scale or ``m`` is not finite, ``s`` is NaN and ``server_error`` is unchanged.
+    ``server_error``: float32 ``[C]``, ``C % 8 == 0``.
+    """
+    W = check_world_size(world_size)
+    check_tensor("received", received, (torch.uint8,))
+    device = received.device
+    check_buffer(
+        "server_error", server_error, device, torch.float32, "a multiple of 8",
+        server_error.numel() % 8 == 0 if isinstance(server_error, torch.Tensor) else None,
+    )
+    layout = Layout(server_error.numel() * W, W)
+    size = layout.message_bytes
+    check_buffer("received", received, device, torch.uint8, f"{size} bytes", received.numel() == size)
+    seg = _message_out("out", out, layout, 1, device)
+    if layout.N:
+        _backend(device, backend).server_reduce(received, server_error, layout, seg)
+    return seg
+
+
+def decompress(
+    gathered: torch.Tensor,
+    out: torch.Tensor,
+    world_size: int,
+    *,
+    padded: int | None = None,
+    worker_error: torch.Tensor | None = None,
+    worker_message: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Write ``s_j * sgn`` from ``gathered`` (W segments) into ``out`` (unpadded, its own dtype).
+
+    ``padded`` is N (default ``padded_numel(out.numel(), W)``, or ``worker_error``'s length).
+    With ``worker_error`` and ``worker_message`` (the message :func:`worker_compress` made with
+    ``update_error=False`` from ``x`` = the current contents of ``out``), the deferred worker
+    error update is applied first, and only when every scale in ``gathered`` is finite, so a
+    non-finite value on any rank leaves every rank's error unchanged. Returns ``out``.
+    """
+    W = check_world_size(world_size)
+    check_tensor("gathered", gathered, (torch.uint8,))
+    check_tensor("out", out)
+    if not out.is_contiguous() or out.device != gathered.device:
+        raise ValueError(f"out: expected a contiguous tensor on {gathered.device}")
+    n = out.numel()
+    if worker_error is not None:
+        check_buffer(
+            "worker_error", worker_error, out.device, torch.float32,
+            f"length N >= {n} with N % {8 * W} == 0",
+            worker_error.numel() >= n and worker_error.numel() % (8 * W) == 0
+            if isinstance(worker_error, torch.Tensor) else None,
+        )
+        padded = worker_error.numel()
+    N = padded_numel(n, W) if padded is None else padded
+    if N < n or N % (8 * W):
+        raise ValueError(f"padded: expected N >= {n} with N % {8 * W} == 0, got {N}")
+    layout = Layout(N, W)
+    size = layout.message_bytes
+    check_buffer("gathered", gathered, out.device, torch.uint8, f"{size} bytes", gathered.numel() == size)
+    if worker_error is not None:
+        check_buffer(
+            "worker_message", worker_message, out.device, torch.uint8, f"{size} bytes",
+            worker_message is not None and worker_message.numel() == size,
+        )
+    if N:
+        _backend(out.device, backend).decompress(
+            gathered, layout, out.view(-1), worker_error, worker_message
+        )
+    return out

@@ -1,0 +1,94 @@
+"""Float64 reference of compressed_allreduce: W ranks simulated in one process.
+
+This is the oracle for tests and benchmarks (ALGORITHMS.md section 2). It favours
+clarity over speed and computes everything in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ReferenceResult", "reference_allreduce", "reference_compress", "sgn"]
+
+
+def sgn(z: torch.Tensor) -> torch.Tensor:
+    """-1 where ``z < 0``, +1 elsewhere (``+0.0``, ``-0.0`` and NaN give +1)."""
+    return torch.where(z < 0, -1.0, 1.0).to(z.dtype)
+
+
+def reference_compress(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``(bits, scale, new_error)`` for ``z`` (already error-compensated).
+
+    ``bits`` is ``uint8`` with element ``8k+i`` in bit ``7-i`` of byte ``k``.
+    """
+    z = z.to(torch.float64)
+    scale = torch.sqrt(torch.sum(z * z) / z.numel()) if z.numel() else z.new_zeros(())
+    s = sgn(z)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int64)
+    bits = ((s > 0).to(torch.int64).view(-1, 8) * weights).sum(1).to(torch.uint8)
+    return bits, scale, z - scale * s
+
+
+@dataclass
+class ReferenceResult:
+    output: torch.Tensor  # float64, shape of the inputs: the value every rank ends with
+    worker_errors: list[torch.Tensor]  # float64 [N] per rank
+    server_errors: list[torch.Tensor]  # float64 [C] per rank
+    worker_scales: torch.Tensor  # float64 [W]
+    server_scales: torch.Tensor  # float64 [W]
+    finite: bool
+
+
+def reference_allreduce(
+    tensors: Sequence[torch.Tensor],
+    worker_errors: Sequence[torch.Tensor],
+    server_errors: Sequence[torch.Tensor],
+    compress_single_rank: bool = False,
+) -> ReferenceResult:
+    """One compressed_allreduce over ``W = len(tensors)`` simulated ranks, in float64.
+
+    Inputs are not modified. A non-finite value anywhere gives an all-NaN output and
+    unchanged errors (ALGORITHMS.md 1.1). ``W == 1`` is the identity unless
+    ``compress_single_rank`` (the forced mode used to measure the local compute alone).
+    """
+    W = len(tensors)
+    shape, n = tensors[0].shape, tensors[0].numel()
+    we = [e.to(torch.float64).clone() for e in worker_errors]
+    se = [e.to(torch.float64).clone() for e in server_errors]
+    if W == 1 and not compress_single_rank:
+        return ReferenceResult(
+            tensors[0].to(torch.float64).clone(), we, se,
+            torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), True,
+        )
+    N = we[0].numel()
+    C = N // W
+    z = []
+    for t, e in zip(tensors, we, strict=True):
+        zr = e.clone()
+        zr[:n] += t.reshape(-1).to(torch.float64)
+        z.append(zr)
+    w_scales = torch.stack([torch.sqrt(torch.sum(zr * zr) / N) for zr in z])
+    signs = [sgn(zr) for zr in z]
+    finite = bool(torch.isfinite(w_scales).all())
+    out = torch.empty(N, dtype=torch.float64)
+    s_scales = torch.empty(W, dtype=torch.float64)
+    new_se = []
+    for j in range(W):
+        m = torch.zeros(C, dtype=torch.float64)
+        for r in range(W):
+            m += signs[r][j * C : (j + 1) * C] * (w_scales[r] * (1.0 / W))
+        m += se[j]
+        s = torch.sqrt(torch.sum(m * m) / C)
+        s_scales[j] = s
+        out[j * C : (j + 1) * C] = s * sgn(m)
+        new_se.append(m - s * sgn(m))
+        finite = finite and bool(torch.isfinite(s))
+    if not finite:
+        return ReferenceResult(
+            torch.full(shape, float("nan"), dtype=torch.float64), we, se, w_scales, s_scales, False
+        )
+    new_we = [zr - w_scales[r] * signs[r] for r, zr in enumerate(z)]
+    return ReferenceResult(out[:n].reshape(shape), new_we, new_se, w_scales, s_scales, True)

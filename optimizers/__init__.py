@@ -1,0 +1,1 @@
+"""1-bit optimizers (OnebitAdam, OnebitLamb, ZeroOneAdam) built on onebit.collectives."""

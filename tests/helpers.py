@@ -1,0 +1,62 @@
+"""Shared test helpers: comparisons and the in-process simulation of W ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from onebit.kernels import Layout, decompress, server_reduce, worker_compress
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor, norm: float | None = None) -> float:
+    """||actual - expected|| / norm in float64; ``norm`` defaults to ||expected||.
+
+    Error buffers (``e = z - s*sgn(z)``) cancel: compare them against the norm of what was
+    compressed (``s * sqrt(len)``), the scale at which float32 rounds them.
+    """
+    a, e = actual.double().reshape(-1), expected.double().reshape(-1)
+    diff = torch.linalg.vector_norm(a - e).item()
+    if norm is None:
+        norm = torch.linalg.vector_norm(e).item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm
+
+
+def assert_rel(
+    actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str, norm: float | None = None
+) -> None:
+    err = rel_rms(actual, expected, norm)
+    if not err <= tol:
+        d = (actual.double().reshape(-1) - expected.double().reshape(-1)).abs()
+        i = int(torch.argmax(torch.nan_to_num(d, nan=float("inf"))))
+        raise AssertionError(
+            f"{what}: relative RMS error {err:.3g} > {tol:g}; worst element {i}: "
+            f"{actual.reshape(-1)[i].item()!r} vs {expected.reshape(-1)[i].item()!r}"
+        )
+
+
+def simulate_allreduce(xs, worker_errors, server_errors, backend=None):
+    """The local compute of one compressed_allreduce for W ranks in one process.
+
+    The message exchange is done with tensor slicing; errors are updated in place.
+    Returns the per-rank outputs (new tensors of the inputs' dtype).
+    """
+    W = len(xs)
+    N = worker_errors[0].numel()
+    layout = Layout(N, W)
+    msgs = [
+        worker_compress(x, e, W, update_error=False, backend=backend)
+        for x, e in zip(xs, worker_errors, strict=True)
+    ]
+    segs = []
+    for j in range(W):
+        recv = torch.cat([m.view(W, layout.segment_bytes)[j] for m in msgs])
+        segs.append(server_reduce(recv, server_errors[j], W, backend=backend))
+    gathered = torch.cat(segs)
+    outs = []
+    for r in range(W):
+        out = xs[r].clone()
+        decompress(gathered, out, W, worker_error=worker_errors[r], worker_message=msgs[r],
+                   backend=backend)
+        outs.append(out)
+    return outs

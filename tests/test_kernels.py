@@ -1,0 +1,218 @@
+"""Kernel properties: bit order, error identity, scales, Triton (interpreted) vs torch path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_rel, simulate_allreduce
+from hypothesis import given
+from hypothesis import strategies as st
+
+from onebit.kernels import (
+    Layout,
+    decompress,
+    message_bits,
+    message_scales,
+    padded_numel,
+    server_reduce,
+    worker_compress,
+)
+from onebit.kernels.reference import reference_allreduce, reference_compress
+
+BACKENDS = ["torch", "triton"]
+EXAMPLE_X = [4.0, -4.0, 2.0, -2.0, 2.0, 0.0, -0.0, 2.0, -2.0, 2.0, -2.0, 2.0, 0.0, 0.0, -0.0, 0.0]
+EXAMPLE_ERR = [2.0, -2.0, 0.0, 0.0, 0.0, -2.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0, -2.0, -2.0, -2.0]
+
+
+def _vector(n: int, seed: int, zeros: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn((), generator=g) * 3)
+    if zeros:  # exact zeros of both signs
+        x[torch.rand(n, generator=g) < 0.3] = 0.0
+        x[torch.rand(n, generator=g) < 0.1] = -0.0
+    return x
+
+
+def _signs(z: torch.Tensor) -> torch.Tensor:
+    return torch.where(z < 0, -1.0, 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_pack_example(backend, world_size, poison):
+    """The docstring's hand-worked 16-element example, exactly."""
+    x = torch.tensor(EXAMPLE_X)
+    e = torch.zeros(16)
+    msg = worker_compress(x, e, world_size, backend=backend)
+    layout = Layout(16, world_size)
+    bits = message_bits(msg, layout).reshape(-1).tolist()
+    assert bits == [0xAF, 0x5F]
+    assert message_scales(msg, layout).tolist() == [2.0] * world_size
+    assert e.tolist() == EXAMPLE_ERR
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**31), zeros=st.booleans())
+def test_packing_matches_numpy_packbits(backend, n, seed, zeros):
+    x = _vector(n, seed, zeros)
+    N = padded_numel(n, 1)
+    e = _vector(N, seed + 1) * 0.5
+    z = e.clone()
+    z[:n] += x
+    msg = worker_compress(x, e.clone(), 1, backend=backend)
+    expected = np.packbits(np.logical_not(z.numpy() < 0), bitorder="big")
+    assert np.array_equal(message_bits(msg, Layout(N, 1)).reshape(-1).numpy(), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**31), W=st.integers(1, 5), zeros=st.booleans())
+def test_compress_error_identity_and_scale(backend, n, seed, W, zeros):
+    x = _vector(n, seed, zeros)
+    N = padded_numel(n, W) + 8 * W * (seed % 2)  # also a longer-than-needed padding
+    e = torch.zeros(N) if zeros else _vector(N, seed + 1) * 0.3
+    z = e.clone()
+    z[:n] += x
+    new_e = e.clone()
+    msg = worker_compress(x, new_e, W, backend=backend)
+    layout = Layout(N, W)
+    scales = message_scales(msg, layout)
+    s = scales[0]
+    assert torch.equal(scales, s.expand(W))
+    # the update is exactly z - s*sgn(z) in float32, so s*sgn(z) + e_new == z to one rounding
+    assert torch.equal(new_e, z - s * _signs(z))
+    ulp = torch.finfo(torch.float32).eps * torch.maximum(z.abs(), s)
+    assert bool(((s * _signs(z) + new_e - z).abs() <= ulp).all())
+    ref_bits, ref_scale, _ = reference_compress(z)
+    assert torch.equal(message_bits(msg, layout).reshape(-1), ref_bits)
+    torch.testing.assert_close(s.double(), ref_scale, rtol=1e-6, atol=0.0)
+    assert s >= 0 and (s == 0) == bool((z == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scale_zero_iff_input_zero(backend):
+    for n in (1, 8, 100):
+        e = torch.zeros(padded_numel(n, 2))
+        x = torch.zeros(n)
+        x[n // 2] = -0.0
+        msg = worker_compress(x, e, 2, backend=backend)
+        assert message_scales(msg, Layout(e.numel(), 2)).tolist() == [0.0, 0.0]
+        assert bool((message_bits(msg, Layout(e.numel(), 2)) == 0xFF).all())  # sgn(0) = +1
+        x[0] = 1e-30
+        msg = worker_compress(x, e, 2, backend=backend)
+        assert bool((message_scales(msg, Layout(e.numel(), 2)) > 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 200), seed=st.integers(0, 2**31))
+def test_unpack_of_pack_is_identity(backend, n, seed):
+    """decompress(compress(z)) at W = 1 gives exactly s*sgn(z): unpack(pack(s)) == s."""
+    x = _vector(n, seed, zeros=True)
+    x[0] = 1.0  # a non-zero scale
+    e = torch.zeros(padded_numel(n, 1))
+    msg = worker_compress(x, e, 1, backend=backend)
+    s = message_scales(msg, Layout(e.numel(), 1))[0]
+    out = torch.empty(n)
+    decompress(msg, out, 1, backend=backend)
+    assert torch.equal(out / s, _signs(x))
+
+
+@given(n=st.integers(1, 400), seed=st.integers(0, 2**31), W=st.integers(1, 5))
+def test_triton_and_torch_paths_agree(n, seed, W):
+    """Bitwise-equal bits; scales and errors assert_close (they are bitwise in practice)."""
+    N = padded_numel(n, W)
+    results = {}
+    for backend in BACKENDS:
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(n, generator=g) for _ in range(W)]
+        we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
+        se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
+        msgs = [worker_compress(x, e.clone(), W, backend=backend) for x, e in zip(xs, we)]
+        outs = simulate_allreduce(xs, we, se, backend=backend)
+        results[backend] = (msgs, outs, we, se)
+    (m_a, o_a, we_a, se_a), (m_b, o_b, we_b, se_b) = results["torch"], results["triton"]
+    layout = Layout(N, W)
+    for a, b in zip(m_a, m_b):
+        assert torch.equal(message_bits(a, layout), message_bits(b, layout))
+        torch.testing.assert_close(message_scales(a, layout), message_scales(b, layout))
+    for a, b in zip(o_a + we_a + se_a, o_b + we_b + se_b):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deferred_error_update_equals_direct_update(backend):
+    """The collective defers the worker error update into decompress: same bits as direct."""
+    n, W = 1000, 3
+    N = padded_numel(n, W)
+    x, e = _vector(n, 1), _vector(N, 2) * 0.2
+    direct = e.clone()
+    msg = worker_compress(x, direct, W, backend=backend)
+    deferred = e.clone()
+    msg2 = worker_compress(x, deferred, W, update_error=False, backend=backend)
+    assert torch.equal(deferred, e) and torch.equal(msg, msg2)
+    gathered = msg.clone()  # any finite scales open the gate
+    out = x.clone()
+    decompress(gathered, out, W, worker_error=deferred, worker_message=msg2, backend=backend)
+    assert torch.equal(deferred, direct)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 61, 1000])
+def test_simulated_allreduce_matches_reference(backend, W, n, poison):
+    """Local compute of W simulated ranks, 10 chained calls, against the float64 oracle
+    (W = 1 is the forced single-rank compression the benchmarks use)."""
+    N = padded_numel(n, W)
+    g = torch.Generator().manual_seed(1000 * W + n)
+    we = [torch.zeros(N) for _ in range(W)]
+    se = [torch.zeros(N // W) for _ in range(W)]
+    rwe, rse = [e.double() for e in we], [e.double() for e in se]
+    for _ in range(10):
+        xs = [torch.randn(n, generator=g) for _ in range(W)]
+        xs[0][0] = 0.0
+        xs[-1][-1] = -0.0
+        outs = simulate_allreduce(xs, we, se, backend=backend)
+        ref = reference_allreduce(xs, rwe, rse, compress_single_rank=True)
+        rwe, rse = ref.worker_errors, ref.server_errors
+        for out in outs:
+            assert torch.equal(out, outs[0])
+        assert_rel(outs[0], ref.output, 1e-6, "output")
+    for a, b, s in zip(we, rwe, ref.worker_scales.tolist()):
+        assert_rel(a, b, 1e-6, "worker_error", norm=s * N**0.5)
+    for a, b, s in zip(se, rse, ref.server_scales.tolist()):
+        assert_rel(a, b, 1e-6, "server_error", norm=s * (N // W) ** 0.5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_leaves_errors_and_gives_nan_everywhere(backend):
+    n, W = 100, 3
+    N = padded_numel(n, W)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g) for _ in range(W)]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        xs[1][7] = bad
+        we = [torch.randn(N, generator=g) for _ in range(W)]
+        se = [torch.randn(N // W, generator=g) for _ in range(W)]
+        we0, se0 = [e.clone() for e in we], [e.clone() for e in se]
+        outs = simulate_allreduce(xs, we, se, backend=backend)
+        for out in outs:
+            assert bool(torch.isnan(out).all())
+        for a, b in zip(we + se, we0 + se0):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_precision_inputs(backend):
+    dtypes = [torch.float16] + ([torch.bfloat16] if backend == "torch" else [])
+    for dtype in dtypes:
+        n, W = 300, 2
+        N = padded_numel(n, W)
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(n, generator=g).to(dtype) for _ in range(W)]
+        we = [torch.zeros(N) for _ in range(W)]
+        se = [torch.zeros(N // W) for _ in range(W)]
+        outs = simulate_allreduce(xs, we, se, backend=backend)
+        ref = reference_allreduce(xs, [torch.zeros(N)] * W, [torch.zeros(N // W)] * W)
+        assert outs[0].dtype == dtype
+        torch.testing.assert_close(outs[0], ref.output.to(dtype), rtol=0, atol=0)
+        assert_rel(we[0], ref.worker_errors[0], 1e-6, "worker_error")
