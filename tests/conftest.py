@@ -47,3 +47,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """``ranks(W)``: the session's pool of W gloo ranks (see dist_pool.RankPool)."""
+    from dist_pool import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        pool = pools.get(world_size)
+        if pool is None or not all(p.is_alive() for p in pool._procs):
+            pool = pools[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()

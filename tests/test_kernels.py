@@ -15,7 +15,6 @@ from onebit.kernels import (
     message_bits,
     message_scales,
     padded_numel,
-    server_reduce,
     worker_compress,
 )
 from onebit.kernels.reference import reference_allreduce, reference_compress
@@ -127,15 +126,15 @@ def test_triton_and_torch_paths_agree(n, seed, W):
         xs = [torch.randn(n, generator=g) for _ in range(W)]
         we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
         se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
-        msgs = [worker_compress(x, e.clone(), W, backend=backend) for x, e in zip(xs, we)]
+        msgs = [worker_compress(x, e.clone(), W, backend=backend) for x, e in zip(xs, we, strict=True)]
         outs = simulate_allreduce(xs, we, se, backend=backend)
         results[backend] = (msgs, outs, we, se)
     (m_a, o_a, we_a, se_a), (m_b, o_b, we_b, se_b) = results["torch"], results["triton"]
     layout = Layout(N, W)
-    for a, b in zip(m_a, m_b):
+    for a, b in zip(m_a, m_b, strict=True):
         assert torch.equal(message_bits(a, layout), message_bits(b, layout))
         torch.testing.assert_close(message_scales(a, layout), message_scales(b, layout))
-    for a, b in zip(o_a + we_a + se_a, o_b + we_b + se_b):
+    for a, b in zip(o_a + we_a + se_a, o_b + we_b + se_b, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -177,9 +176,9 @@ def test_simulated_allreduce_matches_reference(backend, W, n, poison):
         for out in outs:
             assert torch.equal(out, outs[0])
         assert_rel(outs[0], ref.output, 1e-6, "output")
-    for a, b, s in zip(we, rwe, ref.worker_scales.tolist()):
+    for a, b, s in zip(we, rwe, ref.worker_scales.tolist(), strict=True):
         assert_rel(a, b, 1e-6, "worker_error", norm=s * N**0.5)
-    for a, b, s in zip(se, rse, ref.server_scales.tolist()):
+    for a, b, s in zip(se, rse, ref.server_scales.tolist(), strict=True):
         assert_rel(a, b, 1e-6, "server_error", norm=s * (N // W) ** 0.5)
 
 
@@ -197,7 +196,7 @@ def test_nonfinite_leaves_errors_and_gives_nan_everywhere(backend):
         outs = simulate_allreduce(xs, we, se, backend=backend)
         for out in outs:
             assert bool(torch.isnan(out).all())
-        for a, b in zip(we + se, we0 + se0):
+        for a, b in zip(we + se, we0 + se0, strict=True):
             assert torch.equal(a, b)
 
 

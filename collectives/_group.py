@@ -1,0 +1,54 @@
+"""Process-group helpers: size, membership, all-gather, and the agreement check."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    _all_gather(output, input, group=group)
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """W for ``group``; 1 when torch.distributed is not initialised and no group is given."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group: given, but torch.distributed is not initialised")
+        return 1
+    # new_group() hands non-members a sentinel (an int in torch 2.13), not a ProcessGroup
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (
+        isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
+    ):
+        raise ValueError("group: this rank is not a member of the group")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a ProcessGroup or None, got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
+def verify_agreement(tensor: torch.Tensor, N: int, group) -> None:
+    """Raise ValueError on every rank unless all ranks pass the same numel, N and dtype."""
+    W = group_size(group)
+    if W == 1:
+        return
+    mine = [tensor.numel(), N, _DTYPE_CODES[tensor.dtype]]
+    device = tensor.device if tensor.is_cuda else torch.device("cpu")
+    rows = torch.empty(W * 3, dtype=torch.int64, device=device)
+    all_gather_single(rows, torch.tensor(mine, dtype=torch.int64, device=device), group)
+    table = rows.view(W, 3).tolist()
+    names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+    me = dist.get_rank(group)
+    for r, row in enumerate(table):
+        if row != table[0]:
+            def show(x):
+                return f"numel={x[0]}, N={x[1]}, dtype={names[x[2]]}"
+
+            raise ValueError(
+                f"check: ranks disagree: group rank {r} passed {show(row)} but group rank 0 "
+                f"passed {show(table[0])} (this is group rank {me})"
+            )

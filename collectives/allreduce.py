@@ -1,0 +1,122 @@
+"""compressed_allreduce: error-compensated 1-bit all-reduce over torch.distributed.
+
+Per call, two collective launches: an all-to-all of the worker messages (sign bits of
+chunk j plus the worker scale, to rank j) and an all-gather of the server segments (sign
+bits of chunk j plus the server scale). See ALGORITHMS.md section 2 for the maths.
+
+The worker error update is deferred into the final decompress pass and applied only when
+every server scale is finite, which is the case exactly when every rank's input was: a
+non-finite value on any rank then leaves the error buffers of every rank unchanged and
+gives a NaN output on every rank, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
+from onebit.kernels._checks import check_buffer, check_tensor
+from onebit.kernels.layout import empty_message
+
+from ._group import all_gather_single, group_size, verify_agreement
+
+__all__ = ["compressed_allreduce"]
+
+
+def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor whose final contents must end up in ``tensor``."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if any(st == 0 and sz > 1 for st, sz in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise ValueError("tensor: expected a tensor without overlapping elements (stride 0)")
+    return tensor.contiguous().view(-1)
+
+
+def _validate(tensor, worker_error, server_error, W: int) -> int:
+    check_tensor("tensor", tensor)
+    n = tensor.numel()
+    device = tensor.device
+    unit = 8 * W
+    check_buffer(
+        "worker_error", worker_error, device, torch.float32,
+        f"float32 of length N >= numel ({n}) with N % (8 * world_size) == 0 ({unit})",
+        worker_error.numel() >= n and worker_error.numel() % unit == 0
+        if isinstance(worker_error, torch.Tensor) else None,
+    )
+    N = worker_error.numel()
+    check_buffer(
+        "server_error", server_error, device, torch.float32,
+        f"float32 of length N / world_size = {N // W}",
+        server_error.numel() == N // W if isinstance(server_error, torch.Tensor) else None,
+    )
+    return N
+
+
+@torch.no_grad()
+def compressed_allreduce(
+    tensor: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    check: bool = False,
+    raise_on_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Replace ``tensor`` in place by the 1-bit estimate of its mean over ``group``.
+
+    Args:
+        tensor: float32, bfloat16 or float16, any shape, ``n`` elements. Afterwards it holds
+            the same values (bitwise) on every rank of the group. Returned.
+        worker_error: float32 ``[N]``, ``N >= n`` and ``N % (8 * W) == 0``
+            (``padded_numel(n, W)`` is the smallest); this rank's error feedback, in place.
+        server_error: float32 ``[N / W]``: the error feedback of the chunk this rank serves.
+        group: process group (default: the world). ``W == 1`` (or no initialised process
+            group) is the identity and leaves the errors untouched.
+        check: first verify that every rank passes the same ``n``, ``N`` and dtype, so a
+            mismatch raises ``ValueError`` on every rank instead of hanging (one small
+            extra collective and a host synchronisation).
+        raise_on_nonfinite: raise ``FloatingPointError`` (on every rank) when some rank's
+            input was not finite. Without it, such a call gives NaN on every rank with the
+            error buffers unchanged, and never synchronises with the host.
+
+    Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any buffer
+    is touched or any data moves.
+    """
+    W = group_size(group)
+    N = _validate(tensor, worker_error, server_error, W)
+    if check:
+        verify_agreement(tensor, N, group)
+    if W == 1 or tensor.numel() == 0:
+        return tensor
+    scales = _compressed_allreduce(tensor, worker_error, server_error, group, W)
+    if raise_on_nonfinite and not bool(torch.isfinite(scales).all()):
+        raise FloatingPointError(
+            "tensor: a rank's input was not finite; error buffers were left unchanged"
+        )
+    return tensor
+
+
+def _compressed_allreduce(tensor, worker_error, server_error, group, W: int) -> torch.Tensor:
+    """The algorithm on validated arguments; returns the W server scales (a view).
+
+    ``W == 1`` runs the whole local compute without communication (the forced single-rank
+    mode that benchmarks use to measure the kernels' cost)."""
+    layout = Layout(worker_error.numel(), W)
+    flat = _flat_target(tensor)
+    msg = worker_compress(flat, worker_error, W, update_error=False)
+    if W > 1:
+        recv = torch.empty_like(msg)
+        dist.all_to_all_single(recv, msg, group=group)
+    else:
+        recv = msg
+    seg = server_reduce(recv, server_error, W)
+    if W > 1:
+        gathered = empty_message(layout, W, msg.device)
+        all_gather_single(gathered, seg, group)
+    else:
+        gathered = seg
+    decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg)
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+    return message_scales(gathered, layout)
