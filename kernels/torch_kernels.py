@@ -25,20 +25,46 @@ def _sumsq(z: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
-    return torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8, device=device)
+# Multiplying 8 bytes of 0/1 (one int64, little-endian: byte i at bit 8i) by this constant
+# puts byte i's bit at bit 63 - i: the partial products 2**(8i + 63 - 9k) have distinct
+# exponents for distinct (i, k), so nothing carries and bits 56..63 are exactly the packed
+# byte, most significant bit first. The product wraps modulo 2**64 (two's complement).
+_GATHER_BITS = 0x8040201008040201 - (1 << 64)
+_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 bit-gathering constant, [256, 8] float32 table of +-1 for each byte value)."""
+    if device not in _tables:
+        shifts = torch.arange(7, -1, -1, device=device)
+        table = ((torch.arange(256, device=device).view(-1, 1) >> shifts) & 1).float() * 2.0 - 1.0
+        _tables[device] = torch.tensor(_GATHER_BITS, dtype=torch.int64, device=device), table
+    return _tables[device]
 
 
 def pack_signs(z: torch.Tensor) -> torch.Tensor:
     """Packed bits of ``sgn(z)`` for a float vector whose length is a multiple of 8."""
-    positive = torch.logical_not(z < 0).view(-1, 8).to(torch.uint8)
-    return torch.sum(positive << _shifts(z.device), dim=1, dtype=torch.uint8)
+    magic, _ = _constants(z.device)
+    negative = (z < 0).view(torch.uint8).view(torch.int64)  # NaN and -0.0 are not negative
+    return 255 - ((negative * magic) >> 56).to(torch.uint8)
 
 
 def unpack_signs(bits: torch.Tensor) -> torch.Tensor:
     """+-1.0 float32 vector of length ``8 * bits.numel()`` from packed bits."""
-    b = (bits.reshape(-1, 1) >> _shifts(bits.device)) & 1
-    return (b.to(torch.float32) * 2.0 - 1.0).view(-1)
+    _, table = _constants(bits.device)
+    return torch.index_select(table, 0, bits.reshape(-1).to(torch.int32)).view(-1)
+
+
+def _update_error(
+    e: torch.Tensor, z: torch.Tensor, signs: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor
+) -> None:
+    """``e <- z - scale*signs`` when ``gate`` holds, else nothing is written.
+
+    With signs +-1 the product is exact, so this is ``z -+ scale`` rounded once. The gate is
+    read on the host: free for CPU tensors (the CUDA path is the Triton kernels).
+    """
+    if bool(gate):
+        torch.addcmul(z, signs, scale, value=-1.0, out=e)
 
 
 def _error_compensated(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -63,8 +89,7 @@ def worker_compress(
     message_bits(out, layout).copy_(pack_signs(z).view(layout.W, layout.chunk_bytes))
     message_scales(out, layout).copy_(scale.expand(layout.W))
     if update_error:
-        new = z - scale * torch.where(z < 0, -1.0, 1.0)
-        torch.where(torch.isfinite(scale), new, e, out=e)
+        _update_error(e, z, unpack_signs(message_bits(out, layout)), scale, torch.isfinite(scale))
 
 
 def _server_sum(received: torch.Tensor, e: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -72,7 +97,7 @@ def _server_sum(received: torch.Tensor, e: torch.Tensor, layout: Layout) -> torc
     scales = message_scales(received, layout) * (1.0 / layout.W)  # 1/W multiplied, as the spec
     m = torch.zeros(layout.C, dtype=torch.float32, device=e.device)
     for r in range(layout.W):  # rank order, as the Triton kernel sums
-        m += unpack_signs(bits[r]) * scales[r]
+        m.addcmul_(unpack_signs(bits[r]), scales[r])
     return m + e
 
 
@@ -83,11 +108,11 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     """
     m = _server_sum(received, e, layout)
     ok = torch.isfinite(message_scales(received, layout)).all()
-    scale = torch.where(ok, _rms(_sumsq(m), layout.C), float("nan"))
-    message_bits(out, layout).copy_(pack_signs(m).view(1, -1))
+    scale = _rms(_sumsq(m), layout.C) if bool(ok) else torch.full((), float("nan"), device=e.device)
+    bits = pack_signs(m)
+    message_bits(out, layout).copy_(bits.view(1, -1))
     message_scales(out, layout).copy_(scale.view(1))
-    new = m - scale * torch.where(m < 0, -1.0, 1.0)
-    torch.where(torch.isfinite(scale), new, e, out=e)
+    _update_error(e, m, unpack_signs(bits), scale, torch.isfinite(scale))
 
 
 def decompress(
@@ -107,8 +132,8 @@ def decompress(
     if worker_error is not None:
         z = _error_compensated(out, worker_error)
         s_w = message_scales(worker_message, layout)[0]
-        new = z - s_w * torch.where(z < 0, -1.0, 1.0)
-        torch.where(torch.isfinite(scales).all(), new, worker_error, out=worker_error)
+        gate = torch.isfinite(scales).all()
+        _update_error(worker_error, z, unpack_signs(pack_signs(z)), s_w, gate)
     signs = unpack_signs(message_bits(gathered, layout)).view(layout.W, layout.C)
     values = (signs * scales.view(-1, 1)).view(-1)
     out.copy_(values[: out.numel()])

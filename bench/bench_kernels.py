@@ -1,0 +1,146 @@
+"""Throughput of the compression kernels against the copy bandwidth of the same device.
+
+For each size, dtype and world size W: worker compress (as the collective runs it, and the
+standalone form that also updates the error), server reduce (fed W received chunks of
+N/W), decompress (with the deferred worker error update, as the collective runs it), and
+the whole local compute of one compressed_allreduce on one rank. Bytes are what each pass
+reads and writes; GB/s is bytes / median time, next to a same-run float32 copy (read + write).
+
+  python bench/bench_kernels.py                      # CUDA if present, else CPU
+  python bench/bench_kernels.py --device cpu --log2 16 20 24 --csv bench/out/kernels-cpu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
+from onebit.kernels.layout import empty_message, padded_numel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def timer(device: torch.device, repeats: int):
+    """Returns time(fn) -> (median, p20, p80) milliseconds."""
+    if device.type == "cuda":
+        import triton.testing
+
+        def cuda_time(fn):
+            q = triton.testing.do_bench(fn, warmup=25, rep=max(repeats, 50), quantiles=[0.5, 0.2, 0.8])
+            return tuple(q)
+
+        return cuda_time
+
+    def cpu_time(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
+
+    return cpu_time
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
+    """(name, fn, bytes moved) for each kernel on fresh buffers."""
+    N = padded_numel(n, W)
+    layout = Layout(N, W)
+    C, bx = N // W, torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, generator=g, device=device).to(dtype)
+    out = x.clone()
+    we = torch.randn(N, generator=g, device=device) * 0.1
+    se = torch.randn(C, generator=g, device=device) * 0.1
+    msg = empty_message(layout, W, device)
+    worker_compress(x, we.clone(), W, out=msg)
+    recv = torch.randint(0, 256, (layout.message_bytes,), dtype=torch.uint8, generator=g, device=device)
+    message_scales(recv, layout).copy_(torch.rand(W, generator=g, device=device) + 0.5)
+    seg = empty_message(layout, 1, device)
+    gathered = recv.clone()
+
+    def local():  # one rank's whole compute: worker, its server chunk, decompress
+        worker_compress(out, we, W, update_error=False, out=msg)
+        server_reduce(recv, se, W, out=seg)
+        decompress(gathered, out, W, worker_error=we, worker_message=msg)
+
+    b_worker = n * bx + 4 * N + N // 8
+    b_server = 2 * (N // 8 + 4 * C) + C // 8 + 4 * C
+    b_decomp = N // 8 + n * bx + 8 * N + n * bx
+    src = torch.randn(N, generator=g, device=device)
+    dst = torch.empty_like(src)
+    return [
+        ("copy_f32", lambda: dst.copy_(src), 8 * N),
+        ("worker", lambda: worker_compress(x, we, W, update_error=False, out=msg), b_worker),
+        ("worker+update", lambda: worker_compress(x, we, W, out=msg), 2 * (n * bx + 4 * N) + 4 * N + N // 8),
+        ("server", lambda: server_reduce(recv, se, W, out=seg), b_server),
+        ("decompress+update", lambda: decompress(gathered, out, W, worker_error=we, worker_message=msg),
+         b_decomp),
+        ("local_total", local, b_worker + b_server + b_decomp),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--log2", type=int, nargs="+", default=None, help="sizes as powers of two")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--csv", default=None, help="output CSV (default bench/out/kernels-<device>.csv)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    sizes = args.log2 or (list(range(20, 29, 2)) if device.type == "cuda" else [16, 20, 22, 24])
+    path = args.csv or os.path.join(os.path.dirname(__file__), "out", f"kernels-{device.type}.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    import triton
+
+    meta = {
+        "device": device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(), "python": platform.python_version(),
+    }
+    time_fn = timer(device, args.repeats)
+    fields = [*meta, "kernel", "dtype", "W", "log2_n", "ms_median", "ms_p20", "ms_p80", "bytes",
+              "gb_per_s", "copy_gb_per_s", "fraction_of_copy"]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        print(" | ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr)
+        for k in sizes:
+            for dname in args.dtypes:
+                for W in args.worlds:
+                    copy_gbps = None
+                    for name, fn, nbytes in cases(1 << k, W, DTYPES[dname], device):
+                        med, lo, hi = time_fn(fn)
+                        gbps = nbytes / med / 1e6
+                        copy_gbps = gbps if name == "copy_f32" else copy_gbps
+                        row = {**meta, "kernel": name, "dtype": dname, "W": W, "log2_n": k,
+                               "ms_median": f"{med:.4f}", "ms_p20": f"{lo:.4f}", "ms_p80": f"{hi:.4f}",
+                               "bytes": nbytes, "gb_per_s": f"{gbps:.2f}",
+                               "copy_gb_per_s": f"{copy_gbps:.2f}",
+                               "fraction_of_copy": f"{gbps / copy_gbps:.3f}"}
+                        writer.writerow(row)
+                        print(f"2^{k:<2} {dname:8} W={W:<2} {name:18} {med:9.3f} ms {gbps:8.1f} GB/s "
+                              f"({gbps / copy_gbps:5.2f} of copy)", file=sys.stderr)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

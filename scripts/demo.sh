@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The demo: set-up (first run only), then a job over local ranks through torchrun.
+#   NPROC   number of local ranks (default 4)
+# Extra arguments go to the demo script.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/scripts/setup-env.sh"
+cd "$root"
+exec .venv/bin/torchrun --standalone --nproc-per-node "${NPROC:-4}" examples/allreduce_demo.py "$@"

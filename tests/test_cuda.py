@@ -1,0 +1,103 @@
+"""CUDA: Triton kernels against the torch path and the reference; NCCL at world size 1.
+
+Skipped without a CUDA device (conftest.py); run them on a GPU machine and record the result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import assert_rel, simulate_allreduce
+
+from onebit.kernels import Layout, message_bits, message_scales, padded_numel, worker_compress
+from onebit.kernels.reference import reference_allreduce
+
+pytestmark = pytest.mark.cuda
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(W, n, N, dtype, seed, device):
+    g = torch.Generator(device=device).manual_seed(seed)
+    xs = [torch.randn(n, generator=g, device=device).to(dtype) for _ in range(W)]
+    we = [torch.randn(N, generator=g, device=device) * 0.1 for _ in range(W)]
+    se = [torch.randn(N // W, generator=g, device=device) * 0.1 for _ in range(W)]
+    return xs, we, se
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("W", [1, 4, 8])
+@pytest.mark.parametrize("n", [1, 1000, (1 << 20) + 3, 1 << 24])
+def test_triton_matches_torch_path_on_cuda(n, W, dtype):
+    N = padded_numel(n, W)
+    layout = Layout(N, W)
+    runs = {}
+    for backend in ("triton", "torch"):
+        xs, we, se = _inputs(W, n, N, dtype, 1, "cuda")
+        msgs = [worker_compress(x, e.clone(), W, backend=backend) for x, e in zip(xs, we, strict=True)]
+        outs = simulate_allreduce(xs, we, se, backend=backend)
+        runs[backend] = (msgs, outs, we, se)
+    (m_a, o_a, we_a, se_a), (m_b, o_b, we_b, se_b) = runs["triton"], runs["torch"]
+    for a, b in zip(m_a, m_b, strict=True):
+        assert torch.equal(message_bits(a, layout), message_bits(b, layout))
+        torch.testing.assert_close(message_scales(a, layout), message_scales(b, layout))
+    for a, b in zip(o_a + we_a + se_a, o_b + we_b + se_b, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("W", [2, 5])
+def test_cuda_chain_matches_reference(W):
+    n = 100_003
+    N = padded_numel(n, W)
+    we = [torch.zeros(N, device="cuda") for _ in range(W)]
+    se = [torch.zeros(N // W, device="cuda") for _ in range(W)]
+    rwe = [torch.zeros(N, dtype=torch.float64) for _ in range(W)]
+    rse = [torch.zeros(N // W, dtype=torch.float64) for _ in range(W)]
+    g = torch.Generator().manual_seed(W)
+    for _ in range(10):
+        xs = [torch.randn(n, generator=g) for _ in range(W)]
+        outs = simulate_allreduce([x.cuda() for x in xs], we, se)
+        ref = reference_allreduce(xs, rwe, rse)
+        rwe, rse = ref.worker_errors, ref.server_errors
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        assert_rel(outs[0].cpu(), ref.output, 1e-6, "output")
+    for a, b, s in zip(we, rwe, ref.worker_scales.tolist(), strict=True):
+        assert_rel(a.cpu(), b, 1e-6, "worker_error", norm=s * N**0.5)
+
+
+def _nccl_single(rank, init_file, results):
+    import torch.distributed as dist
+
+    from onebit.collectives import compressed_allreduce
+    from onebit.collectives.allreduce import _compressed_allreduce
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        x = torch.randn(1000, device="cuda")
+        x0 = x.clone()
+        we, se = torch.zeros(1008, device="cuda"), torch.zeros(1008, device="cuda")
+        compressed_allreduce(x, we, se, check=True)  # W = 1: identity, check goes over NCCL
+        identity = torch.equal(x, x0) and not we.any() and not se.any()
+        _compressed_allreduce(x, we, se, None, 1)  # the forced local compute
+        ref = reference_allreduce([x0.cpu()], [torch.zeros(1008)], [torch.zeros(1008)],
+                                  compress_single_rank=True)
+        results.put((identity, float((x.cpu().double() - ref.output).norm() / ref.output.norm())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_world_size_one():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "rdv")
+    p = ctx.Process(target=_nccl_single, args=(0, init_file, results))
+    p.start()
+    identity, rel = results.get(timeout=120)
+    p.join(timeout=60)
+    assert identity and rel < 1e-6
