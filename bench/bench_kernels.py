@@ -3,8 +3,9 @@
 For each size, dtype and world size W: worker compress (as the collective runs it, and the
 standalone form that also updates the error), server reduce (fed W received chunks of
 N/W), decompress (with the deferred worker error update, as the collective runs it), and
-the whole local compute of one compressed_allreduce on one rank. Bytes are what each pass
-reads and writes; GB/s is bytes / median time, next to a same-run float32 copy (read + write).
+the whole local compute of one compressed_allreduce on one rank. "bytes" is the fewest a
+kernel must read and write (an implementation that re-reads moves more); GB/s is bytes /
+median time, next to a float32 copy of N elements (read + write) timed in the same run.
 
   python bench/bench_kernels.py                      # CUDA if present, else CPU
   python bench/bench_kernels.py --device cpu --log2 16 20 24 --csv bench/out/kernels-cpu.csv
@@ -81,15 +82,16 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
         server_reduce(recv, se, W, out=seg)
         decompress(gathered, out, W, worker_error=we, worker_message=msg)
 
-    b_worker = n * bx + 4 * N + N // 8
-    b_server = 2 * (N // 8 + 4 * C) + C // 8 + 4 * C
-    b_decomp = N // 8 + n * bx + 8 * N + n * bx
+    # The fewest bytes each kernel must move (read + write), whatever the implementation:
+    b_worker = n * bx + 4 * N + N // 8  # read x, e; write the bits
+    b_server = N // 8 + 8 * C + C // 8  # read W chunks of bits and e; write e and the bits
+    b_decomp = N // 8 + 2 * n * bx + 8 * N  # read bits, x, e; write e and the result
     src = torch.randn(N, generator=g, device=device)
     dst = torch.empty_like(src)
     return [
         ("copy_f32", lambda: dst.copy_(src), 8 * N),
         ("worker", lambda: worker_compress(x, we, W, update_error=False, out=msg), b_worker),
-        ("worker+update", lambda: worker_compress(x, we, W, out=msg), 2 * (n * bx + 4 * N) + 4 * N + N // 8),
+        ("worker+update", lambda: worker_compress(x, we, W, out=msg), b_worker + 4 * N),
         ("server", lambda: server_reduce(recv, se, W, out=seg), b_server),
         ("decompress+update", lambda: decompress(gathered, out, W, worker_error=we, worker_message=msg),
          b_decomp),

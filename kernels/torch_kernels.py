@@ -1,45 +1,40 @@
 """Plain, vectorised torch implementation of the three kernels (the path for CPU tensors).
 
 Same contracts as :mod:`onebit.kernels.triton_kernels`; launched through
-:mod:`onebit.kernels.api`, which validates inputs and allocates outputs. The float32
-arithmetic follows the same order as the Triton kernels (``z = x + e``; server sum over
-ranks in rank order; products with +-1 are exact), so both paths give bitwise-equal bits
-and errors except where the float64 norm rounds differently in its last bit.
+:mod:`onebit.kernels.api`, which validates inputs and allocates outputs. Work goes in
+blocks of ``_BLOCK`` elements: temporaries stay small (a fresh model-sized buffer costs
+page faults on every call) and hot in cache. The float32 arithmetic follows the same order
+as the Triton kernels (``z = x + e``; server sum in rank order; products with +-1 are
+exact), so both paths give bitwise-equal bits and errors except where the float64 norm
+rounds differently in its last bit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 
 from .layout import Layout, message_bits, message_scales
 
-_SUMSQ_CHUNK = 1 << 20  # elements converted to float64 at a time (bounds the temporary)
-
-
-def _sumsq(z: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a float32 vector, accumulated in float64."""
-    acc = torch.zeros((), dtype=torch.float64, device=z.device)
-    for start in range(0, z.numel(), _SUMSQ_CHUNK):
-        zc = z[start : start + _SUMSQ_CHUNK].to(torch.float64)
-        acc += torch.dot(zc, zc)
-    return acc
-
+_BLOCK = 1 << 18  # elements per block (a multiple of 8)
 
 # Multiplying 8 bytes of 0/1 (one int64, little-endian: byte i at bit 8i) by this constant
 # puts byte i's bit at bit 63 - i: the partial products 2**(8i + 63 - 9k) have distinct
 # exponents for distinct (i, k), so nothing carries and bits 56..63 are exactly the packed
 # byte, most significant bit first. The product wraps modulo 2**64 (two's complement).
 _GATHER_BITS = 0x8040201008040201 - (1 << 64)
-_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_constants_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 bit-gathering constant, [256, 8] float32 table of +-1 for each byte value)."""
-    if device not in _tables:
+    if device not in _constants_cache:
         shifts = torch.arange(7, -1, -1, device=device)
         table = ((torch.arange(256, device=device).view(-1, 1) >> shifts) & 1).float() * 2.0 - 1.0
-        _tables[device] = torch.tensor(_GATHER_BITS, dtype=torch.int64, device=device), table
-    return _tables[device]
+        magic = torch.tensor(_GATHER_BITS, dtype=torch.int64, device=device)
+        _constants_cache[device] = magic, table
+    return _constants_cache[device]
 
 
 def pack_signs(z: torch.Tensor) -> torch.Tensor:
@@ -49,28 +44,44 @@ def pack_signs(z: torch.Tensor) -> torch.Tensor:
     return 255 - ((negative * magic) >> 56).to(torch.uint8)
 
 
-def unpack_signs(bits: torch.Tensor) -> torch.Tensor:
-    """+-1.0 float32 vector of length ``8 * bits.numel()`` from packed bits."""
-    _, table = _constants(bits.device)
-    return torch.index_select(table, 0, bits.reshape(-1).to(torch.int32)).view(-1)
+def unpack_signs(bits: torch.Tensor, scale: torch.Tensor | float = 1.0, dtype=torch.float32, out=None):
+    """``scale * sgn`` (length ``8 * bits.numel()``) from packed bits, in ``dtype``.
 
-
-def _update_error(
-    e: torch.Tensor, z: torch.Tensor, signs: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor
-) -> None:
-    """``e <- z - scale*signs`` when ``gate`` holds, else nothing is written.
-
-    With signs +-1 the product is exact, so this is ``z -+ scale`` rounded once. The gate is
-    read on the host: free for CPU tensors (the CUDA path is the Triton kernels).
+    One gather from a 256-row table of ``+-scale`` (products with +-1 are exact).
     """
-    if bool(gate):
-        torch.addcmul(z, signs, scale, value=-1.0, out=e)
+    _, table = _constants(bits.device)
+    rows = (table * scale).to(dtype)
+    index = bits.reshape(-1).to(torch.int32)
+    if out is None:
+        return torch.index_select(rows, 0, index).view(-1)
+    torch.index_select(rows, 0, index, out=out.view(-1, 8))
+    return out
 
 
-def _error_compensated(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    z = e.clone()
-    z[: x.numel()] += x
+def _blocks(layout: Layout) -> Iterator[tuple[int, int, int]]:
+    """(chunk j, first element, end element) of each block; blocks never cross chunks."""
+    for j in range(layout.W):
+        for a in range(0, layout.C, _BLOCK):
+            yield j, j * layout.C + a, j * layout.C + min(a + _BLOCK, layout.C)
+
+
+def _z(x: torch.Tensor, e: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``pad(x) + e`` on elements ``[lo, hi)``, in float32."""
+    z = e[lo:hi].clone()
+    end = min(hi, x.numel())
+    if end > lo:
+        z[: end - lo] += x[lo:end]
     return z
+
+
+def _minus_sgn_scaled(z: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out <- z - scale*sgn(z)`` = ``z -+ scale`` (``z + 0.0`` turns -0.0 into +0.0)."""
+    torch.sub(z, torch.copysign(scale, z + 0.0), out=out)
+
+
+def _sumsq(z: torch.Tensor) -> torch.Tensor:
+    zd = z.to(torch.float64)
+    return torch.dot(zd, zd)
 
 
 def _rms(sumsq: torch.Tensor, length: int) -> torch.Tensor:
@@ -84,21 +95,27 @@ def worker_compress(
 
     With ``update_error`` the error becomes ``z - scale*sgn(z)`` unless the scale is not finite.
     """
-    z = _error_compensated(x, e)
-    scale = _rms(_sumsq(z), layout.N)
-    message_bits(out, layout).copy_(pack_signs(z).view(layout.W, layout.chunk_bytes))
+    bits, C = message_bits(out, layout), layout.C
+    acc = torch.zeros((), dtype=torch.float64, device=e.device)
+    for j, lo, hi in _blocks(layout):
+        z = _z(x, e, lo, hi)
+        acc += _sumsq(z)
+        bits[j, (lo - j * C) // 8 : (hi - j * C) // 8] = pack_signs(z)
+    scale = _rms(acc, layout.N)
     message_scales(out, layout).copy_(scale.expand(layout.W))
-    if update_error:
-        _update_error(e, z, unpack_signs(message_bits(out, layout)), scale, torch.isfinite(scale))
+    if update_error and bool(torch.isfinite(scale)):  # a free host read for CPU tensors
+        for _, lo, hi in _blocks(layout):
+            _minus_sgn_scaled(_z(x, e, lo, hi), scale, e[lo:hi])
 
 
-def _server_sum(received: torch.Tensor, e: torch.Tensor, layout: Layout) -> torch.Tensor:
-    bits = message_bits(received, layout)
-    scales = message_scales(received, layout) * (1.0 / layout.W)  # 1/W multiplied, as the spec
-    m = torch.zeros(layout.C, dtype=torch.float32, device=e.device)
-    for r in range(layout.W):  # rank order, as the Triton kernel sums
-        m.addcmul_(unpack_signs(bits[r]), scales[r])
-    return m + e
+def _server_sum(received: torch.Tensor, e: torch.Tensor, layout: Layout, a: int, b: int) -> torch.Tensor:
+    """``m = sum_r sgn_r * (s_r * (1/W)) + e`` on chunk elements ``[a, b)``, rank order."""
+    bits = message_bits(received, layout)[:, a // 8 : b // 8]
+    weights = message_scales(received, layout) * (1.0 / layout.W)  # 1/W multiplied, as the spec
+    m = unpack_signs(bits[0], weights[0])
+    for r in range(1, layout.W):
+        m += unpack_signs(bits[r], weights[r])
+    return m + e[a:b]
 
 
 def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
@@ -106,13 +123,21 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
 
     A non-finite worker scale or sum makes the server scale NaN and leaves ``e`` unchanged.
     """
-    m = _server_sum(received, e, layout)
-    ok = torch.isfinite(message_scales(received, layout)).all()
-    scale = _rms(_sumsq(m), layout.C) if bool(ok) else torch.full((), float("nan"), device=e.device)
-    bits = pack_signs(m)
-    message_bits(out, layout).copy_(bits.view(1, -1))
+    bits = message_bits(out, layout)[0]
+    acc = torch.zeros((), dtype=torch.float64, device=e.device)
+    sums = []  # kept for the error update: this rank's chunk only (N/W floats)
+    for a in range(0, layout.C, _BLOCK):
+        b = min(a + _BLOCK, layout.C)
+        m = _server_sum(received, e, layout, a, b)
+        acc += _sumsq(m)
+        bits[a // 8 : b // 8] = pack_signs(m)
+        sums.append((a, b, m))
+    finite = bool(torch.isfinite(message_scales(received, layout)).all())
+    scale = _rms(acc, layout.C) if finite else torch.full((), float("nan"), device=e.device)
     message_scales(out, layout).copy_(scale.view(1))
-    _update_error(e, m, unpack_signs(bits), scale, torch.isfinite(scale))
+    if bool(torch.isfinite(scale)):
+        for a, b, m in sums:
+            _minus_sgn_scaled(m, scale, e[a:b])
 
 
 def decompress(
@@ -129,11 +154,17 @@ def decompress(
     finite (``s_w`` is the scale in ``worker_message``).
     """
     scales = message_scales(gathered, layout)
-    if worker_error is not None:
-        z = _error_compensated(out, worker_error)
-        s_w = message_scales(worker_message, layout)[0]
-        gate = torch.isfinite(scales).all()
-        _update_error(worker_error, z, unpack_signs(pack_signs(z)), s_w, gate)
-    signs = unpack_signs(message_bits(gathered, layout)).view(layout.W, layout.C)
-    values = (signs * scales.view(-1, 1)).view(-1)
-    out.copy_(values[: out.numel()])
+    bits, C, n = message_bits(gathered, layout), layout.C, out.numel()
+    update = worker_error is not None and bool(torch.isfinite(scales).all())
+    s_w = message_scales(worker_message, layout)[0] if update else None
+    for j, lo, hi in _blocks(layout):
+        if update:
+            _minus_sgn_scaled(_z(out, worker_error, lo, hi), s_w, worker_error[lo:hi])
+        if lo >= n:
+            continue
+        src = bits[j, (lo - j * C) // 8 : (hi - j * C) // 8]
+        end = min(hi, n)
+        if end == hi:
+            unpack_signs(src, scales[j], out.dtype, out=out[lo:hi])
+        else:  # the last, partly padded block
+            out[lo:end] = unpack_signs(src, scales[j], out.dtype)[: end - lo]

@@ -215,3 +215,31 @@ def test_half_precision_inputs(backend):
         assert outs[0].dtype == dtype
         torch.testing.assert_close(outs[0], ref.output.to(dtype), rtol=0, atol=0)
         assert_rel(we[0], ref.worker_errors[0], 1e-6, "worker_error")
+
+
+@pytest.mark.parametrize("block", [8, 64, 1000 * 8])
+@pytest.mark.parametrize("W", [1, 3, 5])
+def test_torch_path_blocking_is_invisible(monkeypatch, block, W):
+    """The CPU path works in blocks: tiny blocks (many, crossing nothing) give the same result."""
+    from onebit.kernels import torch_kernels
+
+    n = 4099
+    N = padded_numel(n, W)
+    runs = []
+    for size in (torch_kernels._BLOCK, block):
+        monkeypatch.setattr(torch_kernels, "_BLOCK", size)
+        g = torch.Generator().manual_seed(W)
+        xs = [torch.randn(n, generator=g) for _ in range(W)]
+        we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
+        se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
+        direct = [e.clone() for e in we]
+        msgs = [worker_compress(x, e, W, backend="torch") for x, e in zip(xs, direct, strict=True)]
+        outs = simulate_allreduce(xs, we, se, backend="torch")
+        runs.append((msgs, direct, outs, we, se))
+    layout = Layout(N, W)
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        assert torch.equal(message_bits(a, layout), message_bits(b, layout))
+        torch.testing.assert_close(message_scales(a, layout), message_scales(b, layout), rtol=1e-7, atol=0)
+    for part in range(1, 5):
+        for a, b in zip(runs[0][part], runs[1][part], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
