@@ -1,0 +1,133 @@
+"""BucketedReducer: many tensors in flat buckets, 1-bit error feedback per bucket.
+
+Optimizers keep their compressed state (momentum) inside the buckets' flat buffers and
+hand out per-tensor views of them, so the compressed all-reduce of a bucket needs no copy.
+Full-precision averaging (warm-up gradients) goes through one reusable scratch buffer the
+size of the largest bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from onebit.kernels.layout import padded_numel
+
+from ._group import group_size
+from .allreduce import compressed_allreduce
+
+__all__ = ["Bucket", "BucketedReducer", "plan_buckets"]
+
+
+def plan_buckets(numels: Sequence[int], element_size: int, bucket_cap_mb: float) -> list[list[int]]:
+    """Consecutive tensor indices grouped so that each group's bytes stay within the cap.
+
+    ``bucket_cap_mb == 0`` puts every tensor in a bucket of its own; a tensor larger than
+    the cap gets a bucket of its own. Empty tensors join whatever bucket is open.
+    """
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb: expected a number >= 0, got {bucket_cap_mb!r}")
+    cap = bucket_cap_mb * 2**20
+    groups: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        nbytes = n * element_size
+        if not groups or bucket_cap_mb == 0 or (size + nbytes > cap and size > 0):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+@dataclass
+class Bucket:
+    indices: list[int]
+    offsets: list[int]
+    numels: list[int]
+    flat: torch.Tensor  # float32 [n]: the quantity that is compressed (e.g. momentum)
+    worker_error: torch.Tensor  # float32 [N]
+    server_error: torch.Tensor  # float32 [N / W]
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+
+class BucketedReducer:
+    """Flat float32 buckets over tensors of the given shapes, all on ``device``.
+
+    ``views[i]`` is tensor i's slice of its bucket, shaped like it. ``compressed_mean_()``
+    replaces every bucket by its 1-bit mean over ``group`` (with error feedback);
+    ``average(b, tensors)`` returns the full-precision mean over the group of tensors laid
+    out like bucket ``b`` (a view of the scratch buffer, valid until the next call).
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        device: torch.device,
+        *,
+        group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.group = group
+        self.world_size = group_size(group)
+        self.shapes = [torch.Size(s) for s in shapes]
+        numels = [s.numel() for s in self.shapes]
+        self.buckets: list[Bucket] = []
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(numels)
+        W = self.world_size
+        for indices in plan_buckets(numels, 4, bucket_cap_mb):
+            sizes = [numels[i] for i in indices]
+            offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+            n = sum(sizes)
+            N = padded_numel(n, W)
+            flat = torch.zeros(n, dtype=torch.float32, device=device)
+            bucket = Bucket(
+                indices, offsets, sizes, flat,
+                torch.zeros(N, dtype=torch.float32, device=device),
+                torch.zeros(N // W, dtype=torch.float32, device=device),
+            )
+            for i, off, size in zip(indices, offsets, sizes, strict=True):
+                view = flat[off : off + size].view(self.shapes[i])
+                bucket.views.append(view)
+                self.views[i] = view
+            self.buckets.append(bucket)
+        largest = max((b.numel for b in self.buckets), default=0)
+        self._scratch = torch.empty(largest, dtype=torch.float32, device=device)
+
+    def compressed_mean_(self) -> None:
+        """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
+        for b in self.buckets:
+            compressed_allreduce(b.flat, b.worker_error, b.server_error, self.group)
+
+    def average(self, bucket: Bucket, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Full-precision mean over the group of ``tensors`` (one per index of ``bucket``;
+        None counts as zeros), as a flat float32 view of the scratch buffer."""
+        out = self._scratch[: bucket.numel]
+        for t, off, size in zip(tensors, bucket.offsets, bucket.numels, strict=True):
+            if t is None:
+                out[off : off + size].zero_()
+            else:
+                out[off : off + size].copy_(t.reshape(-1))
+        if self.world_size > 1 and bucket.numel:
+            dist.all_reduce(out, group=self.group)
+            out.div_(self.world_size)
+        return out
+
+    def reset_errors(self) -> None:
+        for b in self.buckets:
+            b.worker_error.zero_()
+            b.server_error.zero_()
+
+    def signature(self) -> list[list[int]]:
+        """Bucket layout (tensor sizes per bucket): error buffers only fit the same layout."""
+        return [list(b.numels) for b in self.buckets]
+
+    def errors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(b.worker_error, b.server_error) for b in self.buckets]

@@ -1,0 +1,168 @@
+"""Machinery shared by the 1-bit optimizers: parameter order, reducers, exact resume.
+
+State layout: the compressed per-parameter state (``FLAT_STATE``, e.g. ``exp_avg``) lives
+in the flat buckets of a :class:`~onebit.collectives.bucket.BucketedReducer` and
+``self.state[p]`` holds views of it; other per-parameter state is float32 tensors of the
+parameter's shape. ``state_dict()`` adds an ``"onebit"`` entry with this rank's error
+buffers, the bucket layout, rank, world size and the optimizer's counters; loading restores
+all of it when the same rank loads its own state at the same world size (otherwise the
+errors are reset, with one warning). Float32 state is restored as float32 whatever the
+parameters' dtype (torch would cast it to the parameter dtype).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onebit.collectives._group import group_size
+from onebit.collectives.bucket import BucketedReducer
+
+
+def check_positive_or_zero(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_betas(betas: object) -> tuple[float, float]:
+    ok = isinstance(betas, tuple | list) and len(betas) == 2 and all(
+        isinstance(b, int | float) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas
+    )
+    if not ok:
+        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+    return float(betas[0]), float(betas[1])
+
+
+def check_freeze_step(name: str, value: object) -> float:
+    if value == math.inf:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0 or math.inf, got {value!r}")
+    return value
+
+
+class OnebitOptimizerBase(torch.optim.Optimizer):
+    """Base class: subclasses set FLAT_STATE / DENSE_STATE and implement step()."""
+
+    FLAT_STATE: tuple[str, ...] = ()
+    DENSE_STATE: tuple[str, ...] = ()
+    COUNTERS: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float) -> None:
+        super().__init__(params, defaults)
+        self.process_group = group
+        self.world_size = group_size(group)
+        self.bucket_cap_mb = check_positive_or_zero("bucket_cap_mb", bucket_cap_mb)
+        self._reducer: BucketedReducer | None = None
+        self._pending: dict[str, Any] | None = None
+        self.register_state_dict_post_hook(OnebitOptimizerBase._add_extra_state)
+        self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
+        self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
+
+    # -- parameters and buffers -------------------------------------------------------
+    def compressed_params(self) -> list[tuple[torch.Tensor, dict]]:
+        """(param, group) of every parameter whose state is compressed, in a fixed order."""
+        return [(p, g) for g in self.param_groups if not g.get("non_freeze", False) for p in g["params"]]
+
+    def reducer(self) -> BucketedReducer:
+        if self._reducer is None:
+            params = [p for p, _ in self.compressed_params()]
+            devices = {p.device for p in params}
+            if len(devices) > 1:
+                names = sorted(map(str, devices))
+                raise ValueError(f"params: expected all parameters on one device, got {names}")
+            device = devices.pop() if devices else torch.device("cpu")
+            self._reducer = BucketedReducer(
+                [p.shape for p in params], device, group=self.process_group, bucket_cap_mb=self.bucket_cap_mb
+            )
+            (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
+            for k, p in enumerate(params):
+                state = self.state[p]
+                state[flat_name] = self._reducer.views[k]
+                for name in self.DENSE_STATE:
+                    state.setdefault(name, torch.zeros_like(p, dtype=torch.float32))
+        return self._reducer
+
+    def dense_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        for name in self.DENSE_STATE + self.FLAT_STATE:
+            if name not in state:
+                state[name] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
+    # -- state_dict -----------------------------------------------------------------
+    def _rank(self) -> int:
+        if self.world_size == 1 or not dist.is_initialized():
+            return 0
+        return dist.get_rank(self.process_group)
+
+    def _add_extra_state(self, state_dict: dict) -> dict:
+        reducer = self.reducer()
+        state_dict["onebit"] = {
+            "rank": self._rank(),
+            "world_size": self.world_size,
+            "buckets": reducer.signature(),
+            "worker_errors": [we for we, _ in reducer.errors()],
+            "server_errors": [se for _, se in reducer.errors()],
+            "counters": {name: getattr(self, name) for name in self.COUNTERS},
+        }
+        return state_dict
+
+    def _stash_loaded_state(self, state_dict: dict) -> dict:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit", None)
+        # masks are configuration: the ones given at construction win over a checkpoint
+        masks = [g.get("exp_avg_mask") for g in self.param_groups]
+        tensors = {}
+        new_state = {}
+        for key, entry in state_dict["state"].items():
+            entry = dict(entry)
+            tensors[key] = {n: entry.pop(n) for n in self.FLAT_STATE + self.DENSE_STATE if n in entry}
+            new_state[key] = entry
+        state_dict["state"] = new_state
+        self._pending = {"extra": extra, "tensors": tensors, "masks": masks}
+        return state_dict
+
+    def _restore_loaded_state(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        for g, mask in zip(self.param_groups, pending["masks"], strict=True):
+            g["exp_avg_mask"] = mask
+        params = [p for g in self.param_groups for p in g["params"]]
+        reducer = self.reducer()
+        for key, values in pending["tensors"].items():
+            p = params[key]
+            state = self.state[p]
+            for name, value in values.items():
+                if name in state and state[name] is not None:
+                    state[name].copy_(value)  # a view into a bucket, or a dense buffer
+                else:
+                    state[name] = value.to(device=p.device, dtype=torch.float32).clone()
+        extra = pending["extra"]
+        same = (
+            extra is not None
+            and extra.get("rank") == self._rank()
+            and extra.get("world_size") == self.world_size
+            and extra.get("buckets") == reducer.signature()
+        )
+        if same:
+            for (we, se), we_saved, se_saved in zip(
+                reducer.errors(), extra["worker_errors"], extra["server_errors"], strict=True
+            ):
+                we.copy_(we_saved)
+                se.copy_(se_saved)
+        else:
+            reducer.reset_errors()
+            warnings.warn(
+                "onebit: the loaded optimizer state comes from another rank, world size or "
+                "bucket layout; the error-feedback buffers were reset to zero",
+                stacklevel=3,
+            )
+        if extra is not None:
+            for name, value in extra.get("counters", {}).items():
+                setattr(self, name, value)

@@ -1,0 +1,151 @@
+"""OnebitAdam: 1-bit Adam (Tang et al., 2021), ALGORITHMS.md section 3."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._base import OnebitOptimizerBase, check_betas, check_freeze_step, check_positive_or_zero
+
+__all__ = ["OnebitAdam", "adam_update"]
+
+
+def adam_update(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, eps: float, weight_decay: float,
+    bc1: float, bc2: float, eps_inside_sqrt: bool,
+) -> None:
+    """``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, in torch.optim.AdamW's order.
+
+    ``m_hat = m / bc1``, ``v_hat = v / bc2`` (``bc = 1`` without bias correction); with
+    ``eps_inside_sqrt`` the denominator is ``sqrt(v_hat + eps)``.
+    """
+    if weight_decay:
+        p.mul_(1.0 - lr * weight_decay)
+    if eps_inside_sqrt:
+        denom = (v / bc2).add_(eps).sqrt_()
+    else:
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+class OnebitAdam(OnebitOptimizerBase):
+    """1-bit Adam: Adam for ``freeze_step`` updates, then compressed momentum with frozen v.
+
+    Warm-up: gradients averaged over ``group`` in full precision (flat buckets), then Adam
+    (no bias correction unless ``bias_correction=True``). Afterwards each rank folds its
+    LOCAL gradient into the momentum, the momentum buckets go through
+    ``compressed_allreduce`` (one call per bucket), an optional ``exp_avg_mask`` per group
+    multiplies the result, and the update uses the variance frozen at the freeze step.
+    ``freeze_step=F`` means exactly F warm-up updates. Weight decay is decoupled (AdamW).
+
+    Groups with ``non_freeze=True`` keep full-precision averaging and a live variance.
+    A parameter whose ``.grad`` is None counts as having a zero gradient on this rank.
+    Optimizer state per parameter: ``exp_avg`` and ``exp_avg_sq`` (float32, 8 bytes per
+    element) plus the bucket's error buffers (about 4 + 4/W bytes per element).
+    """
+
+    FLAT_STATE = ("exp_avg",)
+    DENSE_STATE = ("exp_avg_sq",)
+    COUNTERS = ("updates",)
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int | float = 100000,
+        *,
+        bias_correction: bool = False,
+        eps_inside_sqrt: bool = False,
+        bucket_cap_mb: float = 25.0,
+        group=None,
+    ) -> None:
+        defaults = dict(
+            lr=check_positive_or_zero("lr", lr), betas=check_betas(betas),
+            eps=check_positive_or_zero("eps", eps),
+            weight_decay=check_positive_or_zero("weight_decay", weight_decay),
+            bias_correction=bool(bias_correction), eps_inside_sqrt=bool(eps_inside_sqrt),
+            non_freeze=False, exp_avg_mask=None,
+        )
+        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb)
+        self.freeze_step = check_freeze_step("freeze_step", freeze_step)
+        self.updates = 0
+
+    @property
+    def compressing(self) -> bool:
+        """True once ``freeze_step`` warm-up updates are done: the next step is compressed."""
+        return self.updates >= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        reducer = self.reducer()
+        compress = self.compressing
+        self.updates += 1
+        t = self.updates
+        pairs = self.compressed_params()
+        if compress:
+            for k, (p, g) in enumerate(pairs):
+                m = reducer.views[k]
+                m.mul_(g["betas"][0])
+                if p.grad is not None:
+                    m.add_(p.grad, alpha=1.0 - g["betas"][0])
+            reducer.compressed_mean_()
+            for k, (p, g) in enumerate(pairs):
+                self._apply(p, g, reducer.views[k], self.state[p]["exp_avg_sq"], t, frozen=True)
+        else:
+            for bucket in reducer.buckets:
+                grads = [pairs[i][0].grad for i in bucket.indices]
+                avg = reducer.average(bucket, grads)
+                for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
+                    p, g = pairs[i]
+                    m, v = reducer.views[i], self.state[p]["exp_avg_sq"]
+                    self._moments(g, m, v, avg[off : off + size].view_as(p))
+                    self._apply(p, g, m, v, t, frozen=False)
+        self._step_non_freeze(t)
+        return loss
+
+    def _step_non_freeze(self, t: int) -> None:
+        for g in self.param_groups:
+            if not g.get("non_freeze", False):
+                continue
+            for p in g["params"]:
+                state = self.dense_state(p)
+                grad = torch.zeros_like(p) if p.grad is None else p.grad
+                avg = self._average_one(grad)
+                self._moments(g, state["exp_avg"], state["exp_avg_sq"], avg)
+                self._apply(p, g, state["exp_avg"], state["exp_avg_sq"], t, frozen=False)
+
+    def _average_one(self, grad: torch.Tensor) -> torch.Tensor:
+        avg = grad.to(torch.float32, copy=True)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(avg, group=self.process_group)
+            avg.div_(self.world_size)
+        return avg
+
+    @staticmethod
+    def _moments(g: dict, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
+        b1, b2 = g["betas"]
+        m.mul_(b1).add_(grad, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+
+    def _apply(self, p, g: dict, m, v, t: int, frozen: bool) -> None:
+        mask = g.get("exp_avg_mask")
+        if frozen and mask is not None:
+            m.mul_(mask)
+        b1, b2 = g["betas"]
+        if g["bias_correction"]:
+            bc1 = 1.0 - b1**t
+            bc2 = 1.0 - b2 ** (min(t, self.freeze_step) if frozen else t)
+        else:
+            bc1 = bc2 = 1.0
+        adam_update(
+            p, m, v, lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], bc1=bc1, bc2=bc2,
+            eps_inside_sqrt=g["eps_inside_sqrt"],
+        )

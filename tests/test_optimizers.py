@@ -1,0 +1,167 @@
+"""OnebitAdam: AdamW equivalence, float64 spec reference, rank identity, exact resume."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from optim_reference import reference_onebit_adam, relative
+
+from onebit.optimizers import OnebitAdam
+
+SHAPES = [(7, 5), (5,), (), (3, 4, 2), (0,), (33,)]
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def _grads(step, rank, shapes=SHAPES):
+    out = []
+    for i, s in enumerate(shapes):
+        g = torch.Generator().manual_seed(10_000 * step + 100 * rank + i)
+        out.append(torch.randn(s, generator=g) + 0.3 * rank)
+    return out
+
+
+def _set_grads(params, grads):
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+
+
+def test_freeze_inf_matches_adamw_single_process():
+    a, b = _params(), _params()
+    opt_a = OnebitAdam(a, freeze_step=math.inf, bias_correction=True, **HYPER)
+    opt_b = torch.optim.AdamW(b, foreach=False, **HYPER)
+    for t in range(30):
+        for params, opt in ((a, opt_a), (b, opt_b)):
+            _set_grads(params, _grads(t, 0))
+            opt.step()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def _body_adam(steps, kwargs, cap, state_bytes=None, save_at=None):
+    r = dist.get_rank()
+    params = _params()
+    opt = OnebitAdam(params, bucket_cap_mb=cap, **kwargs)
+    if state_bytes is not None:
+        opt.load_state_dict(torch.load(io.BytesIO(state_bytes[r]), weights_only=True))
+    saved = None
+    history = []
+    for t in range(*steps):
+        _set_grads(params, _grads(t, r))
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+        if save_at is not None and t + 1 == save_at:
+            buf = io.BytesIO()
+            torch.save({"model": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+            saved = buf.getvalue()
+    return history, saved
+
+
+def test_freeze_inf_matches_adamw_two_ranks(ranks):
+    kwargs = dict(freeze_step=math.inf, bias_correction=True, **HYPER)
+    got = ranks(2).run(_body_adam, (0, 20), kwargs, 25.0)
+    b = _params()
+    opt = torch.optim.AdamW(b, foreach=False, **HYPER)
+    for t in range(20):
+        g0, g1 = _grads(t, 0), _grads(t, 1)
+        _set_grads(b, [(x + y) / 2 for x, y in zip(g0, g1, strict=True)])
+        opt.step()
+    for r in range(2):
+        for x, y in zip(got[r][0][-1], b, strict=True):
+            torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("cap", [25.0, 0.0], ids=["one-bucket", "per-param"])
+def test_warmup_and_compression_match_float64_reference(ranks, W, cap):
+    freeze, steps = 4, 12
+    kwargs = dict(freeze_step=freeze, **HYPER)
+    got = ranks(W).run(_body_adam, (0, steps), kwargs, cap)
+    ref = reference_onebit_adam(
+        _params(), [[_grads(t, r) for r in range(W)] for t in range(steps)],
+        freeze_step=freeze, bucket_cap_mb=cap, **HYPER,
+    )
+    for r in range(W):
+        final = got[r][0][-1]
+        for i, (x, y) in enumerate(zip(final, ref, strict=True)):
+            if y.numel():
+                assert relative(x, y) < 2e-6, (r, i, relative(x, y))
+    for r in range(1, W):
+        assert all(torch.equal(x, y) for x, y in zip(got[r][0][-1], got[0][0][-1], strict=True))
+
+
+def _body_mask(steps, freeze):
+    r = dist.get_rank()
+    params = _params()
+    mask = (torch.arange(SHAPES[0][0] * SHAPES[0][1]) % 3 != 0).float().view(SHAPES[0])
+    groups = [{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}]
+    opt = OnebitAdam(groups, freeze_step=freeze, **HYPER)
+    for t in range(steps):
+        _set_grads(params, _grads(t, r))
+        opt.step()
+    return [p.detach().clone() for p in params], mask, opt.state[params[0]]["exp_avg"].clone()
+
+
+def test_momentum_mask_matches_reference(ranks):
+    W, freeze, steps = 3, 3, 8
+    got = ranks(W).run(_body_mask, steps, freeze)
+    mask = got[0][1]
+    ref = reference_onebit_adam(
+        _params(), [[_grads(t, r) for r in range(W)] for t in range(steps)],
+        freeze_step=freeze, masks=[mask] + [None] * (len(SHAPES) - 1), **HYPER,
+    )
+    for x, y in zip(got[0][0], ref, strict=True):
+        if y.numel():
+            assert relative(x, y) < 2e-6
+    assert not got[0][2][mask == 0].any()  # masked momentum stays exactly zero
+
+
+def test_ranks_stay_bitwise_identical_past_the_freeze(ranks):
+    got = ranks(4).run(_body_adam, (0, 110), dict(freeze_step=10, **HYPER), 25.0)
+    for t in range(110):
+        for r in range(1, 4):
+            for x, y in zip(got[r][0][t], got[0][0][t], strict=True):
+                assert torch.equal(x, y), f"step {t}: rank {r} differs"
+
+
+@pytest.mark.parametrize("k", [3, 9], ids=["resume-in-warmup", "resume-compressing"])
+def test_exact_resume(ranks, k):
+    W, freeze, m = 3, 5, 6
+    kwargs = dict(freeze_step=freeze, **HYPER)
+    first = ranks(W).run(_body_adam, (0, k + m), kwargs, 25.0, None, k)
+    states = [f[1] for f in first]
+    second = ranks(W).run(_body_resume, k, k + m, kwargs, states)
+    for r in range(W):
+        for x, y in zip(first[r][0][-1], second[r], strict=True):
+            assert torch.equal(x, y), f"rank {r}: resumed run differs"
+
+
+def _body_resume(k, end, kwargs, states):
+    r = dist.get_rank()
+    blob = torch.load(io.BytesIO(states[r]), weights_only=True)
+    params = [torch.nn.Parameter(t.clone()) for t in blob["model"]]
+    opt = OnebitAdam(params, **kwargs)
+    opt.load_state_dict(blob["opt"])
+    for t in range(k, end):
+        _set_grads(params, _grads(t, r))
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_single_process_freeze_counts_real_updates():
+    params = _params()
+    opt = OnebitAdam(params, freeze_step=2, **HYPER)
+    states = []
+    for t in range(3):
+        _set_grads(params, _grads(t, 0))
+        states.append(opt.compressing)
+        opt.step()
+    assert states == [False, False, True] and opt.updates == 3
