@@ -48,14 +48,15 @@ class Bucket:
     indices: list[int]
     offsets: list[int]
     numels: list[int]
-    flat: torch.Tensor  # float32 [n]: the quantity that is compressed (e.g. momentum)
+    n: int  # elements of the tensors in the bucket
+    flat: torch.Tensor  # float32 [n], or [N] with the padding: what is compressed (momentum)
     worker_error: torch.Tensor  # float32 [N]
     server_error: torch.Tensor  # float32 [N / W]
     views: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
-        return self.flat.numel()
+        return self.n
 
 
 class BucketedReducer:
@@ -65,6 +66,10 @@ class BucketedReducer:
     replaces every bucket by its 1-bit mean over ``group`` (with error feedback);
     ``average(b, tensors)`` returns the full-precision mean over the group of tensors laid
     out like bucket ``b`` (a view of the scratch buffer, valid until the next call).
+
+    With ``flat_padding`` the flat buffers include the padding to N, which is then
+    compressed as data and keeps what the previous call left there (1-bit LAMB's
+    reference behaviour); otherwise the padding is implicit zeros.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class BucketedReducer:
         *,
         group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
+        flat_padding: bool = False,
     ) -> None:
         self.group = group
         self.world_size = group_size(group)
@@ -87,9 +93,9 @@ class BucketedReducer:
             offsets = [sum(sizes[:k]) for k in range(len(sizes))]
             n = sum(sizes)
             N = padded_numel(n, W)
-            flat = torch.zeros(n, dtype=torch.float32, device=device)
+            flat = torch.zeros(N if flat_padding else n, dtype=torch.float32, device=device)
             bucket = Bucket(
-                indices, offsets, sizes, flat,
+                indices, offsets, sizes, n, flat,
                 torch.zeros(N, dtype=torch.float32, device=device),
                 torch.zeros(N // W, dtype=torch.float32, device=device),
             )

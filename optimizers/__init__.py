@@ -1,5 +1,6 @@
 """1-bit optimizers built on onebit.collectives: torch.optim citizens, no engine needed."""
 
 from .onebit_adam import OnebitAdam
+from .onebit_lamb import OnebitLamb
 
-__all__ = ["OnebitAdam"]
+__all__ = ["OnebitAdam", "OnebitLamb"]

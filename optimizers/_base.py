@@ -51,7 +51,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
 
     FLAT_STATE: tuple[str, ...] = ()
     DENSE_STATE: tuple[str, ...] = ()
+    SCALAR_STATE: dict[str, float] = {}  # float64 0-dim tensors per parameter, initial values
     COUNTERS: tuple[str, ...] = ()
+    FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
 
     def __init__(self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float) -> None:
         super().__init__(params, defaults)
@@ -78,7 +80,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 raise ValueError(f"params: expected all parameters on one device, got {names}")
             device = devices.pop() if devices else torch.device("cpu")
             self._reducer = BucketedReducer(
-                [p.shape for p in params], device, group=self.process_group, bucket_cap_mb=self.bucket_cap_mb
+                [p.shape for p in params], device, group=self.process_group,
+                bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING,
             )
             (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
             for k, p in enumerate(params):
@@ -86,6 +89,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 state[flat_name] = self._reducer.views[k]
                 for name in self.DENSE_STATE:
                     state.setdefault(name, torch.zeros_like(p, dtype=torch.float32))
+                for name, value in self.SCALAR_STATE.items():
+                    state.setdefault(name, torch.tensor(value, dtype=torch.float64, device=device))
         return self._reducer
 
     def dense_state(self, p: torch.Tensor) -> dict:
@@ -109,6 +114,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "buckets": reducer.signature(),
             "worker_errors": [we for we, _ in reducer.errors()],
             "server_errors": [se for _, se in reducer.errors()],
+            # with FLAT_PADDING the padding is data the next call compresses
+            "flat_tails": [b.flat[b.n :] for b in reducer.buckets],
             "counters": {name: getattr(self, name) for name in self.COUNTERS},
         }
         return state_dict
@@ -122,7 +129,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         new_state = {}
         for key, entry in state_dict["state"].items():
             entry = dict(entry)
-            tensors[key] = {n: entry.pop(n) for n in self.FLAT_STATE + self.DENSE_STATE if n in entry}
+            names = self.FLAT_STATE + self.DENSE_STATE + tuple(self.SCALAR_STATE)
+            tensors[key] = {n: entry.pop(n) for n in names if n in entry}
             new_state[key] = entry
         state_dict["state"] = new_state
         self._pending = {"extra": extra, "tensors": tensors, "masks": masks}
@@ -142,7 +150,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 if name in state and state[name] is not None:
                     state[name].copy_(value)  # a view into a bucket, or a dense buffer
                 else:
-                    state[name] = value.to(device=p.device, dtype=torch.float32).clone()
+                    dtype = torch.float64 if name in self.SCALAR_STATE else torch.float32
+                    state[name] = value.to(device=p.device, dtype=dtype).clone()
         extra = pending["extra"]
         same = (
             extra is not None
@@ -156,8 +165,12 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             ):
                 we.copy_(we_saved)
                 se.copy_(se_saved)
+            for b, tail in zip(reducer.buckets, extra.get("flat_tails", []), strict=False):
+                b.flat[b.n :].copy_(tail)
         else:
             reducer.reset_errors()
+            for b in reducer.buckets:
+                b.flat[b.n :].zero_()
             warnings.warn(
                 "onebit: the loaded optimizer state comes from another rank, world size or "
                 "bucket layout; the error-feedback buffers were reset to zero",

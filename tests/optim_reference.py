@@ -61,3 +61,76 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 __all__ = ["math", "reference_onebit_adam", "relative"]
+
+
+def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze_step, max_coeff=10.0,
+                          min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+                          factor_threshold=0.1):
+    """Float64 1-bit LAMB (ALGORITHMS.md 4.1) over W simulated ranks; returns (params, coeffs)."""
+    W = len(grads[0])
+    p = [x.double().clone() for x in params]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    v_fresh = [torch.zeros_like(x) for x in p]
+    coeff_freeze = [0.0] * len(p)
+    last_factor = [1.0] * len(p)
+    scaling = [1.0] * len(p)
+    numels = [x.numel() for x in p]
+    n = sum(numels)
+    N = padded_numel(n, W)
+    we = [torch.zeros(N, dtype=torch.float64) for _ in range(W)]
+    se = [torch.zeros(N // W, dtype=torch.float64) for _ in range(W)]
+    tail = torch.zeros(N - n, dtype=torch.float64)  # the padded tail carries the last output
+    b1, b2 = betas
+    coeffs = []
+    for t, step_grads in enumerate(grads, start=1):
+        coeffs = []
+        if t <= freeze_step:
+            for i in range(len(p)):
+                g = sum(step_grads[r][i].double() for r in range(W)) / W
+                m[i] = b1 * m[i] + (1 - b1) * g
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+                if t == freeze_step:
+                    v_fresh[i] = v[i].clone()
+                upd = m[i] / (torch.sqrt(v[i]) + eps) + weight_decay * p[i]
+                wn, un = float(p[i].norm()), float(upd.norm())
+                c = 1.0 if wn == 0 or un == 0 else min(max(wn / un, min_coeff), max_coeff)
+                if c != 1.0:
+                    coeff_freeze[i] = coeff_beta * coeff_freeze[i] + (1 - coeff_beta) * c
+                p[i] = p[i] - lr * c * upd
+                coeffs.append(c)
+            continue
+        if t == freeze_step + 1:
+            rms = [float(mi.norm()) / math.sqrt(max(mi.numel(), 1)) for mi in m]
+            united = sum(rms) / len(rms)
+            scaling = [united / r if r > 0 else 1.0 for r in rms]
+        m_last = [mi.clone() for mi in m]
+        flats = []
+        for r in range(W):
+            local = [(b1 * m[i] + (1 - b1) * step_grads[r][i].double()) * scaling[i] for i in range(len(p))]
+            flats.append(torch.cat([x.reshape(-1) for x in local] + [tail]))
+        res = reference_allreduce(flats, we, se)
+        we, se = res.worker_errors, res.server_errors
+        tail = res.output[n:].clone()
+        off = 0
+        for i in range(len(p)):
+            m[i] = res.output[off : off + numels[i]].view_as(p[i]) / scaling[i]
+            off += numels[i]
+            g = (m[i] - b1 * m_last[i]) / (1 - b1)
+            v_fresh[i] = b2 * v_fresh[i] + (1 - b2) * g * g
+            denom = torch.sqrt(v[i]) + eps
+            upd_pre = m[i] / denom
+            upd = upd_pre + weight_decay * p[i] if weight_decay > 0 else upd_pre
+            f = float((denom / (torch.sqrt(v_fresh[i]) + eps)).max()) if p[i].numel() else 1.0
+            if weight_decay > 0:
+                ratio = min(1.0, float(upd_pre.norm()) / float(upd.norm()))
+                f = f * ratio + (1 - ratio)
+            f = min(max(f, factor_min), factor_max)
+            f = min(max(f, last_factor[i] * (1 - factor_threshold)), last_factor[i] * (1 + factor_threshold))
+            last_factor[i] = f
+            p[i] = p[i] - lr * coeff_freeze[i] * f * upd
+            coeffs.append(coeff_freeze[i] * f)
+    return p, coeffs
+
+
+__all__ += ["reference_onebit_lamb"]

@@ -1,0 +1,208 @@
+"""OnebitLamb: 1-bit LAMB (Li et al., 2021), ALGORITHMS.md section 4.1."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._base import OnebitOptimizerBase, check_betas, check_freeze_step, check_positive_or_zero
+
+__all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t).to(torch.float64)
+
+
+def lamb_warmup_update(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coeff_freeze: torch.Tensor, *, lr: float,
+    eps: float, weight_decay: float, min_coeff: float, max_coeff: float, coeff_beta: float,
+) -> torch.Tensor:
+    """LAMB step with trust ratio ``c = clip(||p|| / ||upd||)`` (1 if a norm is 0); folds
+    ``c`` into the EMA ``coeff_freeze`` when ``c != 1``. Returns ``c`` (0-dim float64)."""
+    upd = m / (v.sqrt() + eps)
+    if weight_decay:
+        upd.add_(p, alpha=weight_decay)
+    w, u = _norm(p), _norm(upd)
+    c = torch.where((w == 0) | (u == 0), 1.0, (w / u).clamp(min_coeff, max_coeff))
+    ema = coeff_beta * coeff_freeze + (1 - coeff_beta) * c
+    coeff_freeze.copy_(torch.where(c != 1, ema, coeff_freeze))
+    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    return c
+
+
+def lamb_compressed_update(
+    p: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor, v: torch.Tensor, v_fresh: torch.Tensor,
+    coeff_freeze: torch.Tensor, last_factor: torch.Tensor, *, lr: float, betas: tuple[float, float],
+    eps: float, weight_decay: float, factor_min: float, factor_max: float, factor_threshold: float,
+) -> torch.Tensor:
+    """The compression-stage step (ALGORITHMS.md 4.1, step 4) after decompression and mask.
+    Returns the coefficient ``coeff_freeze * f`` used (0-dim float64)."""
+    b1, b2 = betas
+    g = (m - b1 * m_last) / (1 - b1)
+    v_fresh.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = v.sqrt() + eps
+    upd_pre = m / denom
+    upd = upd_pre + weight_decay * p if weight_decay > 0 else upd_pre
+    if p.numel():
+        f = (denom / (v_fresh.sqrt() + eps)).max().to(torch.float64)
+    else:
+        f = torch.ones_like(last_factor)
+    if weight_decay > 0:
+        r = torch.clamp(_norm(upd_pre) / _norm(upd), max=1.0).nan_to_num(nan=1.0)
+        f = f * r + (1 - r)
+    f = f.clamp(factor_min, factor_max)
+    low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
+    f = torch.minimum(torch.maximum(f, low), high)
+    last_factor.copy_(f)
+    c = coeff_freeze * f
+    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    return c
+
+
+class OnebitLamb(OnebitOptimizerBase):
+    """1-bit LAMB: LAMB for ``freeze_step`` updates, then one compressed flat momentum buffer.
+
+    Warm-up: gradients averaged over ``group`` in full precision; LAMB without bias
+    correction, whose layer-wise trust ratio is tracked as an EMA (``coeff_freeze``). At the
+    last warm-up update a fresh copy of the variance starts. Compression stage: the local
+    momentum of every parameter, scaled to a common RMS (coefficients fixed at the first
+    compressed update; 1 for a parameter whose momentum is all zero), goes through ONE
+    ``compressed_allreduce`` for the whole model (its padded tail keeps the previous
+    output, like the reference); the update uses the frozen variance, the frozen trust
+    ratio and a bounded correction factor from the fresh variance.
+
+    Optimizer state per parameter: ``exp_avg``, ``exp_avg_sq``, ``exp_avg_sq_fresh``
+    (float32, 12 bytes per element) and three float64 scalars; plus the error buffers
+    (about 4 + 4/W bytes per element) and, from the first compressed step, a float32 copy
+    of the previous momentum (4 bytes per element).
+    """
+
+    FLAT_STATE = ("exp_avg",)
+    DENSE_STATE = ("exp_avg_sq", "exp_avg_sq_fresh")
+    SCALAR_STATE = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}
+    COUNTERS = ("updates",)
+    FLAT_PADDING = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int | float = 100000,
+        *,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        group=None,
+    ) -> None:
+        defaults = dict(
+            lr=check_positive_or_zero("lr", lr), betas=check_betas(betas),
+            eps=check_positive_or_zero("eps", eps),
+            weight_decay=check_positive_or_zero("weight_decay", weight_decay),
+            non_freeze=False, exp_avg_mask=None,
+        )
+        for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff), ("coeff_beta", coeff_beta),
+                            ("factor_max", factor_max), ("factor_min", factor_min),
+                            ("factor_threshold", factor_threshold)]:
+            check_positive_or_zero(name, value)
+        if min_coeff > max_coeff:
+            raise ValueError(f"min_coeff: expected <= max_coeff ({max_coeff}), got {min_coeff}")
+        if factor_min > factor_max:
+            raise ValueError(f"factor_min: expected <= factor_max ({factor_max}), got {factor_min}")
+        super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf)
+        self.freeze_step = check_freeze_step("freeze_step", freeze_step)
+        self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
+        self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+        if any(g.get("non_freeze", False) for g in self.param_groups):
+            raise ValueError("params: non_freeze groups are an OnebitAdam option; OnebitLamb has none")
+        self.updates = 0
+        self._coeffs: list[torch.Tensor] = []
+        self._m_last: torch.Tensor | None = None
+
+    def get_lamb_coeffs(self) -> list[float]:
+        """The per-parameter coefficients of the last step (a copy; reads them to the host)."""
+        return [float(c) for c in self._coeffs]
+
+    @property
+    def compressing(self) -> bool:
+        return self.updates >= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        reducer = self.reducer()
+        compress = self.compressing
+        first = compress and self.updates == self.freeze_step
+        self.updates += 1
+        pairs = self.compressed_params()
+        if compress:
+            self._coeffs = self._compressed_step(reducer, pairs, first)
+        else:
+            self._coeffs = self._warmup_step(reducer, pairs)
+        return loss
+
+    def _lamb_kwargs(self, g: dict) -> dict:
+        return dict(lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], min_coeff=self.min_coeff,
+                    max_coeff=self.max_coeff, coeff_beta=self.coeff_beta)
+
+    def _warmup_step(self, reducer, pairs) -> list[torch.Tensor]:
+        coeffs = []
+        for bucket in reducer.buckets:
+            avg = reducer.average(bucket, [pairs[i][0].grad for i in bucket.indices])
+            for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
+                p, g = pairs[i]
+                state = self.state[p]
+                m, v, grad = reducer.views[i], state["exp_avg_sq"], avg[off : off + size].view_as(p)
+                b1, b2 = g["betas"]
+                m.mul_(b1).add_(grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                if self.updates == self.freeze_step:
+                    state["exp_avg_sq_fresh"].copy_(v)
+                coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], **self._lamb_kwargs(g)))
+        return coeffs
+
+    def _compressed_step(self, reducer, pairs, first: bool) -> list[torch.Tensor]:
+        views = reducer.views
+        if not reducer.buckets:
+            return []
+        if first:  # equalise momentum magnitudes once; 1 where a momentum is all zero
+            rms = [_norm(views[k]) / math.sqrt(max(views[k].numel(), 1)) for k in range(len(pairs))]
+            united = torch.stack(rms).mean() if rms else None
+            for k, (p, _) in enumerate(pairs):
+                self.state[p]["scaling_coeff"].copy_(torch.where(rms[k] > 0, united / rms[k], 1.0))
+        (bucket,) = reducer.buckets  # one flat buffer for the whole model
+        if self._m_last is None:
+            self._m_last = torch.empty(bucket.n, dtype=torch.float32, device=bucket.flat.device)
+        self._m_last.copy_(bucket.flat[: bucket.n])
+        for k, (p, g) in enumerate(pairs):
+            m = views[k]
+            m.mul_(g["betas"][0])
+            if p.grad is not None:
+                m.add_(p.grad, alpha=1 - g["betas"][0])
+            m.mul_(self.state[p]["scaling_coeff"].to(torch.float32))
+        reducer.compressed_mean_()
+        coeffs = []
+        for k, (p, g) in enumerate(pairs):
+            state, m = self.state[p], views[k]
+            m.div_(state["scaling_coeff"].to(torch.float32))
+            if g.get("exp_avg_mask") is not None:
+                m.mul_(g["exp_avg_mask"])
+            off = bucket.offsets[k]
+            m_last = self._m_last[off : off + m.numel()].view_as(m)
+            coeffs.append(lamb_compressed_update(
+                p, m, m_last, state["exp_avg_sq"], state["exp_avg_sq_fresh"], state["lamb_coeff_freeze"],
+                state["last_factor"], lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                weight_decay=g["weight_decay"], factor_min=self.factor_min, factor_max=self.factor_max,
+                factor_threshold=self.factor_threshold,
+            ))
+        return coeffs
