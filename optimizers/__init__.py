@@ -2,5 +2,6 @@
 
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
+from .zero_one_adam import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "OnebitLamb"]
+__all__ = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]

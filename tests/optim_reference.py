@@ -134,3 +134,91 @@ def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze
 
 
 __all__ += ["reference_onebit_lamb"]
+
+
+def reference_zero_one_adam(params, grads, *, lr, betas, eps, weight_decay, var_freeze_step,
+                            var_update_scaler, local_step_scaler, local_step_clipper, masks=None,
+                            bucket_cap_mb=25.0):
+    """Float64 0/1 Adam (ALGORITHMS.md 4.2) over W simulated ranks, steps counted from 1.
+    Returns the per-rank parameters after all updates (they differ between syncs)."""
+    W = len(grads[0])
+    P = len(params)
+    p = [[x.double().clone() for x in params] for _ in range(W)]
+    m = [[torch.zeros_like(x) for x in p[0]] for _ in range(W)]
+    v = [torch.zeros_like(x) for x in p[0]]  # identical on all ranks
+    u = [[torch.zeros_like(x) for x in p[0]] for _ in range(W)]
+    masks = masks or [None] * P
+    numels = [x.numel() for x in p[0]]
+    buckets = plan_buckets(numels, 4, bucket_cap_mb)
+    errors = [None] * len(buckets)
+
+    def reset():
+        for b, idx in enumerate(buckets):
+            N = padded_numel(sum(numels[i] for i in idx), W)
+            errors[b] = ([torch.zeros(N, dtype=torch.float64) for _ in range(W)],
+                         [torch.zeros(N // W, dtype=torch.float64) for _ in range(W)])
+
+    def compressed(per_rank):  # per_rank[r][i] -> the 1-bit mean per parameter
+        out = [None] * P
+        for b, idx in enumerate(buckets):
+            flats = [torch.cat([per_rank[r][i].reshape(-1) for i in idx]) for r in range(W)]
+            res = reference_allreduce(flats, *errors[b])
+            errors[b] = (res.worker_errors, res.server_errors)
+            off = 0
+            for i in idx:
+                out[i] = res.output[off : off + numels[i]].view_as(p[0][i]).clone()
+                off += numels[i]
+        return out
+
+    reset()
+    b1, b2 = betas
+    var_interval, var_counter, lsi, lsc, lrs = 1, 0, 1, 0, 0.0
+    for t, step_grads in enumerate(grads, start=1):
+        g_ = [[x.double() for x in step_grads[r]] for r in range(W)]
+        if t <= var_freeze_step:
+            var_step = t % var_interval == 0
+            if var_step:
+                avg = [sum(g_[r][i] for r in range(W)) / W for i in range(P)]
+                for i in range(P):
+                    v[i] = b2 * v[i] + (1 - b2) * avg[i] * avg[i]
+            else:
+                avg = compressed(g_)
+                avg = [a * mk.double() if mk is not None else a for a, mk in zip(avg, masks, strict=True)]
+            for r in range(W):
+                for i in range(P):
+                    m[r][i] = b1 * m[r][i] + (1 - b1) * avg[i]
+                    p[r][i] = p[r][i] - lr * (m[r][i] / (torch.sqrt(v[i]) + eps) + weight_decay * p[r][i])
+            if var_step:
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+            continue
+        if t == var_freeze_step + 1:
+            reset()
+        lrs += lr
+        for r in range(W):
+            for i in range(P):
+                m[r][i] = b1 * m[r][i] + (1 - b1) * g_[r][i]
+                upd = m[r][i] / (torch.sqrt(v[i]) + eps) + weight_decay * p[r][i]
+                p[r][i] = p[r][i] - lr * upd
+                u[r][i] = u[r][i] - lr * upd
+        if t % lsi == 0:
+            for r in range(W):
+                for i in range(P):
+                    p[r][i] = p[r][i] - u[r][i]
+                    u[r][i] = u[r][i] * (torch.sqrt(v[i]) + eps)
+            avg = compressed(u)
+            avg = [a * mk.double() if mk is not None else a for a, mk in zip(avg, masks, strict=True)]
+            for r in range(W):
+                for i in range(P):
+                    m[r][i] = -avg[i] / lrs
+                    p[r][i] = p[r][i] + avg[i] / (torch.sqrt(v[i]) + eps)
+                    u[r][i] = torch.zeros_like(u[r][i])
+            lrs = 0.0
+        lsc += 1
+        if lsc == local_step_scaler:
+            lsc, lsi = 0, min(local_step_clipper, lsi * 2)
+    return p
+
+
+__all__ += ["reference_zero_one_adam"]

@@ -47,10 +47,12 @@ def test_freeze_inf_matches_adamw_single_process():
 
 
 def _make(name, params, kwargs, cap=25.0):
-    from onebit.optimizers import OnebitLamb
+    from onebit.optimizers import OnebitLamb, ZeroOneAdam
 
     if name == "lamb":
         return OnebitLamb(params, **kwargs)
+    if name == "zero_one":
+        return ZeroOneAdam(params, **{k: v for k, v in kwargs.items() if k != "freeze_step"}, **ZO)
     return OnebitAdam(params, bucket_cap_mb=cap, **kwargs)
 
 
@@ -228,3 +230,83 @@ def test_onebit_lamb_matches_float64_reference(ranks, W, wd, zero_param):
                                    torch.tensor(ref_coeffs, dtype=torch.float64), rtol=1e-5, atol=0)
     for r in range(1, W):
         assert all(torch.equal(x, y) for x, y in zip(got[r][0], got[0][0], strict=True))
+
+
+ZO = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+
+
+def _body_zero_one(steps, masked, sync_steps=()):
+    from onebit.optimizers import ZeroOneAdam
+
+    r = dist.get_rank()
+    params = _params()
+    groups = params
+    if masked:
+        mask = (torch.arange(35) % 3 != 0).float().view(SHAPES[0])
+        groups = [{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}]
+    opt = ZeroOneAdam(groups, **HYPER, **ZO)
+    at_sync = {}
+    for t in range(steps):
+        _set_grads(params, _grads(t, r))
+        opt.step()
+        if t + 1 in sync_steps:
+            at_sync[t + 1] = [p.detach().clone() for p in params]
+    return [p.detach().clone() for p in params], at_sync, opt.phase, opt.local_step_interval
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_zero_one_adam_matches_float64_reference(ranks, W, masked):
+    from optim_reference import reference_zero_one_adam
+
+    steps = 24  # phase 1 with var_interval 1, 2, 4; phase 2 with local intervals 1, 2, 4
+    got = ranks(W).run(_body_zero_one, steps, masked)
+    masks = None
+    if masked:
+        masks = [(torch.arange(35) % 3 != 0).float().view(SHAPES[0])] + [None] * (len(SHAPES) - 1)
+    ref = reference_zero_one_adam(_params(), [[_grads(t, r) for r in range(W)] for t in range(steps)],
+                                  masks=masks, **HYPER, **ZO)
+    for r in range(W):
+        assert got[r][2] == 2 and got[r][3] == 4
+        for i, (x, y) in enumerate(zip(got[r][0], ref[r], strict=True)):
+            if y.numel():
+                assert relative(x, y) < 2e-6, (r, i, relative(x, y))
+
+
+def test_zero_one_adam_replicas_identical_at_every_sync(ranks):
+    # var_freeze_step 8; then syncs at t = 9, 10, 11 (interval 1), 12, 14 (2), 16, 20, 24 (4)
+    syncs = (8, 9, 10, 11, 12, 14, 16, 20, 24)
+    got = ranks(4).run(_body_zero_one, 25, False, syncs)
+    for t in syncs:
+        for r in range(1, 4):
+            assert all(torch.equal(x, y) for x, y in zip(got[r][1][t], got[0][1][t], strict=True)), (t, r)
+    assert not all(torch.equal(x, y) for x, y in zip(got[1][0], got[0][0], strict=True))  # t=25: local
+
+
+def test_zero_one_adam_single_process_updates_momentum_on_compressed_steps():
+    """The reference skipped the momentum update on compressed steps when W == 1."""
+    from onebit.optimizers import ZeroOneAdam
+
+    params = _params()
+    opt = ZeroOneAdam(params, **HYPER, var_freeze_step=100, var_update_scaler=1)
+    for t in range(3):  # var_interval 1 -> 2 -> 4: step 3 is a compressed (identity) step
+        _set_grads(params, _grads(t, 0))
+        if t == 2:
+            before = opt.state[params[0]]["exp_avg"].clone()
+            v_before = opt.state[params[0]]["exp_avg_sq"].clone()
+        opt.step()
+    assert torch.equal(opt.state[params[0]]["exp_avg_sq"], v_before)  # not a variance step
+    expected = 0.9 * before + 0.1 * _grads(2, 0)[0]
+    torch.testing.assert_close(opt.state[params[0]]["exp_avg"], expected)
+
+
+@pytest.mark.parametrize("k", [5, 10, 13], ids=["phase1", "phase2-after-sync", "phase2-between-syncs"])
+def test_exact_resume_zero_one_adam(ranks, k):
+    W, m = 3, 9
+    kwargs = dict(**HYPER)
+    first = ranks(W).run(_body_adam, (0, k + m), kwargs, 25.0, None, k, "zero_one")
+    states = [f[1] for f in first]
+    second = ranks(W).run(_body_resume, k, k + m, kwargs, states, "zero_one")
+    for r in range(W):
+        for x, y in zip(first[r][0][-1], second[r], strict=True):
+            assert torch.equal(x, y), f"rank {r}: resumed run differs"
