@@ -1,7 +1,8 @@
 """1-bit optimizers built on onebit.collectives: torch.optim citizens, no engine needed."""
 
+from .amp import GradScaler
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
 from .zero_one_adam import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+__all__ = ["GradScaler", "OnebitAdam", "OnebitLamb", "ZeroOneAdam"]

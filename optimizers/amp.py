@@ -1,0 +1,43 @@
+"""GradScaler for optimizers that do not all-reduce gradients every step.
+
+With the 1-bit optimizers, ranks see their LOCAL gradients (compression stage, 0/1 Adam's
+local steps), so ``torch.amp.GradScaler``'s overflow check is local: a rank that overflows
+skips ``step()`` while the others enter a collective and wait for it forever, and the
+scalers drift apart. This subclass makes the check collective: after unscaling, the
+found-inf flags are all-reduced (MAX) over the optimizer's process group, in place, so
+every rank skips the same steps and ``update()`` moves every scaler the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from onebit.collectives._group import group_size
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Drop-in for ``torch.amp.GradScaler`` (same arguments) with a collective overflow check.
+
+    The group is the optimizer's ``process_group`` attribute (the world if it has none).
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self.is_enabled():
+            return
+        group = getattr(optimizer, "process_group", None)
+        if group_size(group) == 1:
+            return
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        device = self._scale.device if self._scale is not None else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in flags.values():
+            total += flag.to(device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        if not flags:  # no gradients here at all: record the group's verdict anyway
+            flags[device] = total
+        for flag in flags.values():
+            flag.copy_(total)
