@@ -112,16 +112,19 @@ class BucketedReducer:
         for b in self.buckets:
             compressed_allreduce(b.flat, b.worker_error, b.server_error, self.group)
 
-    def average(self, bucket: Bucket, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    def average(
+        self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True
+    ) -> torch.Tensor:
         """Full-precision mean over the group of ``tensors`` (one per index of ``bucket``;
-        None counts as zeros), as a flat float32 view of the scratch buffer."""
+        None counts as zeros), as a flat float32 view of the scratch buffer. Without
+        ``communicate`` the tensors are taken as already averaged (a DDP hook did it)."""
         out = self._scratch[: bucket.numel]
         for t, off, size in zip(tensors, bucket.offsets, bucket.numels, strict=True):
             if t is None:
                 out[off : off + size].zero_()
             else:
                 out[off : off + size].copy_(t.reshape(-1))
-        if self.world_size > 1 and bucket.numel:
+        if communicate and self.world_size > 1 and bucket.numel:
             dist.all_reduce(out, group=self.group)
             out.div_(self.world_size)
         return out

@@ -62,9 +62,18 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.bucket_cap_mb = check_positive_or_zero("bucket_cap_mb", bucket_cap_mb)
         self._reducer: BucketedReducer | None = None
         self._pending: dict[str, Any] | None = None
+        self.external_averaging = False  # set by register_ddp_hook: DDP averages when asked
         self.register_state_dict_post_hook(OnebitOptimizerBase._add_extra_state)
         self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
         self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
+
+    def wants_averaged_gradients(self) -> bool:
+        """Whether the next step() uses full-precision gradients averaged over the group."""
+        raise NotImplementedError
+
+    def _communicate_average(self) -> bool:
+        """Average in step() unless a DDP hook already did it for this step."""
+        return not self.external_averaging
 
     # -- parameters and buffers -------------------------------------------------------
     def compressed_params(self) -> list[tuple[torch.Tensor, dict]]:

@@ -79,6 +79,9 @@ class OnebitAdam(OnebitOptimizerBase):
         """True once ``freeze_step`` warm-up updates are done: the next step is compressed."""
         return self.updates >= self.freeze_step
 
+    def wants_averaged_gradients(self) -> bool:
+        return not self.compressing
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -102,23 +105,23 @@ class OnebitAdam(OnebitOptimizerBase):
         else:
             for bucket in reducer.buckets:
                 grads = [pairs[i][0].grad for i in bucket.indices]
-                avg = reducer.average(bucket, grads)
+                avg = reducer.average(bucket, grads, self._communicate_average())
                 for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
                     p, g = pairs[i]
                     m, v = reducer.views[i], self.state[p]["exp_avg_sq"]
                     self._moments(g, m, v, avg[off : off + size].view_as(p))
                     self._apply(p, g, m, v, t, frozen=False)
-        self._step_non_freeze(t)
+        self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
         return loss
 
-    def _step_non_freeze(self, t: int) -> None:
+    def _step_non_freeze(self, t: int, communicate: bool) -> None:
         for g in self.param_groups:
             if not g.get("non_freeze", False):
                 continue
             for p in g["params"]:
                 state = self.dense_state(p)
                 grad = torch.zeros_like(p) if p.grad is None else p.grad
-                avg = self._average_one(grad)
+                avg = self._average_one(grad) if communicate else grad.to(torch.float32)
                 self._moments(g, state["exp_avg"], state["exp_avg_sq"], avg)
                 self._apply(p, g, state["exp_avg"], state["exp_avg_sq"], t, frozen=False)
 

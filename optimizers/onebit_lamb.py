@@ -134,6 +134,9 @@ class OnebitLamb(OnebitOptimizerBase):
     def compressing(self) -> bool:
         return self.updates >= self.freeze_step
 
+    def wants_averaged_gradients(self) -> bool:
+        return not self.compressing
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -158,7 +161,8 @@ class OnebitLamb(OnebitOptimizerBase):
     def _warmup_step(self, reducer, pairs) -> list[torch.Tensor]:
         coeffs = []
         for bucket in reducer.buckets:
-            avg = reducer.average(bucket, [pairs[i][0].grad for i in bucket.indices])
+            grads = [pairs[i][0].grad for i in bucket.indices]
+            avg = reducer.average(bucket, grads, self._communicate_average())
             for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
                 p, g = pairs[i]
                 state = self.state[p]

@@ -85,6 +85,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
         """1 while the variance still updates, 2 once it is frozen (local steps)."""
         return 1 if self.updates < self.var_freeze_step else 2
 
+    def wants_averaged_gradients(self) -> bool:
+        return self.phase == 1 and (self.updates + 1) % self.var_interval == 0
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -114,7 +117,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
         var_step = t % self.var_interval == 0
         if var_step:
             for bucket in reducer.buckets:
-                avg = reducer.average(bucket, [pairs[i][0].grad for i in bucket.indices])
+                grads = [pairs[i][0].grad for i in bucket.indices]
+                avg = reducer.average(bucket, grads, self._communicate_average())
                 for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
                     p, g = pairs[i]
                     grad = avg[off : off + size].view_as(p)

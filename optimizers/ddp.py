@@ -1,0 +1,48 @@
+"""DistributedDataParallel communication hook for the 1-bit optimizers.
+
+Under DDP, gradients are all-reduced during backward. The 1-bit optimizers need that only
+on some steps (warm-up; 0/1 Adam's variance steps); on the others each rank must keep its
+LOCAL gradient, because the optimizer communicates compressed momentum instead. The hook
+asks the optimizer before every bucket: average in full precision, or pass the local
+gradient through untouched with no communication. The optimizer, told the hook is there,
+never averages the same gradients again.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ._base import OnebitOptimizerBase
+
+__all__ = ["onebit_comm_hook", "register_ddp_hook"]
+
+
+def onebit_comm_hook(
+    optimizer: OnebitOptimizerBase, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The hook: a DDP bucket averaged over the optimizer's group, or returned as it is."""
+    buffer = bucket.buffer()
+    if optimizer.wants_averaged_gradients() and optimizer.world_size > 1:
+        buffer.div_(optimizer.world_size)
+        group = optimizer.process_group if optimizer.process_group is not None else dist.group.WORLD
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
+
+
+def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizerBase) -> None:
+    """Register :func:`onebit_comm_hook` on ``model`` for ``optimizer`` (same process group)."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"model: expected a DistributedDataParallel, got {type(model).__name__}")
+    if not isinstance(optimizer, OnebitOptimizerBase):
+        raise TypeError(f"optimizer: expected a onebit optimizer, got {type(optimizer).__name__}")
+    ddp_size = dist.get_world_size(model.process_group)
+    if ddp_size != optimizer.world_size:
+        raise ValueError(
+            f"optimizer: its group has {optimizer.world_size} ranks but the model's DDP group has {ddp_size}"
+        )
+    model.register_comm_hook(optimizer, onebit_comm_hook)
+    optimizer.external_averaging = True

@@ -1,0 +1,78 @@
+"""DDP with the onebit communication hook: same trajectory as standalone, no double averaging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam, register_ddp_hook
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _make(name, params):
+    if name == "adam":
+        return OnebitAdam(params, lr=1e-2, freeze_step=3)
+    if name == "lamb":
+        return OnebitLamb(params, lr=1e-2, freeze_step=3)
+    return ZeroOneAdam(params, lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_step_scaler=100)
+
+
+def _body(name, use_ddp, steps):
+    r = dist.get_rank()
+    model = _model()
+    opt = _make(name, model.parameters())
+    forward = model
+    if use_ddp:
+        forward = DistributedDataParallel(model)
+        register_ddp_hook(forward, opt)
+    real = dist.all_reduce
+    counter = {"n": 0}
+
+    def counting(*args, **kwargs):
+        counter["n"] += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    counts = []
+    try:
+        for t in range(steps):
+            g = torch.Generator().manual_seed(100 * t + r)
+            x = torch.randn(16, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(forward(x), x.sum(1, keepdim=True))
+            wants = opt.wants_averaged_gradients()
+            counter["n"] = 0
+            loss.backward()
+            in_backward = counter["n"]
+            counter["n"] = 0
+            opt.step()
+            opt.zero_grad()
+            counts.append((wants, in_backward, counter["n"]))
+    finally:
+        dist.all_reduce = real
+    return [p.detach().clone() for p in model.parameters()], counts
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "zero_one"])
+def test_ddp_hook_matches_standalone(ranks, name):
+    steps = 9
+    ddp = ranks(2).run(_body, name, True, steps)
+    alone = ranks(2).run(_body, name, False, steps)
+    for r in range(2):
+        for a, b in zip(ddp[r][0], alone[r][0], strict=True):
+            torch.testing.assert_close(a, b)  # DDP divides before summing: float32 rounding only
+        for (wants, backward, step), (wants2, backward2, step2) in zip(ddp[r][1], alone[r][1], strict=True):
+            assert wants == wants2
+            assert (backward > 0) == wants and step == 0  # DDP averages, the optimizer never does
+            assert backward2 == 0 and (step2 > 0) == wants  # standalone: the optimizer averages
+    assert any(w for w, _, _ in ddp[0][1]) and not all(w for w, _, _ in ddp[0][1])
+
+
+def test_register_ddp_hook_checks_its_arguments():
+    with pytest.raises(TypeError, match="model"):
+        register_ddp_hook(torch.nn.Linear(2, 2), OnebitAdam(torch.nn.Linear(2, 2).parameters()))
