@@ -2,6 +2,7 @@
 
 from .amp import GradScaler
 from .ddp import onebit_comm_hook, register_ddp_hook
+from .deepspeed_config import from_deepspeed_config
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
 from .zero_one_adam import ZeroOneAdam
@@ -11,6 +12,7 @@ __all__ = [
     "OnebitAdam",
     "OnebitLamb",
     "ZeroOneAdam",
+    "from_deepspeed_config",
     "onebit_comm_hook",
     "register_ddp_hook",
 ]
