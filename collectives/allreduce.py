@@ -20,6 +20,7 @@ from onebit.kernels._checks import check_buffer, check_tensor
 from onebit.kernels.layout import empty_message
 
 from ._group import all_gather_single, group_size, verify_agreement
+from .wire import compressed_bytes, traffic
 
 __all__ = ["compressed_allreduce"]
 
@@ -90,6 +91,8 @@ def compressed_allreduce(
     if W == 1 or tensor.numel() == 0:
         return tensor
     scales = _compressed_allreduce(tensor, worker_error, server_error, group, W)
+    traffic.compressed += compressed_bytes(N, W)
+    traffic.compressed_calls += 1
     if raise_on_nonfinite and not bool(torch.isfinite(scales).all()):
         raise FloatingPointError(
             "tensor: a rank's input was not finite; error buffers were left unchanged"

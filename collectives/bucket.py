@@ -18,8 +18,17 @@ from onebit.kernels.layout import padded_numel
 
 from ._group import group_size
 from .allreduce import compressed_allreduce
+from .wire import ring_allreduce_bytes, traffic
 
-__all__ = ["Bucket", "BucketedReducer", "plan_buckets"]
+__all__ = ["Bucket", "BucketedReducer", "allreduce_mean_", "plan_buckets"]
+
+
+def allreduce_mean_(tensor: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """Full-precision mean over the group, in place (sum, then divide by W); counted."""
+    dist.all_reduce(tensor, group=group)
+    traffic.full += ring_allreduce_bytes(tensor.numel(), world_size, tensor.element_size())
+    traffic.full_calls += 1
+    return tensor.div_(world_size)
 
 
 def plan_buckets(numels: Sequence[int], element_size: int, bucket_cap_mb: float) -> list[list[int]]:
@@ -125,8 +134,7 @@ class BucketedReducer:
             else:
                 out[off : off + size].copy_(t.reshape(-1))
         if communicate and self.world_size > 1 and bucket.numel:
-            dist.all_reduce(out, group=self.group)
-            out.div_(self.world_size)
+            allreduce_mean_(out, self.group, self.world_size)
         return out
 
     def reset_errors(self) -> None:

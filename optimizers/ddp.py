@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit.collectives.wire import ring_allreduce_bytes, traffic
+
 from ._base import OnebitOptimizerBase
 
 __all__ = ["onebit_comm_hook", "register_ddp_hook"]
@@ -27,6 +29,8 @@ def onebit_comm_hook(
         buffer.div_(optimizer.world_size)
         group = optimizer.process_group if optimizer.process_group is not None else dist.group.WORLD
         work = dist.all_reduce(buffer, group=group, async_op=True)
+        traffic.full += ring_allreduce_bytes(buffer.numel(), optimizer.world_size, buffer.element_size())
+        traffic.full_calls += 1
         return work.get_future().then(lambda fut: fut.value()[0])
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)

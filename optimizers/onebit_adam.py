@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from onebit.collectives.bucket import allreduce_mean_
+
 from ._base import OnebitOptimizerBase, check_betas, check_freeze_step, check_positive_or_zero
 
 __all__ = ["OnebitAdam", "adam_update"]
@@ -128,8 +130,7 @@ class OnebitAdam(OnebitOptimizerBase):
     def _average_one(self, grad: torch.Tensor) -> torch.Tensor:
         avg = grad.to(torch.float32, copy=True)
         if self.world_size > 1:
-            torch.distributed.all_reduce(avg, group=self.process_group)
-            avg.div_(self.world_size)
+            allreduce_mean_(avg, self.process_group, self.world_size)
         return avg
 
     @staticmethod

@@ -1,0 +1,39 @@
+"""Bytes each rank sends: the models, and a counter the collectives keep.
+
+``traffic`` counts, per process, the bytes this rank sent through onebit's collectives
+(host-side integers: no synchronisation). ``compressed`` is what compressed_allreduce
+sent; ``full`` what the full-precision averaging sent (ring all-reduce model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onebit.kernels.layout import Layout
+
+
+def compressed_bytes(padded_numel: int, world_size: int) -> int:
+    """Bytes one rank sends in one compressed_allreduce of N elements (both collectives)."""
+    if world_size == 1:
+        return 0
+    seg = Layout(padded_numel, world_size).segment_bytes
+    return 2 * (world_size - 1) * seg  # W-1 segments in the all-to-all, W-1 in the all-gather
+
+
+def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
+    """Bytes one rank sends in a ring all-reduce (reduce-scatter + all-gather) of numel elements."""
+    return 2 * (world_size - 1) * numel * element_size // world_size if world_size > 1 else 0
+
+
+@dataclass
+class Traffic:
+    compressed: int = 0
+    full: int = 0
+    compressed_calls: int = 0
+    full_calls: int = 0
+
+    def reset(self) -> None:
+        self.compressed = self.full = self.compressed_calls = self.full_calls = 0
+
+
+traffic = Traffic()

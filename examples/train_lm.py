@@ -1,0 +1,173 @@
+"""A small GPT-style byte-level language model trained data-parallel with a 1-bit optimizer.
+
+Data: source files of the Python standard library that every CPython has (the fixed
+selection TRAIN_FILES / VALID_FILES below; split by file). Each rank samples its own
+windows; the optimizer (OnebitAdam by default) does all the communication. Run through
+torchrun (scripts/demo.sh does: 4 local ranks, gloo on CPU, NCCL when every rank has a GPU).
+
+  --optimizer adam | onebit_adam | zero_one_adam | lamb | onebit_lamb
+  (adam and lamb are the same algorithms with the freeze at infinity: full-precision
+  gradient averaging every step, the uncompressed baselines)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from onebit.collectives import ring_allreduce_bytes, traffic
+from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+TRAIN_FILES = [
+    "argparse.py", "collections/__init__.py", "dataclasses.py", "difflib.py", "functools.py",
+    "inspect.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py", "pathlib.py",
+    "pprint.py", "random.py", "shutil.py", "string.py", "textwrap.py", "typing.py",
+    "unittest/case.py", "urllib/parse.py",
+]
+VALID_FILES = ["ast.py", "csv.py", "enum.py"]
+
+
+def load_bytes(files: list[str]) -> torch.Tensor:
+    root = sysconfig.get_paths()["stdlib"]
+    data = b"\n".join(open(os.path.join(root, f), "rb").read() for f in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class GPT(nn.Module):
+    def __init__(self, context: int, d_model: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
+                                           norm_first=True, activation="gelu")
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, 256, bias=False)
+        mask = nn.Transformer.generate_square_subsequent_mask(context)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        h = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        h = self.blocks(h, mask=self.mask[:T, :T], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def batch(data: torch.Tensor, n: int, context: int, g: torch.Generator, device) -> tuple:
+    starts = torch.randint(0, data.numel() - context - 1, (n,), generator=g)
+    rows = torch.stack([data[s : s + context + 1] for s in starts.tolist()]).to(device)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def make_optimizer(name: str, params, args):
+    common = dict(lr=args.lr, weight_decay=args.weight_decay)
+    freeze = args.freeze_step
+    if name == "adam":
+        return OnebitAdam(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
+    if name == "onebit_adam":
+        return OnebitAdam(params, freeze_step=freeze, betas=(0.9, 0.99), **common)
+    if name == "zero_one_adam":
+        return ZeroOneAdam(params, var_freeze_step=freeze, betas=(0.9, 0.99),
+                           local_step_scaler=max(1, args.steps // 10), local_step_clipper=4, **common)
+    if name == "lamb":
+        return OnebitLamb(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
+    return OnebitLamb(params, freeze_step=freeze, betas=(0.9, 0.99), **common)
+
+
+def communicates_full(opt) -> bool:
+    return opt.wants_averaged_gradients()
+
+
+@torch.no_grad()
+def evaluate(model, data, args, device) -> float:
+    g = torch.Generator().manual_seed(12345)  # the same windows every time, on every rank
+    losses = []
+    for _ in range(args.eval_batches):
+        x, y = batch(data, args.batch, args.context, g, device)
+        losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--optimizer", default="onebit_adam",
+                   choices=["adam", "onebit_adam", "zero_one_adam", "lamb", "onebit_lamb"])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze-step", type=int, default=None, help="default: 20%% of --steps")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.freeze_step = args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5)
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = GPT(args.context, args.d_model, args.layers, args.heads).to(device)
+    opt = make_optimizer(args.optimizer, model.parameters(), args)
+    train, valid = load_bytes(TRAIN_FILES), load_bytes(VALID_FILES)
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own data
+    n_params = sum(p.numel() for p in model.parameters())
+    full_bytes = ring_allreduce_bytes(n_params, W)  # one float32 gradient all-reduce
+    traffic.reset()
+    stage_time = {"full precision": [0.0, 0], "compressed": [0.0, 0]}
+    if rank == 0:
+        print(f"{args.optimizer}: {n_params} parameters, {W} ranks ({dist.get_backend()}), "
+              f"{args.steps} steps, freeze at {args.freeze_step}, {train.numel()} training bytes")
+    t_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        x, y = batch(train, args.batch, args.context, g, device)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        full = communicates_full(opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stage = "full precision" if full else "compressed"
+        stage_time[stage][0] += time.perf_counter() - t0
+        stage_time[stage][1] += 1
+        if rank == 0 and (step % 10 == 0 or step == args.steps):
+            done = step / args.steps
+            bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
+            sys.stdout.write(f"\r[{bar}] {step}/{args.steps} loss {loss.item():.3f} ({stage})")
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - t_start
+    val = evaluate(model, valid, args, device)
+    val_t = torch.tensor([val], device=device)
+    dist.all_reduce(val_t)
+    if rank == 0:
+        tokens = args.steps * args.batch * args.context * W
+        print(f"\nvalidation loss {val_t.item() / W:.4f} (nats/byte), {tokens / elapsed:,.0f} tokens/s")
+        for stage, (secs, count) in stage_time.items():
+            if count:
+                print(f"  {stage:>14} steps: {count:4d}, {1e3 * secs / count:8.1f} ms/step")
+        total = traffic.full + traffic.compressed
+        baseline = args.steps * full_bytes
+        print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "
+              f"{traffic.compressed / 1e6:.2f} MB 1-bit = {total / 1e6:.2f} MB; a float32 all-reduce every "
+              f"step would send {baseline / 1e6:.2f} MB ({baseline / max(total, 1):.1f}x)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
