@@ -12,7 +12,7 @@ from onebit.kernels.reference import reference_allreduce
 
 
 def reference_onebit_adam(params, grads, *, lr, betas, eps, weight_decay, freeze_step, masks=None,
-                          bucket_cap_mb=25.0, bias_correction=False):
+                          bucket_cap_mb=25.0, bias_correction=False, eps_inside_sqrt=False):
     """params: list of tensors (identical on all ranks); grads[t][r][i]: gradient of param i
     on rank r at update t+1. Returns the float64 parameters after all updates."""
     W = len(grads[0])
@@ -50,7 +50,8 @@ def reference_onebit_adam(params, grads, *, lr, betas, eps, weight_decay, freeze
         bc1 = 1 - b1**t if bias_correction else 1.0
         bc2 = 1 - b2 ** min(t, freeze_step) if bias_correction else 1.0
         for i in range(len(p)):
-            update = (m[i] / bc1) / (torch.sqrt(v[i] / bc2) + eps) + weight_decay * p[i]
+            denom = torch.sqrt(v[i] / bc2 + eps) if eps_inside_sqrt else torch.sqrt(v[i] / bc2) + eps
+            update = (m[i] / bc1) / denom + weight_decay * p[i]
             p[i] = p[i] - lr * update
     return p
 

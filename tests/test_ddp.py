@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ def _make(name, params):
     return ZeroOneAdam(params, lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_step_scaler=100)
 
 
-def _body(name, use_ddp, steps):
+def _body(name, use_ddp, steps, accumulate=1):
     r = dist.get_rank()
     model = _model()
     opt = _make(name, model.parameters())
@@ -42,12 +44,15 @@ def _body(name, use_ddp, steps):
     counts = []
     try:
         for t in range(steps):
-            g = torch.Generator().manual_seed(100 * t + r)
-            x = torch.randn(16, 8, generator=g)
-            loss = torch.nn.functional.mse_loss(forward(x), x.sum(1, keepdim=True))
             wants = opt.wants_averaged_gradients()
             counter["n"] = 0
-            loss.backward()
+            for micro in range(accumulate):  # DDP communicates on the last micro-batch only
+                g = torch.Generator().manual_seed(100 * t + 10 * micro + r)
+                x = torch.randn(16, 8, generator=g)
+                last = micro == accumulate - 1
+                with contextlib.nullcontext() if last or not use_ddp else forward.no_sync():
+                    loss = torch.nn.functional.mse_loss(forward(x), x.sum(1, keepdim=True))
+                    loss.backward()
             in_backward = counter["n"]
             counter["n"] = 0
             opt.step()
@@ -71,6 +76,15 @@ def test_ddp_hook_matches_standalone(ranks, name):
             assert (backward > 0) == wants and step == 0  # DDP averages, the optimizer never does
             assert backward2 == 0 and (step2 > 0) == wants  # standalone: the optimizer averages
     assert any(w for w, _, _ in ddp[0][1]) and not all(w for w, _, _ in ddp[0][1])
+
+
+def test_ddp_gradient_accumulation_with_no_sync(ranks):
+    ddp = ranks(2).run(_body, "adam", True, 6, 3)
+    alone = ranks(2).run(_body, "adam", False, 6, 3)
+    for r in range(2):
+        for a, b in zip(ddp[r][0], alone[r][0], strict=True):
+            torch.testing.assert_close(a, b)
+        assert [c[1] > 0 for c in ddp[r][1]] == [c[0] for c in ddp[r][1]]
 
 
 def test_register_ddp_hook_checks_its_arguments():

@@ -310,3 +310,63 @@ def test_exact_resume_zero_one_adam(ranks, k):
     for r in range(W):
         for x, y in zip(first[r][0][-1], second[r], strict=True):
             assert torch.equal(x, y), f"rank {r}: resumed run differs"
+
+
+def test_eps_inside_sqrt_and_bias_correction_single_process():
+    params = _params()
+    opt = OnebitAdam(params, freeze_step=3, bias_correction=True, eps_inside_sqrt=True, **HYPER)
+    grads = []
+    for t in range(8):
+        grads.append([_grads(t, 0)])
+        _set_grads(params, grads[-1][0])
+        opt.step()
+    ref = reference_onebit_adam(_params(), grads, freeze_step=3, bias_correction=True, eps_inside_sqrt=True,
+                                **HYPER)
+    for x, y in zip(params, ref, strict=True):
+        if y.numel():
+            assert relative(x, y) < 2e-6
+
+
+def _body_groups_and_missing_grads(steps, missing):
+    r = dist.get_rank()
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    params = _params()
+    groups = [{"params": params[:2], "non_freeze": True}, {"params": params[2:]}]
+    opt = OnebitAdam(groups, freeze_step=3, group=pair[r // 2], **HYPER)
+    for t in range(steps):
+        _set_grads(params, _grads(t, r))
+        for step, rank, i in missing:
+            if step == t and rank == r:
+                params[i].grad = None
+        opt.step()
+    out = [p.detach().clone() for p in params]
+    for g in pair:
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_non_freeze_groups_subgroups_and_missing_grads(ranks):
+    """Two independent pairs of ranks; non_freeze parameters stay full precision; a gradient
+    missing on one rank in one step counts as zeros there (warm-up step 2, compressed step 6)."""
+    steps, missing = 8, {(1, 0, 1), (5, 2, 3), (5, 3, 5)}
+    got = ranks(4).run(_body_groups_and_missing_grads, steps, missing)
+    for members in ([0, 1], [2, 3]):
+        grads = []
+        for t in range(steps):
+            per_rank = []
+            for r in members:
+                gr = _grads(t, r)
+                for step, rank, i in missing:
+                    if step == t and rank == r:
+                        gr[i] = torch.zeros_like(gr[i])
+                per_rank.append(gr)
+            grads.append(per_rank)
+        head = [[g[:2] for g in s] for s in grads]
+        tail = [[g[2:] for g in s] for s in grads]
+        live = reference_onebit_adam(_params()[:2], head, freeze_step=math.inf, **HYPER)
+        frozen = reference_onebit_adam(_params()[2:], tail, freeze_step=3, **HYPER)
+        for r in members:
+            for x, y in zip(got[r], live + frozen, strict=True):
+                if y.numel():
+                    assert relative(x, y) < 2e-6, (r, relative(x, y))
+            assert all(torch.equal(x, y) for x, y in zip(got[r], got[members[0]], strict=True))
