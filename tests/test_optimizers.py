@@ -370,3 +370,51 @@ def test_non_freeze_groups_subgroups_and_missing_grads(ranks):
                 if y.numel():
                     assert relative(x, y) < 2e-6, (r, relative(x, y))
             assert all(torch.equal(x, y) for x, y in zip(got[r], got[members[0]], strict=True))
+
+
+def _body_foreign_state(states):
+    import warnings
+
+    r = dist.get_rank()
+    blob = torch.load(io.BytesIO(states[1 - r]), weights_only=True)  # the OTHER rank's state
+    params = [torch.nn.Parameter(t.clone()) for t in blob["model"]]
+    opt = OnebitAdam(params, freeze_step=2, **HYPER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(blob["opt"])
+    errors = [float(we.abs().sum() + se.abs().sum()) for we, se in opt.reducer().errors()]
+    saved = torch.load(io.BytesIO(states[r]), weights_only=True)["opt"]["onebit"]
+    own = [float(we.abs().sum() + se.abs().sum())
+           for we, se in zip(saved["worker_errors"], saved["server_errors"], strict=True)]
+    return [str(w.message) for w in caught], errors, own, opt.updates
+
+
+def test_loading_another_ranks_state_resets_errors_with_one_warning(ranks):
+    first = ranks(2).run(_body_adam, (0, 5), dict(freeze_step=2, **HYPER), 25.0, None, 5)
+    got = ranks(2).run(_body_foreign_state, [f[1] for f in first])
+    for messages, errors, own, updates in got:
+        assert len(messages) == 1 and "reset" in messages[0]
+        assert errors == [0.0] * len(errors) and sum(own) > 0  # there was something to lose
+        assert updates == 5  # counters and moments are still restored
+
+
+def _body_lamb_mask(steps):
+    from onebit.optimizers import OnebitLamb
+
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LAMB_SHAPES]
+    mask = (torch.arange(35) % 4 != 0).float().view(LAMB_SHAPES[0])
+    opt = OnebitLamb([{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}], lr=1e-2,
+                     betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, freeze_step=3)
+    for t in range(steps):
+        _set_grads(params, _grads(t, r, LAMB_SHAPES))
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state[params[0]]["exp_avg"].clone(), mask
+
+
+def test_onebit_lamb_mask_keeps_masked_momentum_zero(ranks):
+    got = ranks(2).run(_body_lamb_mask, 8)
+    params, m, mask = got[0]
+    assert not m[mask == 0].any() and m[mask == 1].abs().min() > 0
+    assert all(torch.equal(x, y) for x, y in zip(params, got[1][0], strict=True))
