@@ -79,6 +79,7 @@ def main() -> None:
         print(f"  dist.all_reduce float32 median:   {t_fp32 * 1e3:8.2f} ms  (unshaped local link)")
         print(f"  bytes sent per rank: {onebit_bytes / 1e6:.2f} MB vs {fp32_bytes / 1e6:.2f} MB "
               f"for a float32 ring all-reduce ({fp32_bytes / onebit_bytes:.1f}x fewer)")
+    dist.barrier()  # nobody tears down gloo while a peer still finishes its last collective
     dist.destroy_process_group()
 
 

@@ -166,6 +166,7 @@ def main() -> None:
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "
               f"{traffic.compressed / 1e6:.2f} MB 1-bit = {total / 1e6:.2f} MB; a float32 all-reduce every "
               f"step would send {baseline / 1e6:.2f} MB ({baseline / max(total, 1):.1f}x)")
+    dist.barrier()  # nobody tears down gloo while a peer still finishes its last collective
     dist.destroy_process_group()
 
 
