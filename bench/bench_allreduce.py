@@ -140,7 +140,9 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         child(args)
-        return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip finalisation: gloo threads occasionally abort there (see examples/)
 
     import torch
 

@@ -46,6 +46,27 @@ def check_freeze_step(name: str, value: object) -> float:
     return value
 
 
+def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
+    """The validated hyper-parameters every 1-bit optimizer shares, plus group options."""
+    return dict(
+        lr=check_positive_or_zero("lr", lr),
+        betas=check_betas(betas),
+        eps=check_positive_or_zero("eps", eps),
+        weight_decay=check_positive_or_zero("weight_decay", weight_decay),
+        non_freeze=False,
+        exp_avg_mask=None,
+        **extra,
+    )
+
+
+def closure_loss(closure) -> Any:
+    """Evaluate an optimizer closure with gradients enabled (step() runs under no_grad)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class OnebitOptimizerBase(torch.optim.Optimizer):
     """Base class: subclasses set FLAT_STATE / DENSE_STATE and implement step()."""
 

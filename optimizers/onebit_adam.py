@@ -8,7 +8,7 @@ import torch
 
 from onebit.collectives.bucket import allreduce_mean_
 
-from ._base import OnebitOptimizerBase, check_betas, check_freeze_step, check_positive_or_zero
+from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step, closure_loss
 
 __all__ = ["OnebitAdam", "adam_update"]
 
@@ -65,12 +65,9 @@ class OnebitAdam(OnebitOptimizerBase):
         bucket_cap_mb: float = 25.0,
         group=None,
     ) -> None:
-        defaults = dict(
-            lr=check_positive_or_zero("lr", lr), betas=check_betas(betas),
-            eps=check_positive_or_zero("eps", eps),
-            weight_decay=check_positive_or_zero("weight_decay", weight_decay),
+        defaults = adam_defaults(
+            lr, betas, eps, weight_decay,
             bias_correction=bool(bias_correction), eps_inside_sqrt=bool(eps_inside_sqrt),
-            non_freeze=False, exp_avg_mask=None,
         )
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb)
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
@@ -86,10 +83,7 @@ class OnebitAdam(OnebitOptimizerBase):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         reducer = self.reducer()
         compress = self.compressing
         self.updates += 1

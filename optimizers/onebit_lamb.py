@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._base import OnebitOptimizerBase, check_betas, check_freeze_step, check_positive_or_zero
+from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step, check_positive_or_zero, closure_loss
 
 __all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
 
@@ -102,12 +102,7 @@ class OnebitLamb(OnebitOptimizerBase):
         factor_threshold: float = 0.1,
         group=None,
     ) -> None:
-        defaults = dict(
-            lr=check_positive_or_zero("lr", lr), betas=check_betas(betas),
-            eps=check_positive_or_zero("eps", eps),
-            weight_decay=check_positive_or_zero("weight_decay", weight_decay),
-            non_freeze=False, exp_avg_mask=None,
-        )
+        defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff), ("coeff_beta", coeff_beta),
                             ("factor_max", factor_max), ("factor_min", factor_min),
                             ("factor_threshold", factor_threshold)]:
@@ -139,10 +134,7 @@ class OnebitLamb(OnebitOptimizerBase):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         reducer = self.reducer()
         compress = self.compressing
         first = compress and self.updates == self.freeze_step

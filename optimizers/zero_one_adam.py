@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import OnebitOptimizerBase, check_betas, check_freeze_step, check_positive_or_zero
+from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step, closure_loss
 
 __all__ = ["ZeroOneAdam"]
 
@@ -62,12 +62,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         bucket_cap_mb: float = 25.0,
         group=None,
     ) -> None:
-        defaults = dict(
-            lr=check_positive_or_zero("lr", lr), betas=check_betas(betas),
-            eps=check_positive_or_zero("eps", eps),
-            weight_decay=check_positive_or_zero("weight_decay", weight_decay),
-            non_freeze=False, exp_avg_mask=None,
-        )
+        defaults = adam_defaults(lr, betas, eps, weight_decay)
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
@@ -90,10 +85,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         reducer = self.reducer()
         phase = self.phase
         if phase == 2 and self.updates == self.var_freeze_step:
