@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from checkpointing import checkpoint_path, fingerprint, load, save_atomic
 
 from onebit.collectives import ring_allreduce_bytes, traffic
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
@@ -112,6 +113,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=os.path.join("checkpoints", "train_lm"))
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
     args = p.parse_args()
     args.freeze_step = args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5)
 
@@ -132,8 +136,25 @@ def main() -> None:
     if rank == 0:
         print(f"{args.optimizer}: {n_params} parameters, {W} ranks ({dist.get_backend()}), "
               f"{args.steps} steps, freeze at {args.freeze_step}, {train.numel()} training bytes")
+    first = 1
+    if args.resume:
+        ckpt = load(checkpoint_path(args.checkpoint_dir, rank))
+        if ckpt["optimizer_name"] != args.optimizer or ckpt["world_size"] != W:
+            raise ValueError(f"--resume: the checkpoint was written by {ckpt['optimizer_name']} on "
+                             f"{ckpt['world_size']} ranks, not {args.optimizer} on {W}")
+        steps = torch.tensor([ckpt["step"], -ckpt["step"]], device=device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        if steps[0].item() != -steps[1].item():
+            raise ValueError(f"--resume: the ranks' checkpoints are from different steps "
+                             f"({-steps[1].item()} to {steps[0].item()})")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        g.set_state(ckpt["data_rng"])
+        first = ckpt["step"] + 1
+        if rank == 0:
+            print(f"resumed from step {ckpt['step']}")
     t_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
         x, y = batch(train, args.batch, args.context, g, device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -146,6 +167,10 @@ def main() -> None:
         stage = "full precision" if full else "compressed"
         stage_time[stage][0] += time.perf_counter() - t0
         stage_time[stage][1] += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                         "data_rng": g.get_state(), "optimizer_name": args.optimizer, "world_size": W},
+                        checkpoint_path(args.checkpoint_dir, rank))
         if rank == 0 and (step % 10 == 0 or step == args.steps):
             done = step / args.steps
             bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
@@ -156,13 +181,14 @@ def main() -> None:
     val_t = torch.tensor([val], device=device)
     dist.all_reduce(val_t)
     if rank == 0:
-        tokens = args.steps * args.batch * args.context * W
-        print(f"\nvalidation loss {val_t.item() / W:.4f} (nats/byte), {tokens / elapsed:,.0f} tokens/s")
+        tokens = (args.steps - first + 1) * args.batch * args.context * W
+        print(f"\nvalidation loss {val_t.item() / W:.4f} (nats/byte), {tokens / elapsed:,.0f} tokens/s, "
+              f"weights fingerprint {fingerprint(model)}")
         for stage, (secs, count) in stage_time.items():
             if count:
                 print(f"  {stage:>14} steps: {count:4d}, {1e3 * secs / count:8.1f} ms/step")
         total = traffic.full + traffic.compressed
-        baseline = args.steps * full_bytes
+        baseline = (args.steps - first + 1) * full_bytes
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "
               f"{traffic.compressed / 1e6:.2f} MB 1-bit = {total / 1e6:.2f} MB; a float32 all-reduce every "
               f"step would send {baseline / 1e6:.2f} MB ({baseline / max(total, 1):.1f}x)")

@@ -12,13 +12,37 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
-def test_train_lm_demo_runs(optimizer):
+TINY = ["--freeze-step", "2", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--batch", "4", "--eval-batches", "1"]
+
+
+def _demo(*args: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "train_lm.py"), "--optimizer", optimizer, "--steps", "6",
-           "--freeze-step", "2", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
-           "--batch", "4", "--eval-batches", "1"]
+           str(ROOT / "examples" / "train_lm.py"), *TINY, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "validation loss" in run.stdout and "bytes sent per rank" in run.stdout, run.stdout
+    return run.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_train_lm_demo_runs(optimizer):
+    _demo("--optimizer", optimizer, "--steps", "6")
+
+
+def _fingerprint(stdout: str) -> str:
+    return stdout.split("weights fingerprint")[1].split()[0]
+
+
+@pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])
+def test_train_lm_resume_is_bitwise(optimizer, tmp_path):
+    straight = _demo("--optimizer", optimizer, "--steps", "8", "--checkpoint-every", "4",
+                     "--checkpoint-dir", str(tmp_path / "a"))
+    _demo("--optimizer", optimizer, "--steps", "4", "--checkpoint-every", "4",
+          "--checkpoint-dir", str(tmp_path / "b"))
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["rank00000.pt", "rank00001.pt"]
+    resumed = _demo("--optimizer", optimizer, "--steps", "8", "--resume",
+                    "--checkpoint-dir", str(tmp_path / "b"))
+    assert "resumed from step 4" in resumed
+    assert _fingerprint(resumed) == _fingerprint(straight)
