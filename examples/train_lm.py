@@ -13,6 +13,7 @@ torchrun (scripts/demo.sh does: 4 local ranks, gloo on CPU, NCCL when every rank
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -112,6 +113,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: at the end only)")
+    p.add_argument("--log-jsonl", default=None, help="rank 0 appends one JSON line per step here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=os.path.join("checkpoints", "train_lm"))
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
@@ -153,6 +156,7 @@ def main() -> None:
         first = ckpt["step"] + 1
         if rank == 0:
             print(f"resumed from step {ckpt['step']}")
+    log = open(args.log_jsonl, "a") if args.log_jsonl and rank == 0 else None
     t_start = time.perf_counter()
     for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
@@ -167,6 +171,16 @@ def main() -> None:
         stage = "full precision" if full else "compressed"
         stage_time[stage][0] += time.perf_counter() - t0
         stage_time[stage][1] += 1
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            v = torch.tensor([evaluate(model, valid, args, device)], device=device)
+            dist.all_reduce(v)
+            val_now = v.item() / W
+        else:
+            val_now = None
+        if log is not None:
+            train_time = sum(secs for secs, _ in stage_time.values())  # excludes validation
+            log.write(json.dumps({"step": step, "time": train_time, "train_loss": loss.item(),
+                                  "val_loss": val_now, "stage": stage}) + "\n")
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                          "data_rng": g.get_state(), "optimizer_name": args.optimizer, "world_size": W},
@@ -177,6 +191,8 @@ def main() -> None:
             sys.stdout.write(f"\r[{bar}] {step}/{args.steps} loss {loss.item():.3f} ({stage})")
             sys.stdout.flush()
     elapsed = time.perf_counter() - t_start
+    if log is not None:
+        log.close()
     val = evaluate(model, valid, args, device)
     val_t = torch.tensor([val], device=device)
     dist.all_reduce(val_t)
