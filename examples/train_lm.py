@@ -164,12 +164,15 @@ def main() -> None:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         full = communicates_full(opt)
+        t_opt = time.perf_counter()
         opt.step()
+        opt_seconds = time.perf_counter() - t_opt  # Adam: the gradient all-reduce + a small update
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         stage = "full precision" if full else "compressed"
-        stage_time[stage][0] += time.perf_counter() - t0
+        step_seconds = time.perf_counter() - t0
+        stage_time[stage][0] += step_seconds
         stage_time[stage][1] += 1
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             v = torch.tensor([evaluate(model, valid, args, device)], device=device)
@@ -180,7 +183,8 @@ def main() -> None:
         if log is not None:
             train_time = sum(secs for secs, _ in stage_time.values())  # excludes validation
             log.write(json.dumps({"step": step, "time": train_time, "train_loss": loss.item(),
-                                  "val_loss": val_now, "stage": stage}) + "\n")
+                                  "val_loss": val_now, "stage": stage, "step_seconds": step_seconds,
+                                  "opt_seconds": opt_seconds}) + "\n")
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                          "data_rng": g.get_state(), "optimizer_name": args.optimizer, "world_size": W},
