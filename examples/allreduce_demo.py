@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+from teardown import finish
 
 from onebit.collectives import compressed_allreduce, padded_numel
 
@@ -80,15 +80,8 @@ def main() -> None:
         print(f"  dist.all_reduce float32 median:   {t_fp32 * 1e3:8.2f} ms  (unshaped local link)")
         print(f"  bytes sent per rank: {onebit_bytes / 1e6:.2f} MB vs {fp32_bytes / 1e6:.2f} MB "
               f"for a float32 ring all-reduce ({fp32_bytes / onebit_bytes:.1f}x fewer)")
-    dist.barrier()  # nobody tears down gloo while a peer still finishes its last collective
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
     main()
-    # All work is done and the process group destroyed. Skip interpreter finalisation: gloo's
-    # worker threads now and then abort the process there (SIGABRT, "terminate called without
-    # an active exception"), which torchrun would report as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

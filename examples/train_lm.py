@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from checkpointing import checkpoint_path, fingerprint, load, save_atomic
+from teardown import finish
 
 from onebit.collectives import ring_allreduce_bytes, traffic
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
@@ -212,15 +213,8 @@ def main() -> None:
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "
               f"{traffic.compressed / 1e6:.2f} MB 1-bit = {total / 1e6:.2f} MB; a float32 all-reduce every "
               f"step would send {baseline / 1e6:.2f} MB ({baseline / max(total, 1):.1f}x)")
-    dist.barrier()  # nobody tears down gloo while a peer still finishes its last collective
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
     main()
-    # All work is done and the process group destroyed. Skip interpreter finalisation: gloo's
-    # worker threads now and then abort the process there (SIGABRT, "terminate called without
-    # an active exception"), which torchrun would report as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

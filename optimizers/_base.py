@@ -209,3 +209,18 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if extra is not None:
             for name, value in extra.get("counters", {}).items():
                 setattr(self, name, value)
+
+
+class WarmupThenCompress(OnebitOptimizerBase):
+    """1-bit Adam / LAMB schedule: ``freeze_step`` full-precision updates, then compression."""
+
+    freeze_step: float
+    updates: int
+
+    @property
+    def compressing(self) -> bool:
+        """True once ``freeze_step`` warm-up updates are done: the next step is compressed."""
+        return self.updates >= self.freeze_step
+
+    def wants_averaged_gradients(self) -> bool:
+        return not self.compressing

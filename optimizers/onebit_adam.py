@@ -8,7 +8,7 @@ import torch
 
 from onebit.collectives.bucket import allreduce_mean_
 
-from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step, closure_loss
+from ._base import WarmupThenCompress, adam_defaults, check_freeze_step, closure_loss
 
 __all__ = ["OnebitAdam", "adam_update"]
 
@@ -31,7 +31,7 @@ def adam_update(
     p.addcdiv_(m, denom, value=-lr / bc1)
 
 
-class OnebitAdam(OnebitOptimizerBase):
+class OnebitAdam(WarmupThenCompress):
     """1-bit Adam: Adam for ``freeze_step`` updates, then compressed momentum with frozen v.
 
     Warm-up: gradients averaged over ``group`` in full precision (flat buckets), then Adam
@@ -72,14 +72,6 @@ class OnebitAdam(OnebitOptimizerBase):
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb)
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
         self.updates = 0
-
-    @property
-    def compressing(self) -> bool:
-        """True once ``freeze_step`` warm-up updates are done: the next step is compressed."""
-        return self.updates >= self.freeze_step
-
-    def wants_averaged_gradients(self) -> bool:
-        return not self.compressing
 
     @torch.no_grad()
     def step(self, closure=None):

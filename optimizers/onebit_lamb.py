@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step, check_positive_or_zero, closure_loss
+from ._base import WarmupThenCompress, adam_defaults, check_freeze_step, check_positive_or_zero, closure_loss
 
 __all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
 
@@ -61,7 +61,7 @@ def lamb_compressed_update(
     return c
 
 
-class OnebitLamb(OnebitOptimizerBase):
+class OnebitLamb(WarmupThenCompress):
     """1-bit LAMB: LAMB for ``freeze_step`` updates, then one compressed flat momentum buffer.
 
     Warm-up: gradients averaged over ``group`` in full precision; LAMB without bias
@@ -124,13 +124,6 @@ class OnebitLamb(OnebitOptimizerBase):
     def get_lamb_coeffs(self) -> list[float]:
         """The per-parameter coefficients of the last step (a copy; reads them to the host)."""
         return [float(c) for c in self._coeffs]
-
-    @property
-    def compressing(self) -> bool:
-        return self.updates >= self.freeze_step
-
-    def wants_averaged_gradients(self) -> bool:
-        return not self.compressing
 
     @torch.no_grad()
     def step(self, closure=None):
