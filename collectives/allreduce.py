@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from onebit.kernels._checks import check_buffer, check_tensor
-from onebit.kernels.layout import empty_message
 
 from ._group import all_gather_single, group_size, verify_agreement
 from .wire import compressed_bytes, traffic
@@ -115,7 +114,7 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int) -> 
         recv = msg
     seg = server_reduce(recv, server_error, W)
     if W > 1:
-        gathered = empty_message(layout, W, msg.device)
+        gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
         all_gather_single(gathered, seg, group)
     else:
         gathered = seg
