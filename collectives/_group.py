@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
+
+from ._failure import guard
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,7 +43,8 @@ def verify_agreement(tensor: torch.Tensor, N: int, group) -> None:
     mine = [tensor.numel(), N, _DTYPE_CODES[tensor.dtype]]
     device = tensor.device if tensor.is_cuda else torch.device("cpu")
     rows = torch.empty(W * 3, dtype=torch.int64, device=device)
-    all_gather_single(rows, torch.tensor(mine, dtype=torch.int64, device=device), group)
+    with guard("check", group):
+        all_gather_single(rows, torch.tensor(mine, dtype=torch.int64, device=device), group)
     table = rows.view(W, 3).tolist()
     names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
     me = dist.get_rank(group)
@@ -52,3 +57,33 @@ def verify_agreement(tensor: torch.Tensor, N: int, group) -> None:
                 f"check: ranks disagree: group rank {r} passed {show(row)} but group rank 0 "
                 f"passed {show(table[0])} (this is group rank {me})"
             )
+
+
+def comm_device(group) -> torch.device:
+    """Where small control tensors for ``group`` must live: the current GPU for NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_json(obj, group, operation: str) -> list:
+    """Every rank's JSON-serialisable ``obj``, indexed by group rank (two all-gathers).
+
+    JSON, not pickle: what comes from a peer is parsed as data and never executed.
+    """
+    W = group_size(group)
+    if W == 1:
+        return [obj]
+    device = comm_device(group)
+    data = json.dumps(obj, sort_keys=True).encode()
+    sizes = torch.empty(W, dtype=torch.int64, device=device)
+    with guard(operation, group):
+        all_gather_single(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group)
+    width = int(sizes.max())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = torch.empty(W * width, dtype=torch.uint8, device=device)
+    with guard(operation, group):
+        all_gather_single(rows, mine.to(device), group)
+    rows = rows.view(W, width).cpu()
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(W)]

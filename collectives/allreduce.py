@@ -18,6 +18,7 @@ import torch.distributed as dist
 from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from onebit.kernels._checks import check_buffer, check_tensor
 
+from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
 from .wire import compressed_bytes, traffic
 
@@ -109,13 +110,15 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int) -> 
     msg = worker_compress(flat, worker_error, W, update_error=False)
     if W > 1:
         recv = torch.empty_like(msg)
-        dist.all_to_all_single(recv, msg, group=group)
+        with guard("compressed_allreduce (all_to_all)", group):
+            dist.all_to_all_single(recv, msg, group=group)
     else:
         recv = msg
     seg = server_reduce(recv, server_error, W)
     if W > 1:
         gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
-        all_gather_single(gathered, seg, group)
+        with guard("compressed_allreduce (all_gather)", group):
+            all_gather_single(gathered, seg, group)
     else:
         gathered = seg
     decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg)

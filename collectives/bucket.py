@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from onebit.kernels.layout import padded_numel
 
+from ._failure import guard
 from ._group import group_size
 from .allreduce import compressed_allreduce
 from .wire import ring_allreduce_bytes, traffic
@@ -25,7 +26,8 @@ __all__ = ["Bucket", "BucketedReducer", "allreduce_mean_", "plan_buckets"]
 
 def allreduce_mean_(tensor: torch.Tensor, group, world_size: int) -> torch.Tensor:
     """Full-precision mean over the group, in place (sum, then divide by W); counted."""
-    dist.all_reduce(tensor, group=group)
+    with guard("full-precision all_reduce", group):
+        dist.all_reduce(tensor, group=group)
     traffic.full += ring_allreduce_bytes(tensor.numel(), world_size, tensor.element_size())
     traffic.full_calls += 1
     return tensor.div_(world_size)

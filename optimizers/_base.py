@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.collectives._group import group_size
+from onebit.collectives._failure import guard
+from onebit.collectives._group import all_gather_single, comm_device, gather_json, group_size
 from onebit.collectives.bucket import BucketedReducer
 
 
@@ -59,6 +60,15 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
     )
 
 
+NONFINITE_POLICIES = ("skip", "raise", None)
+
+
+def check_nonfinite(value: object) -> str | None:
+    if value not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite: expected 'skip', 'raise' or None, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def closure_loss(closure) -> Any:
     """Evaluate an optimizer closure with gradients enabled (step() runs under no_grad)."""
     if closure is None:
@@ -76,11 +86,16 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     COUNTERS: tuple[str, ...] = ()
     FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
 
-    def __init__(self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float) -> None:
+    def __init__(
+        self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float, nonfinite: str | None = "skip"
+    ) -> None:
+        self.world_size = group_size(group)  # validates group before anything is built
+        self.bucket_cap_mb = check_positive_or_zero("bucket_cap_mb", bucket_cap_mb)
+        self.nonfinite = check_nonfinite(nonfinite)
         super().__init__(params, defaults)
         self.process_group = group
-        self.world_size = group_size(group)
-        self.bucket_cap_mb = check_positive_or_zero("bucket_cap_mb", bucket_cap_mb)
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (saved with the state)
+        self._grads_verified = False  # set by onebit's GradScaler around the step it lets through
         self._reducer: BucketedReducer | None = None
         self._pending: dict[str, Any] | None = None
         self.external_averaging = False  # set by register_ddp_hook: DDP averages when asked
@@ -91,6 +106,83 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     def wants_averaged_gradients(self) -> bool:
         """Whether the next step() uses full-precision gradients averaged over the group."""
         raise NotImplementedError
+
+    @property
+    def stage(self) -> str:
+        """The schedule stage of the next step, for messages and the rank agreement check."""
+        raise NotImplementedError
+
+    @property
+    def replicas_identical(self) -> bool:
+        """Whether the parameters are bitwise identical on every rank after the last step
+        (always, except between 0/1 Adam's synchronisations)."""
+        return True
+
+    # -- the start of every step: agreement check, non-finite gradients -----------------
+    def _begin_step(self, check: bool) -> bool:
+        """Run the optional rank agreement check and the non-finite policy; False: skip."""
+        if check:
+            self.verify_ranks()
+        return self._gradients_usable()
+
+    def _describe(self) -> dict[str, Any]:
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {
+            "optimizer": type(self).__name__,
+            "world size": self.world_size,
+            "parameters": [[list(p.shape), str(p.dtype).removeprefix("torch.")] for p in params],
+            "stage": self.stage,
+            "counters": {name: getattr(self, name) for name in self.COUNTERS},
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "nonfinite": self.nonfinite,
+        }
+
+    def verify_ranks(self) -> None:
+        """Raise ValueError on every rank unless all ranks of the group have the same
+        optimizer, parameter shapes and dtypes, schedule stage and counters (a collective:
+        two small all-gathers). ``step(check=True)`` calls it first."""
+        if self.world_size == 1:
+            return
+        table = gather_json(self._describe(), self.process_group, "check")
+        me = dist.get_rank(self.process_group)
+        for r, desc in enumerate(table):
+            if desc != table[0]:
+                raise ValueError(
+                    f"check: group rank {r} disagrees with group rank 0: {_difference(desc, table[0])} "
+                    f"(this is group rank {me})"
+                )
+
+    def _local_gradients_finite(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(gr).all() for gr in grads]).all())
+
+    def _gradients_usable(self) -> bool:
+        """Agree over the group whether every rank's gradients are finite (one all-gather of
+        one byte per rank and a host sync); on any non-finite gradient, every rank skips or
+        raises before touching any state."""
+        if self.nonfinite is None or self._grads_verified:
+            return True
+        ok = self._local_gradients_finite()
+        if self.world_size == 1:
+            bad = [] if ok else [0]
+        else:
+            device = comm_device(self.process_group)
+            flags = torch.empty(self.world_size, dtype=torch.uint8, device=device)
+            mine = torch.tensor([0 if ok else 1], dtype=torch.uint8, device=device)
+            with guard("non-finite gradient check", self.process_group):
+                all_gather_single(flags, mine, self.process_group)
+            bad = flags.nonzero().flatten().tolist()
+        if not bad:
+            return True
+        what = (f"non-finite gradient on group rank(s) {bad} at the {self.stage} step after "
+                f"{self.updates} updates")
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"step: {what}; no parameter or state was changed on any rank")
+        self.skipped_steps += 1
+        warnings.warn(f"onebit: step skipped on every rank: {what}", RuntimeWarning, stacklevel=3)
+        return False
 
     def _communicate_average(self) -> bool:
         """Average in step() unless a DDP hook already did it for this step."""
@@ -146,7 +238,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "server_errors": [se for _, se in reducer.errors()],
             # with FLAT_PADDING the padding is data the next call compresses
             "flat_tails": [b.flat[b.n :] for b in reducer.buckets],
-            "counters": {name: getattr(self, name) for name in self.COUNTERS},
+            "counters": {name: getattr(self, name) for name in self.COUNTERS + ("skipped_steps",)},
         }
         return state_dict
 
@@ -211,6 +303,22 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 setattr(self, name, value)
 
 
+def _difference(theirs: dict, ours: dict) -> str:
+    """The first field where a rank's description differs from rank 0's, in words."""
+    if theirs["parameters"] != ours["parameters"]:
+        a, b = theirs["parameters"], ours["parameters"]
+        if len(a) != len(b):
+            return f"it has {len(a)} parameters where group rank 0 has {len(b)}"
+        k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        return (f"parameter {k} is {a[k][1]} of shape {a[k][0]} there, {b[k][1]} of shape {b[k][0]} on "
+                f"group rank 0")
+    if theirs["stage"] != ours["stage"] or theirs["counters"] != ours["counters"]:
+        return (f"it is at the {theirs['stage']} stage with {theirs['counters']} where group rank 0 is at "
+                f"the {ours['stage']} stage with {ours['counters']}")
+    key = next(k for k in ours if theirs.get(k) != ours[k])
+    return f"its {key} is {theirs.get(key)!r} where group rank 0 has {ours[key]!r}"
+
+
 class WarmupThenCompress(OnebitOptimizerBase):
     """1-bit Adam / LAMB schedule: ``freeze_step`` full-precision updates, then compression."""
 
@@ -224,3 +332,7 @@ class WarmupThenCompress(OnebitOptimizerBase):
 
     def wants_averaged_gradients(self) -> bool:
         return not self.compressing
+
+    @property
+    def stage(self) -> str:
+        return "compression" if self.compressing else "warm-up"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from onebit.collectives._failure import guard
 from onebit.collectives._group import group_size
 
 __all__ = ["GradScaler"]
@@ -22,7 +23,19 @@ class GradScaler(torch.amp.GradScaler):
     """Drop-in for ``torch.amp.GradScaler`` (same arguments) with a collective overflow check.
 
     The group is the optimizer's ``process_group`` attribute (the world if it has none).
+    A step it lets through has finite gradients on every rank, so a onebit optimizer skips
+    its own non-finite check (and that check's collective) inside ``scaler.step``.
     """
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        verified = getattr(optimizer, "_grads_verified", None)
+        if verified is None or not self.is_enabled():
+            return super().step(optimizer, *args, **kwargs)
+        optimizer._grads_verified = True
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            optimizer._grads_verified = verified
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
@@ -36,7 +49,8 @@ class GradScaler(torch.amp.GradScaler):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for flag in flags.values():
             total += flag.to(device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        with guard("GradScaler found-inf all_reduce", group):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         if not flags:  # no gradients here at all: record the group's verdict anyway
             flags[device] = total
         for flag in flags.values():

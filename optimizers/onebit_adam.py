@@ -45,6 +45,14 @@ class OnebitAdam(WarmupThenCompress):
     A parameter whose ``.grad`` is None counts as having a zero gradient on this rank.
     Optimizer state per parameter: ``exp_avg`` and ``exp_avg_sq`` (float32, 8 bytes per
     element) plus the bucket's error buffers (about 4 + 4/W bytes per element).
+    ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
+    of every step with a one-byte-per-rank all-gather and a host sync, before any state
+    changes): ``"skip"`` (default) skips the step on every rank with a RuntimeWarning naming
+    the ranks (``skipped_steps`` counts them), ``"raise"`` raises FloatingPointError on every
+    rank, ``None`` checks nothing (non-finite values then reach the parameters on every rank
+    alike; the error buffers stay finite). onebit's GradScaler makes the check unnecessary
+    and it is skipped under ``scaler.step``. ``step(check=True)`` first verifies that all
+    ranks agree on parameters, stage and counters (:meth:`verify_ranks`).
     """
 
     FLAT_STATE = ("exp_avg",)
@@ -64,18 +72,23 @@ class OnebitAdam(WarmupThenCompress):
         eps_inside_sqrt: bool = False,
         bucket_cap_mb: float = 25.0,
         group=None,
+        nonfinite: str | None = "skip",
     ) -> None:
         defaults = adam_defaults(
             lr, betas, eps, weight_decay,
             bias_correction=bool(bias_correction), eps_inside_sqrt=bool(eps_inside_sqrt),
         )
-        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite)
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
         self.updates = 0
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, check: bool = False):
+        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
+        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
+        if not self._begin_step(check):
+            return loss
         reducer = self.reducer()
         compress = self.compressing
         self.updates += 1

@@ -77,6 +77,14 @@ class OnebitLamb(WarmupThenCompress):
     (float32, 12 bytes per element) and three float64 scalars; plus the error buffers
     (about 4 + 4/W bytes per element) and, from the first compressed step, a float32 copy
     of the previous momentum (4 bytes per element).
+    ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
+    of every step with a one-byte-per-rank all-gather and a host sync, before any state
+    changes): ``"skip"`` (default) skips the step on every rank with a RuntimeWarning naming
+    the ranks (``skipped_steps`` counts them), ``"raise"`` raises FloatingPointError on every
+    rank, ``None`` checks nothing (non-finite values then reach the parameters on every rank
+    alike; the error buffers stay finite). onebit's GradScaler makes the check unnecessary
+    and it is skipped under ``scaler.step``. ``step(check=True)`` first verifies that all
+    ranks agree on parameters, stage and counters (:meth:`verify_ranks`).
     """
 
     FLAT_STATE = ("exp_avg",)
@@ -101,6 +109,7 @@ class OnebitLamb(WarmupThenCompress):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         group=None,
+        nonfinite: str | None = "skip",
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff), ("coeff_beta", coeff_beta),
@@ -111,7 +120,7 @@ class OnebitLamb(WarmupThenCompress):
             raise ValueError(f"min_coeff: expected <= max_coeff ({max_coeff}), got {min_coeff}")
         if factor_min > factor_max:
             raise ValueError(f"factor_min: expected <= factor_max ({factor_max}), got {factor_min}")
-        super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf)
+        super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite)
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
@@ -126,8 +135,12 @@ class OnebitLamb(WarmupThenCompress):
         return [float(c) for c in self._coeffs]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, check: bool = False):
+        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
+        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
+        if not self._begin_step(check):
+            return loss
         reducer = self.reducer()
         compress = self.compressing
         first = compress and self.updates == self.freeze_step

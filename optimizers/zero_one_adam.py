@@ -40,12 +40,20 @@ class ZeroOneAdam(OnebitOptimizerBase):
     flat buffer ``momentum_accumulator`` (carries the compressed gradient in phase 1 and
     ``u`` at syncs; float32, 16 bytes per element in all) plus the error buffers (about
     4 + 4/W bytes per element).
+    ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
+    of every step with a one-byte-per-rank all-gather and a host sync, before any state
+    changes): ``"skip"`` (default) skips the step on every rank with a RuntimeWarning naming
+    the ranks (``skipped_steps`` counts them), ``"raise"`` raises FloatingPointError on every
+    rank, ``None`` checks nothing (non-finite values then reach the parameters on every rank
+    alike; the error buffers stay finite). onebit's GradScaler makes the check unnecessary
+    and it is skipped under ``scaler.step``. ``step(check=True)`` first verifies that all
+    ranks agree on parameters, stage and counters (:meth:`verify_ranks`).
     """
 
     FLAT_STATE = ("momentum_accumulator",)
     DENSE_STATE = ("exp_avg", "exp_avg_sq", "sync_params")
     COUNTERS = ("updates", "var_interval", "var_counter", "local_step_interval", "local_step_counter",
-                "lrs")
+                "lrs", "last_sync")
 
     def __init__(
         self,
@@ -61,9 +69,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
         *,
         bucket_cap_mb: float = 25.0,
         group=None,
+        nonfinite: str | None = "skip",
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
-        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
         self.var_freeze_step = check_freeze_step("var_freeze_step", var_freeze_step)
@@ -74,18 +83,31 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.var_interval, self.var_counter = 1, 0
         self.local_step_interval, self.local_step_counter = 1, 0
         self.lrs = [0.0] * len(self.param_groups)  # learning rates summed since the last sync
+        self.last_sync = 0  # the last update after which the replicas were identical
 
     @property
     def phase(self) -> int:
         """1 while the variance still updates, 2 once it is frozen (local steps)."""
         return 1 if self.updates < self.var_freeze_step else 2
 
+    @property
+    def stage(self) -> str:
+        return f"phase {self.phase}"
+
+    @property
+    def replicas_identical(self) -> bool:
+        return self.last_sync == self.updates
+
     def wants_averaged_gradients(self) -> bool:
         return self.phase == 1 and (self.updates + 1) % self.var_interval == 0
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, check: bool = False):
+        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
+        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
+        if not self._begin_step(check):
+            return loss
         reducer = self.reducer()
         phase = self.phase
         if phase == 2 and self.updates == self.var_freeze_step:
@@ -95,6 +117,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         pairs = self.compressed_params()
         if phase == 1:
             self._phase_one(reducer, pairs, t)
+            self.last_sync = t
         else:
             self._phase_two(reducer, pairs, t)
         return loss
@@ -169,6 +192,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 p.copy_(sync)
                 u.zero_()
             self.lrs = [0.0] * len(self.param_groups)
+            self.last_sync = t
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0

@@ -1,0 +1,187 @@
+"""Per-rank training checkpoints that survive a rank dying at any moment.
+
+The 1-bit optimizers keep per-rank state (error feedback), so every rank saves its own file:
+``<directory>/step<step>/rank<rank>.pt``. A file is written under a temporary name, flushed
+to disk (fsync) and renamed: a reader never sees a half-written file under the final name,
+so a checkpoint interrupted mid-write is never loaded. ``load_latest`` agrees with the other
+ranks on the newest step that EVERY rank has complete (a rank killed while saving step s
+leaves the others with s and itself with the step before; the older ``keep - 1`` steps stay
+on disk for exactly that case) and loads it with ``torch.load(weights_only=True)``, which
+never executes code from the file: a file carrying a pickled object or payload is refused
+with :class:`CheckpointError`.
+
+Typical use (``save`` every K steps; on start, ``load_latest`` on every rank)::
+
+    found = onebit.checkpoint.load_latest("ckpt")
+    if found is not None:
+        step, state = found
+        model.load_state_dict(state["model"]); opt.load_state_dict(state["optimizer"])
+    ...
+    onebit.checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                           "ckpt", step)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onebit.collectives._failure import guard
+from onebit.collectives._group import comm_device, group_size
+
+__all__ = ["CheckpointError", "checkpoint_path", "load", "load_latest", "save", "steps_on_disk"]
+
+_STEP = re.compile(r"^step(\d{9})$")
+_FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file was refused: not weights-only, not a onebit checkpoint, or another rank's."""
+
+
+def _rank(group) -> tuple[int, int]:
+    W = group_size(group)
+    return (0, 1) if W == 1 and not dist.is_initialized() else (dist.get_rank(group), W)
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int, rank: int) -> str:
+    return os.path.join(os.fspath(directory), f"step{step:09d}", f"rank{rank:05d}.pt")
+
+
+def _check_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**9:
+        raise ValueError(f"step: expected an int in [0, 1e9), got {step!r}")
+    return step
+
+
+def save(state: dict[str, Any], directory: str | os.PathLike, step: int, *, group=None, keep: int = 2) -> str:
+    """Write this rank's ``state`` for ``step`` atomically; keep this rank's newest ``keep`` steps.
+
+    ``state`` must hold tensors, numbers, strings, lists, tuples and dicts only (what
+    ``torch.load(weights_only=True)`` reads back). ``keep >= 2``: a rank killed mid-save
+    leaves the others one step ahead, and the step before must still be there for everyone.
+    Returns the path written. Not a collective: every rank calls it for its own file.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state: expected a dict, got {type(state).__name__}")
+    step = _check_step(step)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+        raise ValueError(
+            f"keep: expected an int >= 2 (a rank killed mid-save needs the step before), got {keep!r}"
+        )
+    rank, W = _rank(group)
+    path = checkpoint_path(directory, step, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    payload = {"onebit_checkpoint": _FORMAT, "step": step, "rank": rank, "world_size": W, "state": state}
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(os.path.dirname(path))
+    for old in steps_on_disk(directory, rank)[:-keep]:
+        _remove_own(directory, old, rank)
+    return path
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself reaches the disk
+    finally:
+        os.close(fd)
+
+
+def _remove_own(directory, step: int, rank: int) -> None:
+    path = checkpoint_path(directory, step, rank)
+    os.remove(path)
+    folder = os.path.dirname(path)
+    if not os.listdir(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def steps_on_disk(directory: str | os.PathLike, rank: int) -> list[int]:
+    """Steps (ascending) for which ``rank``'s file exists under its final name."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    steps = [int(m.group(1)) for n in names if (m := _STEP.match(n))]
+    return sorted(s for s in steps if os.path.isfile(checkpoint_path(directory, s, rank)))
+
+
+def load(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+    """Read one checkpoint file written by :func:`save`; runs no code from it.
+
+    Raises CheckpointError when the file holds anything but plain data (a pickled object,
+    a code payload) or was not written by :func:`save`.
+    """
+    try:
+        with open(path, "rb") as fh:
+            payload = torch.load(fh, weights_only=True, map_location=map_location)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"path: refused {os.fspath(path)!r}: not a weights-only checkpoint (loading it could run "
+            f"code from the file, or it is damaged): {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("onebit_checkpoint") != _FORMAT:
+        raise CheckpointError(
+            f"path: {os.fspath(path)!r} is not a checkpoint written by onebit.checkpoint.save"
+        )
+    return payload
+
+
+def load_latest(
+    directory: str | os.PathLike, *, group=None, map_location: Any = "cpu"
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest step that every rank of ``group`` has on disk, and this rank's state for it.
+
+    A collective: every rank of ``group`` must call it. Returns ``(step, state)``, or None on
+    every rank when no step is complete on all ranks. Raises CheckpointError when the file
+    was written by another rank or world size.
+    """
+    rank, W = _rank(group)
+    have = steps_on_disk(directory, rank)
+    step = _newest_common(have, group, W)
+    if step is None:
+        return None
+    path = checkpoint_path(directory, step, rank)
+    payload = load(path, map_location=map_location)
+    if (payload["rank"], payload["world_size"], payload["step"]) != (rank, W, step):
+        raise CheckpointError(
+            f"path: {path!r} was written by rank {payload['rank']} of {payload['world_size']} at step "
+            f"{payload['step']}; this is rank {rank} of {W} loading step {step}"
+        )
+    return step, payload["state"]
+
+
+def _newest_common(have: list[int], group, W: int) -> int | None:
+    """Largest step in every rank's list (collective; a few tiny all-reduces)."""
+    if W == 1:
+        return have[-1] if have else None
+    device = comm_device(group)
+    candidate = have[-1] if have else -1
+    while True:
+        t = torch.tensor([candidate], dtype=torch.int64, device=device)
+        with guard("checkpoint step agreement", group):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        step = int(t[0])
+        if step < 0:
+            return None
+        t = torch.tensor([int(step in have)], dtype=torch.int64, device=device)
+        with guard("checkpoint step agreement", group):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        if int(t[0]):
+            return step
+        candidate = max((s for s in have if s < step), default=-1)
