@@ -22,7 +22,8 @@ def test_wheel_contains_only_the_onebit_namespace(tmp_path):
     assert tops == {"onebit", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
     for module in ("onebit/__init__.py", "onebit/kernels/triton_kernels.py",
                    "onebit/kernels/torch_kernels.py", "onebit/kernels/reference.py",
-                   "onebit/collectives/allreduce.py", "onebit/optimizers/__init__.py"):
+                   "onebit/collectives/allreduce.py", "onebit/checkpoint.py",
+                   "onebit/optimizers/__init__.py"):
         assert module in names, module
     assert not any(n.startswith(("onebit/tests", "onebit/bench", "onebit/examples")) for n in names)
 
