@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import shutil
 from typing import Any
 
 import torch
@@ -106,9 +105,10 @@ def _fsync_dir(path: str) -> None:
 def _remove_own(directory, step: int, rank: int) -> None:
     path = checkpoint_path(directory, step, rank)
     os.remove(path)
-    folder = os.path.dirname(path)
-    if not os.listdir(folder):
-        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(path))  # the last rank out removes the folder
+    except OSError:
+        pass  # other ranks' files are still there (or another rank removed it first)
 
 
 def steps_on_disk(directory: str | os.PathLike, rank: int) -> list[int]:

@@ -8,14 +8,22 @@ torchrun (scripts/demo.sh does: 4 local ranks, gloo on CPU, NCCL when every rank
   --optimizer adam | onebit_adam | zero_one_adam | lamb | onebit_lamb
   (adam and lamb are the same algorithms with the freeze at infinity: full-precision
   gradient averaging every step, the uncompressed baselines)
+
+Failure handling: collectives give up after --timeout seconds (a lost peer is usually
+noticed at once); the first step runs the optimizer's rank agreement check; every
+--verify-every steps the replicas are compared by fingerprint; --checkpoint-every K writes
+per-rank checkpoints atomically and --resume continues from the newest step all ranks have.
+--fault kill|hang|diverge|nan injects a fault on --fault-rank at --fault-step (for testing).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -24,10 +32,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from checkpointing import checkpoint_path, fingerprint, load, save_atomic
 from teardown import finish
+from weights import fingerprint
 
-from onebit.collectives import ring_allreduce_bytes, traffic
+from onebit import checkpoint
+from onebit.collectives import (
+    CollectiveError,
+    ReplicaMismatchError,
+    ring_allreduce_bytes,
+    traffic,
+    verify_replicas,
+)
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 TRAIN_FILES = [
@@ -100,7 +115,37 @@ def evaluate(model, data, args, device) -> float:
     return sum(losses) / len(losses)
 
 
+def inject(args, step: int, rank: int, model) -> None:
+    """The --fault options: called after backward, before the optimizer step."""
+    if args.fault is None or step != args.fault_step or rank != args.fault_rank:
+        return
+    if args.fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.fault == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    first = next(model.parameters())
+    if args.fault == "nan":
+        first.grad.view(-1)[0] = float("nan")
+    if args.fault == "diverge":
+        first.data.view(-1)[0] += 1e-3
+
+
 def main() -> None:
+    try:
+        train()
+    except (CollectiveError, ReplicaMismatchError, FloatingPointError, ValueError) as exc:
+        if isinstance(exc, ValueError) and not str(exc).startswith(("check:", "--resume")):
+            raise  # a bug, not a fault: keep the traceback
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        sys.stdout.flush()
+        sys.stderr.write(f"\nrank {rank}: {type(exc).__name__}: {exc}\n"
+                         f"rank {rank}: stopping; restart all ranks with --resume to continue from the "
+                         f"newest checkpoint every rank has\n")
+        sys.stderr.flush()
+        os._exit(3)  # no teardown: the process group may be broken
+
+
+def train() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--optimizer", default="onebit_adam",
                    choices=["adam", "onebit_adam", "zero_one_adam", "lamb", "onebit_lamb"])
@@ -120,12 +165,21 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default=os.path.join("checkpoints", "train_lm"))
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective waits for a silent peer before every rank gives up")
+    p.add_argument("--verify-every", type=int, default=50,
+                   help="compare the replicas' weight fingerprints every N steps (0: never)")
+    p.add_argument("--fault", choices=["kill", "hang", "diverge", "nan"], default=None,
+                   help="inject a fault (testing): SIGKILL or SIGSTOP a rank, nudge one of its weights, "
+                        "or give it a NaN gradient")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-step", type=int, default=5)
     args = p.parse_args()
     args.freeze_step = args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5)
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, W = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -142,21 +196,19 @@ def main() -> None:
               f"{args.steps} steps, freeze at {args.freeze_step}, {train.numel()} training bytes")
     first = 1
     if args.resume:
-        ckpt = load(checkpoint_path(args.checkpoint_dir, rank))
-        if ckpt["optimizer_name"] != args.optimizer or ckpt["world_size"] != W:
-            raise ValueError(f"--resume: the checkpoint was written by {ckpt['optimizer_name']} on "
-                             f"{ckpt['world_size']} ranks, not {args.optimizer} on {W}")
-        steps = torch.tensor([ckpt["step"], -ckpt["step"]], device=device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        if steps[0].item() != -steps[1].item():
-            raise ValueError(f"--resume: the ranks' checkpoints are from different steps "
-                             f"({-steps[1].item()} to {steps[0].item()})")
+        found = checkpoint.load_latest(args.checkpoint_dir)
+        if found is None:
+            raise ValueError(f"--resume: no step has a checkpoint from every rank in {args.checkpoint_dir}")
+        saved_step, ckpt = found
+        if ckpt["optimizer_name"] != args.optimizer:
+            raise ValueError(f"--resume: the checkpoint was written by {ckpt['optimizer_name']}, "
+                             f"not {args.optimizer}")
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         g.set_state(ckpt["data_rng"])
-        first = ckpt["step"] + 1
+        first = saved_step + 1
         if rank == 0:
-            print(f"resumed from step {ckpt['step']}")
+            print(f"resumed from step {saved_step}")
     log = open(args.log_jsonl, "a") if args.log_jsonl and rank == 0 else None
     t_start = time.perf_counter()
     for step in range(first, args.steps + 1):
@@ -164,9 +216,10 @@ def main() -> None:
         x, y = batch(train, args.batch, args.context, g, device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        inject(args, step, rank, model)
         full = communicates_full(opt)
         t_opt = time.perf_counter()
-        opt.step()
+        opt.step(check=step == first)  # the first step verifies that all ranks agree
         opt_seconds = time.perf_counter() - t_opt  # Adam: the gradient all-reduce + a small update
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -186,10 +239,12 @@ def main() -> None:
             log.write(json.dumps({"step": step, "time": train_time, "train_loss": loss.item(),
                                   "val_loss": val_now, "stage": stage, "step_seconds": step_seconds,
                                   "opt_seconds": opt_seconds}) + "\n")
+        if args.verify_every and step % args.verify_every == 0 and opt.replicas_identical:
+            verify_replicas(model)  # raises on every rank, naming the first differing weight
         if args.checkpoint_every and step % args.checkpoint_every == 0:
-            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                         "data_rng": g.get_state(), "optimizer_name": args.optimizer, "world_size": W},
-                        checkpoint_path(args.checkpoint_dir, rank))
+            checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "data_rng": g.get_state(), "optimizer_name": args.optimizer},
+                            args.checkpoint_dir, step)
         if rank == 0 and (step % 10 == 0 or step == args.steps):
             done = step / args.steps
             bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))

@@ -181,7 +181,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if self.nonfinite == "raise":
             raise FloatingPointError(f"step: {what}; no parameter or state was changed on any rank")
         self.skipped_steps += 1
-        warnings.warn(f"onebit: step skipped on every rank: {what}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"onebit: step skipped on every rank: {what}", RuntimeWarning, stacklevel=6)
         return False
 
     def _communicate_average(self) -> bool:

@@ -41,7 +41,9 @@ def test_train_lm_resume_is_bitwise(optimizer, tmp_path):
                      "--checkpoint-dir", str(tmp_path / "a"))
     _demo("--optimizer", optimizer, "--steps", "4", "--checkpoint-every", "4",
           "--checkpoint-dir", str(tmp_path / "b"))
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["rank00000.pt", "rank00001.pt"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step000000004"]
+    files = sorted(p.name for p in (tmp_path / "b" / "step000000004").iterdir())
+    assert files == ["rank00000.pt", "rank00001.pt"]
     resumed = _demo("--optimizer", optimizer, "--steps", "8", "--resume",
                     "--checkpoint-dir", str(tmp_path / "b"))
     assert "resumed from step 4" in resumed
