@@ -29,13 +29,13 @@ def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
     """A flat contiguous tensor whose final contents must end up in ``tensor``."""
     if tensor.is_contiguous():
         return tensor.view(-1)
-    if any(st == 0 and sz > 1 for st, sz in zip(tensor.stride(), tensor.shape, strict=True)):
-        raise ValueError("tensor: expected a tensor without overlapping elements (stride 0)")
     return tensor.contiguous().view(-1)
 
 
 def _validate(tensor, worker_error, server_error, W: int) -> int:
     check_tensor("tensor", tensor)
+    if any(st == 0 and sz > 1 for st, sz in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise ValueError("tensor: expected a tensor without overlapping elements (stride 0)")
     n = tensor.numel()
     device = tensor.device
     unit = 8 * W

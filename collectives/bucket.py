@@ -39,7 +39,8 @@ def plan_buckets(numels: Sequence[int], element_size: int, bucket_cap_mb: float)
     ``bucket_cap_mb == 0`` puts every tensor in a bucket of its own; a tensor larger than
     the cap gets a bucket of its own. Empty tensors join whatever bucket is open.
     """
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb < 0:
+    ok = isinstance(bucket_cap_mb, int | float) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb >= 0
+    if not ok:  # NaN fails >= 0 too
         raise ValueError(f"bucket_cap_mb: expected a number >= 0, got {bucket_cap_mb!r}")
     cap = bucket_cap_mb * 2**20
     groups: list[list[int]] = []
