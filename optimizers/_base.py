@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from onebit.collectives._failure import guard
-from onebit.collectives._group import all_gather_single, comm_device, gather_json, group_size
+from onebit.collectives._group import comm_device, gather_json, group_size
 from onebit.collectives.bucket import BucketedReducer
 
 
@@ -156,24 +156,34 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return True
-        return bool(torch.stack([torch.isfinite(gr).all() for gr in grads]).all())
+        # A float64 sum is finite exactly when every element is (float32/16 values cannot
+        # overflow it) and reads each gradient once, unlike isfinite().all() (10x slower on CPU).
+        total = torch.stack([gr.sum(dtype=torch.float64) for gr in grads]).sum()
+        return bool(torch.isfinite(total))
 
     def _gradients_usable(self) -> bool:
-        """Agree over the group whether every rank's gradients are finite (one all-gather of
-        one byte per rank and a host sync); on any non-finite gradient, every rank skips or
-        raises before touching any state."""
+        """Agree over the group whether every rank's gradients are finite (one single-element
+        all-reduce and a host sync); on any non-finite gradient, every rank skips or raises
+        before touching any state."""
         if self.nonfinite is None or self._grads_verified:
             return True
         ok = self._local_gradients_finite()
         if self.world_size == 1:
             bad = [] if ok else [0]
         else:
-            device = comm_device(self.process_group)
-            flags = torch.empty(self.world_size, dtype=torch.uint8, device=device)
-            mine = torch.tensor([0 if ok else 1], dtype=torch.uint8, device=device)
-            with guard("non-finite gradient check", self.process_group):
-                all_gather_single(flags, mine, self.process_group)
-            bad = flags.nonzero().flatten().tolist()
+            # One single-element all-reduce in the common case (gloo: ~4x faster than one of
+            # W elements or an all-gather); only when some rank is bad, a second one names them.
+            device, group = comm_device(self.process_group), self.process_group
+            count = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+            with guard("non-finite gradient check", group):
+                dist.all_reduce(count, group=group)
+            bad = []
+            if int(count):
+                flags = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+                flags[dist.get_rank(group)] = 0 if ok else 1
+                with guard("non-finite gradient check", group):
+                    dist.all_reduce(flags, group=group)
+                bad = flags.nonzero().flatten().tolist()
         if not bad:
             return True
         what = (f"non-finite gradient on group rank(s) {bad} at the {self.stage} step after "

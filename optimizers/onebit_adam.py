@@ -46,7 +46,7 @@ class OnebitAdam(WarmupThenCompress):
     Optimizer state per parameter: ``exp_avg`` and ``exp_avg_sq`` (float32, 8 bytes per
     element) plus the bucket's error buffers (about 4 + 4/W bytes per element).
     ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
-    of every step with a one-byte-per-rank all-gather and a host sync, before any state
+    of every step with a one-element all-reduce and a host sync, before any state
     changes): ``"skip"`` (default) skips the step on every rank with a RuntimeWarning naming
     the ranks (``skipped_steps`` counts them), ``"raise"`` raises FloatingPointError on every
     rank, ``None`` checks nothing (non-finite values then reach the parameters on every rank

@@ -36,9 +36,9 @@ def _body(name, use_ddp, steps, accumulate=1):
     real = dist.all_reduce
     counter = {"n": 0}
 
-    def counting(*args, **kwargs):
-        counter["n"] += 1
-        return real(*args, **kwargs)
+    def counting(tensor, *args, **kwargs):
+        counter["n"] += tensor.numel() > 1  # not the optimizer's one-element non-finite check
+        return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counting
     counts = []
