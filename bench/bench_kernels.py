@@ -3,7 +3,10 @@
 For each size, dtype and world size W: worker compress (as the collective runs it, and the
 standalone form that also updates the error), server reduce (fed W received chunks of
 N/W), decompress (with the deferred worker error update, as the collective runs it), and
-the whole local compute of one compressed_allreduce on one rank. "bytes" is the fewest a
+the whole local compute of one compressed_allreduce on one rank, next to the reference
+implementation's chain of torch operations for the same compute (bench/reference_path.py;
+it works in place on its input, like the reference). On CUDA, the peak memory one call
+allocates beyond its inputs and buffers (transient_bytes) too. "bytes" is the fewest a
 kernel must read and write (an implementation that re-reads moves more); GB/s is bytes /
 median time, next to a float32 copy of N elements (read + write) timed in the same run.
 
@@ -26,6 +29,9 @@ import torch
 
 from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from onebit.kernels.layout import empty_message, padded_numel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_path import reference_local  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,6 +94,7 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
     b_decomp = N // 8 + 2 * n * bx + 8 * N  # read bits, x, e; write e and the result
     src = torch.randn(N, generator=g, device=device)
     dst = torch.empty_like(src)
+    ref_we, ref_se = we.clone(), se.clone()
     return [
         ("copy_f32", lambda: dst.copy_(src), 8 * N),
         ("worker", lambda: worker_compress(x, we, W, update_error=False, out=msg), b_worker),
@@ -96,7 +103,22 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
         ("decompress+update", lambda: decompress(gathered, out, W, worker_error=we, worker_message=msg),
          b_decomp),
         ("local_total", local, b_worker + b_server + b_decomp),
+        # the reference implementation's chain of torch operations (bench/reference_path.py)
+        ("reference_local", lambda: reference_local(x, ref_we, ref_se, W), b_worker + b_server + b_decomp),
     ]
+
+
+def transient_bytes(fn, device: torch.device) -> int | None:
+    """Peak bytes allocated during one call beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def main() -> None:
@@ -120,7 +142,7 @@ def main() -> None:
     }
     time_fn = timer(device, args.repeats)
     fields = [*meta, "kernel", "dtype", "W", "log2_n", "ms_median", "ms_p20", "ms_p80", "bytes",
-              "gb_per_s", "copy_gb_per_s", "fraction_of_copy"]
+              "gb_per_s", "copy_gb_per_s", "fraction_of_copy", "transient_bytes", "transient_per_N"]
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
@@ -129,18 +151,24 @@ def main() -> None:
             for dname in args.dtypes:
                 for W in args.worlds:
                     copy_gbps = None
+                    N = padded_numel(1 << k, W)
                     for name, fn, nbytes in cases(1 << k, W, DTYPES[dname], device):
                         med, lo, hi = time_fn(fn)
+                        whole = name in ("local_total", "reference_local")
+                        extra = transient_bytes(fn, device) if whole else None
                         gbps = nbytes / med / 1e6
                         copy_gbps = gbps if name == "copy_f32" else copy_gbps
                         row = {**meta, "kernel": name, "dtype": dname, "W": W, "log2_n": k,
                                "ms_median": f"{med:.4f}", "ms_p20": f"{lo:.4f}", "ms_p80": f"{hi:.4f}",
                                "bytes": nbytes, "gb_per_s": f"{gbps:.2f}",
                                "copy_gb_per_s": f"{copy_gbps:.2f}",
-                               "fraction_of_copy": f"{gbps / copy_gbps:.3f}"}
+                               "fraction_of_copy": f"{gbps / copy_gbps:.3f}",
+                               "transient_bytes": "" if extra is None else extra,
+                               "transient_per_N": "" if extra is None else f"{extra / N:.3f}"}
                         writer.writerow(row)
+                        mem = "" if extra is None else f", transient {extra / N:.3f} x N bytes"
                         print(f"2^{k:<2} {dname:8} W={W:<2} {name:18} {med:9.3f} ms {gbps:8.1f} GB/s "
-                              f"({gbps / copy_gbps:5.2f} of copy)", file=sys.stderr)
+                              f"({gbps / copy_gbps:5.2f} of copy){mem}", file=sys.stderr)
     print(path)
 
 
