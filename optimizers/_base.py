@@ -156,10 +156,13 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return True
-        # A float64 sum is finite exactly when every element is (float32/16 values cannot
-        # overflow it) and reads each gradient once, unlike isfinite().all() (10x slower on CPU).
-        total = torch.stack([gr.sum(dtype=torch.float64) for gr in grads]).sum()
-        return bool(torch.isfinite(total))
+        # A finite sum proves every element finite (NaN and inf propagate); one read per
+        # gradient, several times cheaper than isfinite().all(). Only when the sum is not
+        # finite (a non-finite element, or a float32 overflow of huge finite values) does
+        # the exact elementwise test decide.
+        if bool(torch.isfinite(torch.stack([gr.sum() for gr in grads]).sum())):
+            return True
+        return all(bool(torch.isfinite(gr).all()) for gr in grads)
 
     def _gradients_usable(self) -> bool:
         """Agree over the group whether every rank's gradients are finite (one single-element

@@ -25,9 +25,12 @@ def adam_update(
     if weight_decay:
         p.mul_(1.0 - lr * weight_decay)
     if eps_inside_sqrt:
-        denom = (v / bc2).add_(eps).sqrt_()
+        denom = (v / bc2 if bc2 != 1.0 else v.clone()).add_(eps).sqrt_()
     else:
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        denom = v.sqrt()
+        if bc2 != 1.0:
+            denom.div_(math.sqrt(bc2))
+        denom.add_(eps)
     p.addcdiv_(m, denom, value=-lr / bc1)
 
 

@@ -182,3 +182,16 @@ def test_fingerprints_see_single_changes_and_swaps():
     assert torch.equal(fp[0], fp[5])
     for k in range(1, 5):
         assert not torch.equal(fp[0], fp[k]), k
+
+
+def test_huge_finite_gradients_are_not_taken_for_non_finite():
+    """The fast check sums in float32, which overflows for 2 x 3e38; the exact test decides."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = _make("adam", [p], dict(freeze_step=FREEZE, nonfinite="raise", **HYPER))
+    p.grad = torch.full((4,), 3e38)
+    opt.step()
+    assert opt.skipped_steps == 0 and opt.updates == 1
+    p.grad = torch.tensor([3e38, 3e38, float("inf"), 0.0])
+    with pytest.raises(FloatingPointError, match=r"rank\(s\) \[0\]"):
+        opt.step()
+    assert opt.updates == 1

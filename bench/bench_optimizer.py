@@ -1,0 +1,107 @@
+"""Optimizer overhead: OnebitAdam's compression-stage step against fused AdamW, wire excluded.
+
+A transformer-shaped parameter set (default: 8 blocks of d_model 1024, about 101M
+parameters) with fixed random gradients. OnebitAdam runs with ``freeze_step=0`` (every step
+compressed) and its compressed_allreduce forced through the full local compute at W = 1
+(``_compressed_allreduce(..., W=1)``: worker compress, server reduce, decompress, no
+communication), so the time is the optimizer's own compute. The baseline is
+``torch.optim.AdamW(fused=True)`` on identical parameters. Prints medians of --repeats steps
+and the ratio; appends a CSV row per optimizer.
+
+  python bench/bench_optimizer.py                       # CUDA if present, else CPU
+  python bench/bench_optimizer.py --device cpu --blocks 8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import onebit.collectives.bucket as bucket_module
+from onebit.collectives.allreduce import _compressed_allreduce, _validate
+from onebit.optimizers import OnebitAdam
+
+
+def forced_single_rank(tensor, worker_error, server_error, group=None, **_):
+    """compressed_allreduce with the whole local compute at W = 1 (no identity shortcut)."""
+    _validate(tensor, worker_error, server_error, 1)
+    _compressed_allreduce(tensor, worker_error, server_error, None, 1)
+    return tensor
+
+
+def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
+    shapes = []
+    for _ in range(blocks):
+        shapes += [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)] + [(d,)] * 4 + [(4 * d,)]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(device) * 1e-3
+    return params
+
+
+def time_steps(opt, device, repeats: int) -> list[float]:
+    for _ in range(2):
+        opt.step()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    bucket_module.compressed_allreduce = forced_single_rank  # the reducer's only collective
+    results = {}
+    for name in ("adamw_fused", "onebit_adam"):
+        params = make_params(args.blocks, args.d_model, device)
+        n = sum(q.numel() for q in params)
+        if name == "adamw_fused":
+            opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+        else:
+            opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=0)
+        times = time_steps(opt, device, args.repeats)
+        results[name] = statistics.median(times)
+        print(f"{name:12} {n / 1e6:.1f}M parameters: {results[name]:9.2f} ms/step (median of {len(times)})",
+              file=sys.stderr)
+        del opt, params
+    ratio = results["onebit_adam"] / results["adamw_fused"]
+    print(f"OnebitAdam compression-stage step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"{platform.machine()} x{torch.get_num_threads()} threads")
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    new = not os.path.exists(args.csv)
+    with open(args.csv, "a", newline="") as fh:
+        w = csv.writer(fh)
+        if new:
+            w.writerow(["date", "device", "torch", "parameters", "optimizer", "ms_median", "ratio_to_adamw"])
+        for name, ms in results.items():
+            today = datetime.date.today().isoformat()
+            w.writerow([today, device_name, torch.__version__, n, name, f"{ms:.3f}",
+                        f"{ms / results['adamw_fused']:.3f}"])
+    print(args.csv)
+
+
+if __name__ == "__main__":
+    main()
