@@ -78,7 +78,17 @@ def closure_loss(closure) -> Any:
 
 
 class OnebitOptimizerBase(torch.optim.Optimizer):
-    """Base class: subclasses set FLAT_STATE / DENSE_STATE and implement step()."""
+    """Base class: subclasses set FLAT_STATE / DENSE_STATE and implement step().
+
+    ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
+    of every step with a one-element all-reduce and a host sync, before any state
+    changes): ``"skip"`` (default) skips the step on every rank with a RuntimeWarning naming
+    the ranks (``skipped_steps`` counts them), ``"raise"`` raises FloatingPointError on every
+    rank, ``None`` checks nothing (non-finite values then reach the parameters on every rank
+    alike; the error buffers stay finite). onebit's GradScaler makes the check unnecessary
+    and it is skipped under ``scaler.step``. ``step(check=True)`` first verifies that all
+    ranks agree on parameters, stage and counters (:meth:`verify_ranks`).
+    """
 
     FLAT_STATE: tuple[str, ...] = ()
     DENSE_STATE: tuple[str, ...] = ()

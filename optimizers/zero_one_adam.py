@@ -40,14 +40,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
     flat buffer ``momentum_accumulator`` (carries the compressed gradient in phase 1 and
     ``u`` at syncs; float32, 16 bytes per element in all) plus the error buffers (about
     4 + 4/W bytes per element).
-    ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
-    of every step with a one-element all-reduce and a host sync, before any state
-    changes): ``"skip"`` (default) skips the step on every rank with a RuntimeWarning naming
-    the ranks (``skipped_steps`` counts them), ``"raise"`` raises FloatingPointError on every
-    rank, ``None`` checks nothing (non-finite values then reach the parameters on every rank
-    alike; the error buffers stay finite). onebit's GradScaler makes the check unnecessary
-    and it is skipped under ``scaler.step``. ``step(check=True)`` first verifies that all
-    ranks agree on parameters, stage and counters (:meth:`verify_ranks`).
+    ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
+    ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
     """
 
     FLAT_STATE = ("momentum_accumulator",)
