@@ -128,12 +128,21 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         (always, except between 0/1 Adam's synchronisations)."""
         return True
 
-    # -- the start of every step: agreement check, non-finite gradients -----------------
-    def _begin_step(self, check: bool) -> bool:
-        """Run the optional rank agreement check and the non-finite policy; False: skip."""
+    # -- step: agreement check, non-finite gradients, then the subclass's update ---------
+    @torch.no_grad()
+    def step(self, closure=None, *, check: bool = False):
+        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
+        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
+        loss = closure_loss(closure)
         if check:
             self.verify_ranks()
-        return self._gradients_usable()
+        if self._gradients_usable():
+            self._take_step()
+        return loss
+
+    def _take_step(self) -> None:
+        """The optimizer's update, on gradients every rank has agreed are usable."""
+        raise NotImplementedError
 
     def _describe(self) -> dict[str, Any]:
         params = [p for g in self.param_groups for p in g["params"]]
@@ -204,7 +213,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if self.nonfinite == "raise":
             raise FloatingPointError(f"step: {what}; no parameter or state was changed on any rank")
         self.skipped_steps += 1
-        warnings.warn(f"onebit: step skipped on every rank: {what}", RuntimeWarning, stacklevel=6)
+        warnings.warn(f"onebit: step skipped on every rank: {what}", RuntimeWarning, stacklevel=5)
         return False
 
     def _communicate_average(self) -> bool:

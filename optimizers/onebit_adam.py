@@ -8,7 +8,7 @@ import torch
 
 from onebit.collectives.bucket import allreduce_mean_
 
-from ._base import WarmupThenCompress, adam_defaults, check_freeze_step, closure_loss
+from ._base import WarmupThenCompress, adam_defaults, check_freeze_step
 
 __all__ = ["OnebitAdam", "adam_update"]
 
@@ -79,13 +79,7 @@ class OnebitAdam(WarmupThenCompress):
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
         self.updates = 0
 
-    @torch.no_grad()
-    def step(self, closure=None, *, check: bool = False):
-        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
-        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
-        loss = closure_loss(closure)
-        if not self._begin_step(check):
-            return loss
+    def _take_step(self) -> None:
         reducer = self.reducer()
         compress = self.compressing
         self.updates += 1
@@ -110,7 +104,6 @@ class OnebitAdam(WarmupThenCompress):
                     self._moments(g, m, v, avg[off : off + size].view_as(p))
                     self._apply(p, g, m, v, t, frozen=False)
         self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
-        return loss
 
     def _step_non_freeze(self, t: int, communicate: bool) -> None:
         for g in self.param_groups:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._base import WarmupThenCompress, adam_defaults, check_freeze_step, check_positive_or_zero, closure_loss
+from ._base import WarmupThenCompress, adam_defaults, check_freeze_step, check_positive_or_zero
 
 __all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
 
@@ -128,13 +128,7 @@ class OnebitLamb(WarmupThenCompress):
         """The per-parameter coefficients of the last step (a copy; reads them to the host)."""
         return [float(c) for c in self._coeffs]
 
-    @torch.no_grad()
-    def step(self, closure=None, *, check: bool = False):
-        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
-        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
-        loss = closure_loss(closure)
-        if not self._begin_step(check):
-            return loss
+    def _take_step(self) -> None:
         reducer = self.reducer()
         compress = self.compressing
         first = compress and self.updates == self.freeze_step
@@ -144,7 +138,6 @@ class OnebitLamb(WarmupThenCompress):
             self._coeffs = self._compressed_step(reducer, pairs, first)
         else:
             self._coeffs = self._warmup_step(reducer, pairs)
-        return loss
 
     def _lamb_kwargs(self, g: dict) -> dict:
         return dict(lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], min_coeff=self.min_coeff,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step, closure_loss
+from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step
 
 __all__ = ["ZeroOneAdam"]
 
@@ -95,13 +95,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def wants_averaged_gradients(self) -> bool:
         return self.phase == 1 and (self.updates + 1) % self.var_interval == 0
 
-    @torch.no_grad()
-    def step(self, closure=None, *, check: bool = False):
-        """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
-        Non-finite gradients on any rank: see the ``nonfinite`` argument."""
-        loss = closure_loss(closure)
-        if not self._begin_step(check):
-            return loss
+    def _take_step(self) -> None:
         reducer = self.reducer()
         phase = self.phase
         if phase == 2 and self.updates == self.var_freeze_step:
@@ -114,7 +108,6 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self.last_sync = t
         else:
             self._phase_two(reducer, pairs, t)
-        return loss
 
     def _update(self, p, g, m, v) -> torch.Tensor:
         update = m / (v.sqrt() + g["eps"])
