@@ -23,6 +23,8 @@ from onebit.collectives._failure import guard
 from onebit.collectives._group import comm_device, gather_json, group_size
 from onebit.collectives.bucket import BucketedReducer
 
+from ._functional import tiny_variance_mask
+
 
 def check_positive_or_zero(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
@@ -61,6 +63,15 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
 
 
 NONFINITE_POLICIES = ("skip", "raise", None)
+AUTO_MASK = 0.01  # default ratio: see tiny_variance_mask and docs/TRAINING.md
+
+
+def check_auto_mask(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise ValueError(f"auto_mask: expected None or a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def check_nonfinite(value: object) -> str | None:
@@ -97,11 +108,16 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
 
     def __init__(
-        self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float, nonfinite: str | None = "skip"
+        self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float,
+        nonfinite: str | None = "skip", auto_mask: float | None = AUTO_MASK,
     ) -> None:
         self.world_size = group_size(group)  # validates group before anything is built
         self.bucket_cap_mb = check_positive_or_zero("bucket_cap_mb", bucket_cap_mb)
         self.nonfinite = check_nonfinite(nonfinite)
+        self.auto_mask = check_auto_mask(auto_mask)
+        self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
+        self.masked_coordinates = 0
+        self._mask_warned = False
         super().__init__(params, defaults)
         self.process_group = group
         self.skipped_steps = 0  # steps skipped for non-finite gradients (saved with the state)
@@ -220,6 +236,45 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """Average in step() unless a DDP hook already did it for this step."""
         return not self.external_averaging
 
+    # -- automatic momentum mask --------------------------------------------------------
+    VARIANCE_STATE = "exp_avg_sq"
+
+    def auto_masks(self) -> list[torch.Tensor | None]:
+        """Per compressed parameter: the coordinates whose compressed updates are masked
+        (bool, True = masked) or None; built from the variance when first needed after it
+        changed (see ``auto_mask`` and :func:`tiny_variance_mask`). All None when off."""
+        pairs = self.compressed_params()
+        if self.auto_mask is None:
+            return [None] * len(pairs)
+        if self._masks is None:
+            self._masks = [tiny_variance_mask(self.state[p][self.VARIANCE_STATE], self.auto_mask)
+                           for p, _ in pairs]
+            self.masked_coordinates = sum(int(m.sum()) for m in self._masks if m is not None)
+            if self.masked_coordinates and not self._mask_warned:
+                self._mask_warned = True
+                total = sum(p.numel() for p, _ in pairs)
+                warnings.warn(
+                    f"onebit: {type(self).__name__} masks the compressed momentum of "
+                    f"{self.masked_coordinates:,} of {total:,} coordinates whose variance is at most "
+                    f"{self.auto_mask:g} x their tensor's mean (they had (almost) no gradient: "
+                    f"always-zero features, dead units, unused embedding rows); Adam gives them "
+                    f"(almost) no update either. opt.stats() counts them; auto_mask=None restores "
+                    f"the reference's behaviour", RuntimeWarning, stacklevel=4,
+                )
+        return self._masks
+
+    def _variance_changed(self) -> None:
+        self._masks = None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters a user should see: updates, steps skipped for non-finite gradients,
+        coordinates masked by ``auto_mask`` (as of the last time the mask was built)."""
+        out = {name: getattr(self, name) for name in self.COUNTERS}
+        out.update(stage=self.stage, skipped_steps=self.skipped_steps,
+                   masked_coordinates=self.masked_coordinates,
+                   coordinates=sum(p.numel() for p, _ in self.compressed_params()))
+        return out
+
     # -- parameters and buffers -------------------------------------------------------
     def compressed_params(self) -> list[tuple[torch.Tensor, dict]]:
         """(param, group) of every parameter whose state is compressed, in a fixed order."""
@@ -293,6 +348,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     def _restore_loaded_state(self) -> None:
         pending, self._pending = self._pending, None
         assert pending is not None
+        self._variance_changed()  # masks are a function of the loaded variance
         for g, mask in zip(self.param_groups, pending["masks"], strict=True):
             g["exp_avg_mask"] = mask
         params = [p for g in self.param_groups for p in g["params"]]

@@ -8,7 +8,7 @@ import torch
 
 from onebit.collectives.bucket import allreduce_mean_
 
-from ._base import WarmupThenCompress, adam_defaults, check_freeze_step
+from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_freeze_step
 
 __all__ = ["OnebitAdam", "adam_update"]
 
@@ -70,12 +70,14 @@ class OnebitAdam(WarmupThenCompress):
         bucket_cap_mb: float = 25.0,
         group=None,
         nonfinite: str | None = "skip",
+        auto_mask: float | None = AUTO_MASK,
     ) -> None:
         defaults = adam_defaults(
             lr, betas, eps, weight_decay,
             bias_correction=bool(bias_correction), eps_inside_sqrt=bool(eps_inside_sqrt),
         )
-        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite)
+        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
+                         auto_mask=auto_mask)
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
         self.updates = 0
 
@@ -92,7 +94,9 @@ class OnebitAdam(WarmupThenCompress):
                 if p.grad is not None:
                     m.add_(p.grad, alpha=1.0 - g["betas"][0])
             reducer.compressed_mean_()
-            for k, (p, g) in enumerate(pairs):
+            for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
+                if dead is not None:
+                    reducer.views[k].masked_fill_(dead, 0.0)
                 self._apply(p, g, reducer.views[k], self.state[p]["exp_avg_sq"], t, frozen=True)
         else:
             for bucket in reducer.buckets:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._base import WarmupThenCompress, adam_defaults, check_freeze_step, check_positive_or_zero
+from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_freeze_step, check_positive_or_zero
 
 __all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
 
@@ -104,6 +104,7 @@ class OnebitLamb(WarmupThenCompress):
         factor_threshold: float = 0.1,
         group=None,
         nonfinite: str | None = "skip",
+        auto_mask: float | None = AUTO_MASK,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff), ("coeff_beta", coeff_beta),
@@ -114,7 +115,8 @@ class OnebitLamb(WarmupThenCompress):
             raise ValueError(f"min_coeff: expected <= max_coeff ({max_coeff}), got {min_coeff}")
         if factor_min > factor_max:
             raise ValueError(f"factor_min: expected <= factor_max ({factor_max}), got {factor_min}")
-        super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite)
+        super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite,
+                         auto_mask=auto_mask)
         self.freeze_step = check_freeze_step("freeze_step", freeze_step)
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
@@ -181,9 +183,11 @@ class OnebitLamb(WarmupThenCompress):
             m.mul_(self.state[p]["scaling_coeff"].to(torch.float32))
         reducer.compressed_mean_()
         coeffs = []
-        for k, (p, g) in enumerate(pairs):
+        for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
             state, m = self.state[p], views[k]
             m.div_(state["scaling_coeff"].to(torch.float32))
+            if dead is not None:
+                m.masked_fill_(dead, 0.0)
             if g.get("exp_avg_mask") is not None:
                 m.mul_(g["exp_avg_mask"])
             off = bucket.offsets[k]

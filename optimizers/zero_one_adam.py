@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import OnebitOptimizerBase, adam_defaults, check_freeze_step
+from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults, check_freeze_step
 
 __all__ = ["ZeroOneAdam"]
 
@@ -64,9 +64,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         bucket_cap_mb: float = 25.0,
         group=None,
         nonfinite: str | None = "skip",
+        auto_mask: float | None = AUTO_MASK,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
-        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite)
+        super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
+                         auto_mask=auto_mask)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
         self.var_freeze_step = check_freeze_step("var_freeze_step", var_freeze_step)
@@ -127,6 +129,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                     state, (b1, b2) = self.state[p], g["betas"]
                     state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
                     state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+            self._variance_changed()
         else:  # the accumulator is zero in phase 1: it carries the compressed gradient
             for k, (p, _) in enumerate(pairs):
                 if p.grad is None:
@@ -134,8 +137,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 else:
                     reducer.views[k].copy_(p.grad)
             reducer.compressed_mean_()
-            for k, (p, g) in enumerate(pairs):
+            for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
                 grad = reducer.views[k]
+                if dead is not None:
+                    grad.masked_fill_(dead, 0.0)
                 if g.get("exp_avg_mask") is not None:
                     grad.mul_(g["exp_avg_mask"])
                 self.state[p]["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1 - g["betas"][0])
@@ -153,12 +158,15 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if t == self.var_freeze_step + 1:  # replicas are identical here: remember them
             for p, _ in pairs:
                 self.state[p]["sync_params"].copy_(p)
-        for p, g in pairs:
+        masks = self.auto_masks()
+        for (p, g), dead in zip(pairs, masks, strict=True):
             state = self.state[p]
             m, b1 = state["exp_avg"], g["betas"][0]
             m.mul_(b1)
             if p.grad is not None:
                 m.add_(p.grad, alpha=1 - b1)
+            if dead is not None:
+                m.masked_fill_(dead, 0.0)
             p.add_(self._update(p, g, m, state["exp_avg_sq"]), alpha=-g["lr"])
         for i, g in enumerate(self.param_groups):
             self.lrs[i] += g["lr"]
@@ -169,8 +177,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 torch.sub(p, state["sync_params"], out=u)  # the local steps' accumulated update
                 u.mul_(state["exp_avg_sq"].sqrt() + g["eps"])
             reducer.compressed_mean_()
-            for k, (p, g) in enumerate(pairs):
+            for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
                 state, u = self.state[p], reducer.views[k]
+                if dead is not None:
+                    u.masked_fill_(dead, 0.0)
                 if g.get("exp_avg_mask") is not None:
                     u.mul_(g["exp_avg_mask"])
                 state["exp_avg"].copy_(u).div_(-self.lrs[index[id(g)]])

@@ -56,17 +56,28 @@ def reference_onebit_adam(params, grads, *, lr, betas, eps, weight_decay, freeze
     return p
 
 
+def reference_dead(v: torch.Tensor, ratio: float | None) -> torch.Tensor | None:
+    """float64 twin of the automatic momentum mask: True where sqrt(v) <= ratio * mean of the
+    tensor's nonzero sqrt(v) (None when off)."""
+    if ratio is None:
+        return None
+    s = torch.sqrt(v.double())
+    nonzero = s[s > 0]
+    typical = float(nonzero.mean()) if nonzero.numel() else 0.0
+    return s <= ratio * typical
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-300))
 
 
-__all__ = ["math", "reference_onebit_adam", "relative"]
+__all__ = ["math", "reference_dead", "reference_onebit_adam", "relative"]
 
 
 def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze_step, max_coeff=10.0,
                           min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                          factor_threshold=0.1):
+                          factor_threshold=0.1, auto_mask=None):
     """Float64 1-bit LAMB (ALGORITHMS.md 4.1) over W simulated ranks; returns (params, coeffs)."""
     W = len(grads[0])
     p = [x.double().clone() for x in params]
@@ -105,6 +116,7 @@ def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze
             rms = [float(mi.norm()) / math.sqrt(max(mi.numel(), 1)) for mi in m]
             united = sum(rms) / len(rms)
             scaling = [united / r if r > 0 else 1.0 for r in rms]
+            dead = [reference_dead(vi, auto_mask) for vi in v]
         m_last = [mi.clone() for mi in m]
         flats = []
         for r in range(W):
@@ -116,6 +128,8 @@ def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze
         off = 0
         for i in range(len(p)):
             m[i] = res.output[off : off + numels[i]].view_as(p[i]) / scaling[i]
+            if dead[i] is not None:
+                m[i] = torch.where(dead[i], 0.0, m[i])
             off += numels[i]
             g = (m[i] - b1 * m_last[i]) / (1 - b1)
             v_fresh[i] = b2 * v_fresh[i] + (1 - b2) * g * g

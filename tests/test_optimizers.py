@@ -182,13 +182,14 @@ def test_single_process_freeze_counts_real_updates():
 LAMB_SHAPES = [(7, 5), (5,), (3, 4, 2), (33,)]  # LAMB's trust ratio needs non-empty tensors here
 
 
-def _body_lamb(steps, freeze, wd, zero_param):
+def _body_lamb(steps, freeze, wd, zero_param, auto_mask=None):
     from onebit.optimizers import OnebitLamb
 
     r = dist.get_rank()
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LAMB_SHAPES]
-    opt = OnebitLamb(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=wd, freeze_step=freeze)
+    opt = OnebitLamb(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=wd, freeze_step=freeze,
+                     auto_mask=auto_mask)
     for t in range(steps):
         grads = _grads(t, r, LAMB_SHAPES)
         if zero_param:
@@ -199,13 +200,17 @@ def _body_lamb(steps, freeze, wd, zero_param):
 
 
 @pytest.mark.parametrize("W", [2, 3])
-@pytest.mark.parametrize("wd,zero_param", [(0.0, False), (0.01, False), (0.01, True)],
-                         ids=["no-wd", "wd", "wd-zero-momentum"])
-def test_onebit_lamb_matches_float64_reference(ranks, W, wd, zero_param):
+@pytest.mark.parametrize("wd,zero_param,auto_mask", [
+    (0.0, False, 0.01), (0.01, False, 0.01), (0.01, True, None), (0.01, True, 0.01)],
+    ids=["no-wd", "wd", "wd-zero-momentum-reference", "wd-zero-momentum-masked"])
+def test_onebit_lamb_matches_float64_reference(ranks, W, wd, zero_param, auto_mask):
+    """Random inputs (no zero variance): the default (auto_mask on) is bitwise the reference's
+    maths. A parameter with zero gradient: auto_mask=None is the reference's m/eps update,
+    the default masks it (its momentum stays zero after decompression)."""
     from optim_reference import reference_onebit_lamb
 
     freeze, steps = 4, 10
-    got = ranks(W).run(_body_lamb, steps, freeze, wd, zero_param)
+    got = ranks(W).run(_body_lamb, steps, freeze, wd, zero_param, auto_mask)
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=g) for s in LAMB_SHAPES]
     grads = []
@@ -218,10 +223,11 @@ def test_onebit_lamb_matches_float64_reference(ranks, W, wd, zero_param):
             per_rank.append(gr)
         grads.append(per_rank)
     ref, ref_coeffs = reference_onebit_lamb(params, grads, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
-                                            weight_decay=wd, freeze_step=freeze)
-    # A parameter whose gradient is always zero has v = 0: its update is m / eps, 1e6 times
-    # the float32 rounding of m (measured 2.4e-6 at W = 3); elsewhere measured < 1e-6.
-    tol = 1e-5 if zero_param else 2e-6
+                                            weight_decay=wd, freeze_step=freeze, auto_mask=auto_mask)
+    # A parameter whose gradient is always zero has v = 0: without the mask its update is
+    # m / eps, 1e6 times the float32 rounding of m (measured 2.4e-6 at W = 3); elsewhere
+    # measured < 1e-6.
+    tol = 1e-5 if zero_param and auto_mask is None else 2e-6
     for r in range(W):
         for i, (x, y) in enumerate(zip(got[r][0], ref, strict=True)):
             assert relative(x, y) < tol, (r, i, relative(x, y))
