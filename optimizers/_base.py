@@ -12,7 +12,6 @@ parameters' dtype (torch would cast it to the parameter dtype).
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -23,6 +22,7 @@ from onebit.collectives._failure import guard
 from onebit.collectives._group import comm_device, gather_json, group_size
 from onebit.collectives.bucket import BucketedReducer
 
+from ._freeze import FreezeSchedule
 from ._functional import tiny_variance_mask
 
 
@@ -39,14 +39,6 @@ def check_betas(betas: object) -> tuple[float, float]:
     if not ok:
         raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
     return float(betas[0]), float(betas[1])
-
-
-def check_freeze_step(name: str, value: object) -> float:
-    if value == math.inf:
-        return math.inf
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected an int >= 0 or math.inf, got {value!r}")
-    return value
 
 
 def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
@@ -170,6 +162,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "counters": {name: getattr(self, name) for name in self.COUNTERS},
             "bucket_cap_mb": self.bucket_cap_mb,
             "nonfinite": self.nonfinite,
+            "auto_mask": self.auto_mask,
+            "freeze": repr(getattr(self, "schedule", None)),
         }
 
     def verify_ranks(self) -> None:
@@ -270,8 +264,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """Counters a user should see: updates, steps skipped for non-finite gradients,
         coordinates masked by ``auto_mask`` (as of the last time the mask was built)."""
         out = {name: getattr(self, name) for name in self.COUNTERS}
-        out.update(stage=self.stage, skipped_steps=self.skipped_steps,
-                   masked_coordinates=self.masked_coordinates,
+        out.pop("freeze_state", None)
+        out.update(stage=self.stage, frozen_at=getattr(self, "frozen_at", None),
+                   skipped_steps=self.skipped_steps, masked_coordinates=self.masked_coordinates,
                    coordinates=sum(p.numel() for p, _ in self.compressed_params()))
         return out
 
@@ -408,15 +403,24 @@ def _difference(theirs: dict, ours: dict) -> str:
 
 
 class WarmupThenCompress(OnebitOptimizerBase):
-    """1-bit Adam / LAMB schedule: ``freeze_step`` full-precision updates, then compression."""
+    """1-bit Adam / LAMB schedule: full-precision warm-up until the freeze, then compression.
 
-    freeze_step: float
+    ``freeze_step``: an int (exactly that many warm-up updates), ``math.inf`` (never
+    compress), or ``"auto"`` / an :class:`~onebit.optimizers.AutoFreeze` (freeze when the
+    variance settles; see :mod:`onebit.optimizers._freeze`). ``frozen_at`` reports it."""
+
     updates: int
+    schedule: FreezeSchedule
+
+    @property
+    def frozen_at(self) -> int | None:
+        """Number of warm-up updates before compression started; None before the freeze."""
+        return self.schedule.frozen_at(self.updates)
 
     @property
     def compressing(self) -> bool:
-        """True once ``freeze_step`` warm-up updates are done: the next step is compressed."""
-        return self.updates >= self.freeze_step
+        """True once the warm-up is over: the next step is compressed."""
+        return self.frozen_at is not None
 
     def wants_averaged_gradients(self) -> bool:
         return not self.compressing
@@ -424,3 +428,20 @@ class WarmupThenCompress(OnebitOptimizerBase):
     @property
     def stage(self) -> str:
         return "compression" if self.compressing else "warm-up"
+
+    @property
+    def freeze_state(self) -> dict[str, Any]:
+        return self.schedule.state()
+
+    @freeze_state.setter
+    def freeze_state(self, value: dict[str, Any]) -> None:
+        self.schedule.load(value)
+
+    def _observe_variance(self) -> None:
+        """After a warm-up update: let an automatic schedule judge the variance."""
+        self.schedule.observe(
+            self.updates,
+            [(self.state[p][self.VARIANCE_STATE], g["betas"][1], self.updates)
+             for p, g in self.compressed_params()],
+            self.process_group,
+        )

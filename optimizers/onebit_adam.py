@@ -8,7 +8,8 @@ import torch
 
 from onebit.collectives.bucket import allreduce_mean_
 
-from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_freeze_step
+from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
+from ._freeze import AutoFreeze, FreezeSchedule
 
 __all__ = ["OnebitAdam", "adam_update"]
 
@@ -54,7 +55,7 @@ class OnebitAdam(WarmupThenCompress):
 
     FLAT_STATE = ("exp_avg",)
     DENSE_STATE = ("exp_avg_sq",)
-    COUNTERS = ("updates",)
+    COUNTERS = ("updates", "freeze_state")
 
     def __init__(
         self,
@@ -63,7 +64,7 @@ class OnebitAdam(WarmupThenCompress):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | float = 100000,
+        freeze_step: int | float | str | AutoFreeze = 100000,
         *,
         bias_correction: bool = False,
         eps_inside_sqrt: bool = False,
@@ -78,7 +79,8 @@ class OnebitAdam(WarmupThenCompress):
         )
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
                          auto_mask=auto_mask)
-        self.freeze_step = check_freeze_step("freeze_step", freeze_step)
+        self.schedule = FreezeSchedule("freeze_step", freeze_step)
+        self.freeze_step = freeze_step
         self.updates = 0
 
     def _take_step(self) -> None:
@@ -108,6 +110,8 @@ class OnebitAdam(WarmupThenCompress):
                     self._moments(g, m, v, avg[off : off + size].view_as(p))
                     self._apply(p, g, m, v, t, frozen=False)
         self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
+        if not compress:
+            self._observe_variance()
 
     def _step_non_freeze(self, t: int, communicate: bool) -> None:
         for g in self.param_groups:
@@ -139,7 +143,7 @@ class OnebitAdam(WarmupThenCompress):
         b1, b2 = g["betas"]
         if g["bias_correction"]:
             bc1 = 1.0 - b1**t
-            bc2 = 1.0 - b2 ** (min(t, self.freeze_step) if frozen else t)
+            bc2 = 1.0 - b2 ** (self.frozen_at if frozen else t)
         else:
             bc1 = bc2 = 1.0
         adam_update(

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_freeze_step, check_positive_or_zero
+from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_positive_or_zero
+from ._freeze import AutoFreeze, FreezeSchedule
 
 __all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
 
@@ -84,7 +85,7 @@ class OnebitLamb(WarmupThenCompress):
     FLAT_STATE = ("exp_avg",)
     DENSE_STATE = ("exp_avg_sq", "exp_avg_sq_fresh")
     SCALAR_STATE = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}
-    COUNTERS = ("updates",)
+    COUNTERS = ("updates", "freeze_state")
     FLAT_PADDING = True
 
     def __init__(
@@ -94,7 +95,7 @@ class OnebitLamb(WarmupThenCompress):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | float = 100000,
+        freeze_step: int | float | str | AutoFreeze = 100000,
         *,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
@@ -117,7 +118,8 @@ class OnebitLamb(WarmupThenCompress):
             raise ValueError(f"factor_min: expected <= factor_max ({factor_max}), got {factor_min}")
         super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite,
                          auto_mask=auto_mask)
-        self.freeze_step = check_freeze_step("freeze_step", freeze_step)
+        self.schedule = FreezeSchedule("freeze_step", freeze_step)
+        self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         if any(g.get("non_freeze", False) for g in self.param_groups):
@@ -133,13 +135,14 @@ class OnebitLamb(WarmupThenCompress):
     def _take_step(self) -> None:
         reducer = self.reducer()
         compress = self.compressing
-        first = compress and self.updates == self.freeze_step
+        first = compress and self.updates == self.frozen_at
         self.updates += 1
         pairs = self.compressed_params()
         if compress:
             self._coeffs = self._compressed_step(reducer, pairs, first)
         else:
             self._coeffs = self._warmup_step(reducer, pairs)
+            self._observe_variance()
 
     def _lamb_kwargs(self, g: dict) -> dict:
         return dict(lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], min_coeff=self.min_coeff,
@@ -157,8 +160,6 @@ class OnebitLamb(WarmupThenCompress):
                 b1, b2 = g["betas"]
                 m.mul_(b1).add_(grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                if self.updates == self.freeze_step:
-                    state["exp_avg_sq_fresh"].copy_(v)
                 coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], **self._lamb_kwargs(g)))
         return coeffs
 
@@ -166,6 +167,9 @@ class OnebitLamb(WarmupThenCompress):
         views = reducer.views
         if not reducer.buckets:
             return []
+        if first:  # the fresh variance starts from the frozen one
+            for p, _ in pairs:
+                self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])
         if first:  # equalise momentum magnitudes once; 1 where a momentum is all zero
             rms = [_norm(views[k]) / math.sqrt(max(views[k].numel(), 1)) for k in range(len(pairs))]
             united = torch.stack(rms).mean() if rms else None

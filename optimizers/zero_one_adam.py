@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults, check_freeze_step
+from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
+from ._freeze import AutoFreeze, FreezeSchedule
 
 __all__ = ["ZeroOneAdam"]
 
@@ -47,7 +50,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
     FLAT_STATE = ("momentum_accumulator",)
     DENSE_STATE = ("exp_avg", "exp_avg_sq", "sync_params")
     COUNTERS = ("updates", "var_interval", "var_counter", "local_step_interval", "local_step_counter",
-                "lrs", "last_sync")
+                "lrs", "last_sync", "var_updates", "freeze_state")
 
     def __init__(
         self,
@@ -56,7 +59,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int | float = 100000,
+        var_freeze_step: int | float | str | AutoFreeze = 100000,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
@@ -71,7 +74,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
                          auto_mask=auto_mask)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
-        self.var_freeze_step = check_freeze_step("var_freeze_step", var_freeze_step)
+        self.schedule = FreezeSchedule("var_freeze_step", var_freeze_step)
+        self.var_freeze_step = var_freeze_step
         self.var_update_scaler = _check_int("var_update_scaler", var_update_scaler)
         self.local_step_scaler = _check_int("local_step_scaler", local_step_scaler)
         self.local_step_clipper = _check_int("local_step_clipper", local_step_clipper)
@@ -80,11 +84,25 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.local_step_interval, self.local_step_counter = 1, 0
         self.lrs = [0.0] * len(self.param_groups)  # learning rates summed since the last sync
         self.last_sync = 0  # the last update after which the replicas were identical
+        self.var_updates = 0  # variance updates so far (its bias correction, for "auto")
+
+    @property
+    def frozen_at(self) -> int | None:
+        """Number of phase-1 updates before the variance froze; None while it still updates."""
+        return self.schedule.frozen_at(self.updates)
 
     @property
     def phase(self) -> int:
         """1 while the variance still updates, 2 once it is frozen (local steps)."""
-        return 1 if self.updates < self.var_freeze_step else 2
+        return 1 if self.frozen_at is None else 2
+
+    @property
+    def freeze_state(self) -> dict[str, Any]:
+        return self.schedule.state()
+
+    @freeze_state.setter
+    def freeze_state(self, value: dict[str, Any]) -> None:
+        self.schedule.load(value)
 
     @property
     def stage(self) -> str:
@@ -100,7 +118,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _take_step(self) -> None:
         reducer = self.reducer()
         phase = self.phase
-        if phase == 2 and self.updates == self.var_freeze_step:
+        if phase == 2 and self.updates == self.frozen_at:
             reducer.reset_errors()  # errors change domain: gradients -> accumulated updates
         self.updates += 1
         t = self.updates
@@ -108,6 +126,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if phase == 1:
             self._phase_one(reducer, pairs, t)
             self.last_sync = t
+            self.schedule.observe(
+                t, [(self.state[p]["exp_avg_sq"], g["betas"][1], self.var_updates) for p, g in pairs],
+                self.process_group,
+            )
         else:
             self._phase_two(reducer, pairs, t)
 
@@ -130,6 +152,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                     state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
                     state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
             self._variance_changed()
+            self.var_updates += 1
         else:  # the accumulator is zero in phase 1: it carries the compressed gradient
             for k, (p, _) in enumerate(pairs):
                 if p.grad is None:
@@ -155,7 +178,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 self.var_interval *= 2
 
     def _phase_two(self, reducer, pairs, t: int) -> None:
-        if t == self.var_freeze_step + 1:  # replicas are identical here: remember them
+        if t == self.frozen_at + 1:  # replicas are identical here: remember them
             for p, _ in pairs:
                 self.state[p]["sync_params"].copy_(p)
         masks = self.auto_masks()

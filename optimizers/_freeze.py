@@ -1,0 +1,136 @@
+"""When the variance freezes: after a fixed number of updates, or "auto" when it settles.
+
+``freeze_step="auto"`` (or an :class:`AutoFreeze` with other settings) watches, every
+``window`` warm-up updates, each compressed tensor's ``||sqrt(v_hat)||_1`` (``v_hat`` the
+bias-corrected variance). A window is calm when no tensor's statistic moved by more than
+``tolerance`` (relative) since the previous check; after ``patience`` calm windows in a row,
+and no earlier than ``min_step`` updates, the variance freezes; at ``max_step`` it freezes
+regardless. Every rank sees the same averaged gradients and so the same variance; the
+verdict is still agreed by a one-element all-reduce (MIN: freeze only when all agree), so a
+rank whose arithmetic differs cannot split the group. The schedule's state (the step it
+froze at, the calm count, the last statistics) is saved with the optimizer's counters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onebit.collectives._failure import guard
+from onebit.collectives._group import comm_device
+
+__all__ = ["AutoFreeze", "FreezeSchedule"]
+
+
+def _positive_int(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class AutoFreeze:
+    """Settings of ``freeze_step="auto"`` (see the module docstring); these are the defaults."""
+
+    window: int = 50
+    tolerance: float = 0.05
+    patience: int = 2
+    min_step: int = 100
+    max_step: int = 100_000
+
+    def __post_init__(self) -> None:
+        _positive_int("AutoFreeze.window", self.window)
+        _positive_int("AutoFreeze.patience", self.patience)
+        _positive_int("AutoFreeze.min_step", self.min_step, low=0)
+        _positive_int("AutoFreeze.max_step", self.max_step)
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 1:
+            raise ValueError(f"AutoFreeze.tolerance: expected a number in (0, 1), got {tol!r}")
+        if self.min_step > self.max_step:
+            raise ValueError(
+                f"AutoFreeze.min_step: expected <= max_step ({self.max_step}), got {self.min_step}"
+            )
+
+
+class FreezeSchedule:
+    """A fixed freeze step (an int >= 0 or math.inf) or an automatic one (``"auto"``/AutoFreeze)."""
+
+    def __init__(self, name: str, value: object) -> None:
+        self.name = name
+        self.auto: AutoFreeze | None = None
+        self.fixed: float = math.inf
+        if isinstance(value, AutoFreeze):
+            self.auto = value
+        elif isinstance(value, str) and value == "auto":
+            self.auto = AutoFreeze()
+        elif value == math.inf:
+            self.fixed = math.inf
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"{name}: expected an int >= 0, math.inf, 'auto' or an AutoFreeze, got {value!r}"
+            )
+        else:
+            self.fixed = value
+        self._frozen_at: int | None = None  # auto only
+        self._calm = 0
+        self._last: list[float] | None = None
+
+    def __repr__(self) -> str:
+        return f"{self.name}={self.auto!r}" if self.auto is not None else f"{self.name}={self.fixed!r}"
+
+    def frozen_at(self, updates: int) -> int | None:
+        """The number of full-precision updates before the freeze, once it happened."""
+        if self.auto is None:
+            return int(self.fixed) if updates >= self.fixed else None
+        return self._frozen_at
+
+    def observe(self, updates: int, variances: Sequence[tuple[torch.Tensor, float, int]], group) -> None:
+        """After full-precision update number ``updates``: ``variances`` holds, per compressed
+        tensor, ``(v, beta2, k)`` with ``k`` the number of updates that went into ``v``.
+        Decides the automatic freeze (a collective on window boundaries)."""
+        auto = self.auto
+        if auto is None or self._frozen_at is not None:
+            return
+        if updates >= auto.max_step:
+            self._frozen_at = updates
+            return
+        if updates % auto.window:
+            return
+        stats = [float(v.sqrt().sum(dtype=torch.float64)) / math.sqrt(1.0 - b2**k) if k else 0.0
+                 for v, b2, k in variances]
+        if self._last is not None:
+            pairs = zip(stats, self._last, strict=True)
+            change = max((_relative_change(a, b) for a, b in pairs), default=0.0)
+            self._calm = self._calm + 1 if change <= auto.tolerance else 0
+        self._last = stats
+        verdict = updates >= auto.min_step and self._calm >= auto.patience
+        if _agree(verdict, group):
+            self._frozen_at = updates
+
+    # checkpointed with the optimizer's counters (JSON-friendly: ints, floats, lists, None)
+    def state(self) -> dict[str, Any]:
+        return {"frozen_at": self._frozen_at, "calm": self._calm, "last": self._last}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self._frozen_at, self._calm, self._last = state["frozen_at"], state["calm"], state["last"]
+
+
+def _relative_change(new: float, old: float) -> float:
+    if old == 0.0:
+        return 0.0 if new == 0.0 else math.inf
+    return abs(new - old) / old
+
+
+def _agree(verdict: bool, group) -> bool:
+    """True only if every rank of ``group`` says True (a one-element MIN all-reduce)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return verdict
+    flag = torch.tensor([1 if verdict else 0], dtype=torch.int64, device=comm_device(group))
+    with guard("automatic freeze decision", group):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
