@@ -1,11 +1,17 @@
-"""Convergence: Adam vs OnebitAdam vs ZeroOneAdam, and LAMB vs OnebitLamb, on the demo's task.
+"""Convergence: Adam vs OnebitAdam vs ZeroOneAdam, and LAMB vs OnebitLamb.
 
-Every run: examples/train_lm.py through torchrun, the same seeds and data order, the freeze at
---freeze-fraction of the run. Writes the per-step logs (JSONL), a CSV of the final validation
-losses with each 1-bit optimizer's ratio to its baseline, and plots of training and validation
-loss against step and against training wall time.
+Default: the demo's task only (examples/train_lm.py through torchrun), the same seeds and data
+order, the freeze at --freeze-fraction of the run. Writes the per-step logs (JSONL), a CSV of
+the final validation losses with each 1-bit optimizer's ratio to its baseline, and plots of
+training and validation loss against step and against training wall time.
 
   python bench/bench_convergence.py --steps 1200 --ranks 4
+
+--suite: three tasks (the byte-level LM; bench/train_task.py's digits and words), each with
+Adam and LAMB and the three 1-bit optimizers with the freeze at 20% of the run and with
+freeze_step="auto": see bench/suite.py.
+
+  python bench/bench_convergence.py --suite
 """
 
 from __future__ import annotations
@@ -58,6 +64,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
     p.add_argument("--out", default=os.path.join(HERE, "out", "convergence"))
+    p.add_argument("--suite", action="store_true", help="the three-task suite (bench/suite.py; "
+                   "`--suite --help` lists its own options)")
+    if "--suite" in sys.argv[1:]:
+        import suite
+
+        suite.main([a for a in sys.argv[1:] if a != "--suite"])
+        return
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import torch
@@ -66,7 +79,7 @@ def main() -> None:
     for name in args.runs:
         path = os.path.join(args.out, f"{name}.jsonl")
         stdout = run(name, args, path)
-        logs[name] = [json.loads(line) for line in open(path)]
+        logs[name] = [r for r in map(json.loads, open(path)) if not r.get("final")]
         summary[name] = stdout.strip().splitlines()[-4:]
         final = [r["val_loss"] for r in logs[name] if r["val_loss"] is not None][-1]
         print(f"{name:14} final validation loss {final:.4f}", file=sys.stderr)

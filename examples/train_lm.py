@@ -150,7 +150,8 @@ def train() -> None:
     p.add_argument("--optimizer", default="onebit_adam",
                    choices=["adam", "onebit_adam", "zero_one_adam", "lamb", "onebit_lamb"])
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--freeze-step", type=int, default=None, help="default: 20%% of --steps")
+    p.add_argument("--freeze-step", default=None,
+                   help="an int, or 'auto': freeze when the variance settles (default: 20%% of --steps)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
@@ -175,7 +176,10 @@ def train() -> None:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
     args = p.parse_args()
-    args.freeze_step = args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5)
+    if args.freeze_step is None:
+        args.freeze_step = max(1, args.steps // 5)
+    elif args.freeze_step != "auto":
+        args.freeze_step = int(args.freeze_step)
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
@@ -252,6 +256,7 @@ def train() -> None:
             sys.stdout.flush()
     elapsed = time.perf_counter() - t_start
     if log is not None:
+        log.write(json.dumps({"final": True, "stats": opt.stats()}) + "\n")
         log.close()
     val = evaluate(model, valid, args, device)
     val_t = torch.tensor([val], device=device)
@@ -263,6 +268,9 @@ def train() -> None:
         for stage, (secs, count) in stage_time.items():
             if count:
                 print(f"  {stage:>14} steps: {count:4d}, {1e3 * secs / count:8.1f} ms/step")
+        stats = opt.stats()
+        print(f"  froze at {stats.get('frozen_at')}, {stats['skipped_steps']} steps skipped, "
+              f"{stats['masked_coordinates']:,} of {stats['coordinates']:,} coordinates masked")
         total = traffic.full + traffic.compressed
         baseline = (args.steps - first + 1) * full_bytes
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "

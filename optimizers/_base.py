@@ -55,7 +55,7 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
 
 
 NONFINITE_POLICIES = ("skip", "raise", None)
-AUTO_MASK = 0.01  # default ratio: see tiny_variance_mask and docs/TRAINING.md
+AUTO_MASK = 0.1  # default ratio: see tiny_variance_mask and README "How it trains"
 
 
 def check_auto_mask(value: object) -> float | None:
@@ -159,7 +159,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "world size": self.world_size,
             "parameters": [[list(p.shape), str(p.dtype).removeprefix("torch.")] for p in params],
             "stage": self.stage,
-            "counters": {name: getattr(self, name) for name in self.COUNTERS},
+            "counters": {name: getattr(self, name) for name in self.COUNTERS if name != "freeze_state"},
+            "frozen_at": getattr(self, "frozen_at", None),
             "bucket_cap_mb": self.bucket_cap_mb,
             "nonfinite": self.nonfinite,
             "auto_mask": self.auto_mask,
@@ -241,7 +242,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if self.auto_mask is None:
             return [None] * len(pairs)
         if self._masks is None:
-            self._masks = [tiny_variance_mask(self.state[p][self.VARIANCE_STATE], self.auto_mask)
+            samples = self._variance_samples()
+            self._masks = [tiny_variance_mask(self.state[p][self.VARIANCE_STATE], self.auto_mask, samples)
                            for p, _ in pairs]
             self.masked_coordinates = sum(int(m.sum()) for m in self._masks if m is not None)
             if self.masked_coordinates and not self._mask_warned:
@@ -259,6 +261,10 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
 
     def _variance_changed(self) -> None:
         self._masks = None
+
+    def _variance_samples(self) -> int:
+        """How many updates went into the variance the masks are built from."""
+        raise NotImplementedError
 
     def stats(self) -> dict[str, Any]:
         """Counters a user should see: updates, steps skipped for non-finite gradients,
@@ -437,11 +443,14 @@ class WarmupThenCompress(OnebitOptimizerBase):
     def freeze_state(self, value: dict[str, Any]) -> None:
         self.schedule.load(value)
 
+    def _variance_samples(self) -> int:
+        frozen = self.frozen_at
+        return self.updates if frozen is None else frozen
+
     def _observe_variance(self) -> None:
         """After a warm-up update: let an automatic schedule judge the variance."""
         self.schedule.observe(
             self.updates,
-            [(self.state[p][self.VARIANCE_STATE], g["betas"][1], self.updates)
-             for p, g in self.compressed_params()],
+            [self.state[p][self.VARIANCE_STATE] for p, _ in self.compressed_params()],
             self.process_group,
         )

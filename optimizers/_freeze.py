@@ -1,11 +1,21 @@
 """When the variance freezes: after a fixed number of updates, or "auto" when it settles.
 
 ``freeze_step="auto"`` (or an :class:`AutoFreeze` with other settings) watches, every
-``window`` warm-up updates, each compressed tensor's ``||sqrt(v_hat)||_1`` (``v_hat`` the
-bias-corrected variance). A window is calm when no tensor's statistic moved by more than
-``tolerance`` (relative) since the previous check; after ``patience`` calm windows in a row,
-and no earlier than ``min_step`` updates, the variance freezes; at ``max_step`` it freezes
-regardless. Every rank sees the same averaged gradients and so the same variance; the
+``window`` warm-up updates, the SHAPE of each compressed tensor's ``sqrt(v)``: the vector
+divided by its L1 norm, so that a common factor (bias correction, gradients that shrink
+everywhere alike) does not count as change. A window is calm when, for every tensor, the L1
+distance between this shape and the one of the previous check is at most ``tolerance``
+(the distance lies in [0, 2]); after ``patience`` calm windows in a row, and no earlier than
+``min_step`` updates, the variance freezes; at ``max_step`` it freezes regardless. Large
+tensors are judged on a fixed set of at most ``SAMPLE`` evenly spaced coordinates, which
+bounds the memory and the checkpoint size of the schedule.
+
+Why the shape and not the norm: Adam's variance sets each coordinate's step size relative
+to the others; its overall scale acts like the learning rate. While gradients keep
+shrinking (a model that fits its training data), the norm of the bias-corrected variance
+keeps falling like ``window / (2 t)`` per window: measured on the digits task, still 2.9%
+per 25 steps at step 575 with the training loss at 0, while the shape had stopped moving
+(< 0.1%) by step 200. Every rank sees the same averaged gradients and so the same variance; the
 verdict is still agreed by a one-element all-reduce (MIN: freeze only when all agree), so a
 rank whose arithmetic differs cannot split the group. The schedule's state (the step it
 froze at, the calm count, the last statistics) is saved with the optimizer's counters.
@@ -26,6 +36,8 @@ from onebit.collectives._group import comm_device
 
 __all__ = ["AutoFreeze", "FreezeSchedule"]
 
+SAMPLE = 8192  # coordinates per tensor that the automatic schedule compares
+
 
 def _positive_int(name: str, value: object, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -38,7 +50,7 @@ class AutoFreeze:
     """Settings of ``freeze_step="auto"`` (see the module docstring); these are the defaults."""
 
     window: int = 50
-    tolerance: float = 0.05
+    tolerance: float = 0.1
     patience: int = 2
     min_step: int = 100
     max_step: int = 100_000
@@ -49,8 +61,8 @@ class AutoFreeze:
         _positive_int("AutoFreeze.min_step", self.min_step, low=0)
         _positive_int("AutoFreeze.max_step", self.max_step)
         tol = self.tolerance
-        if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 1:
-            raise ValueError(f"AutoFreeze.tolerance: expected a number in (0, 1), got {tol!r}")
+        if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 2:
+            raise ValueError(f"AutoFreeze.tolerance: expected a number in (0, 2), got {tol!r}")
         if self.min_step > self.max_step:
             raise ValueError(
                 f"AutoFreeze.min_step: expected <= max_step ({self.max_step}), got {self.min_step}"
@@ -78,7 +90,7 @@ class FreezeSchedule:
             self.fixed = value
         self._frozen_at: int | None = None  # auto only
         self._calm = 0
-        self._last: list[float] | None = None
+        self._last: list[torch.Tensor] | None = None  # the shapes at the previous check (CPU)
 
     def __repr__(self) -> str:
         return f"{self.name}={self.auto!r}" if self.auto is not None else f"{self.name}={self.fixed!r}"
@@ -89,10 +101,9 @@ class FreezeSchedule:
             return int(self.fixed) if updates >= self.fixed else None
         return self._frozen_at
 
-    def observe(self, updates: int, variances: Sequence[tuple[torch.Tensor, float, int]], group) -> None:
-        """After full-precision update number ``updates``: ``variances`` holds, per compressed
-        tensor, ``(v, beta2, k)`` with ``k`` the number of updates that went into ``v``.
-        Decides the automatic freeze (a collective on window boundaries)."""
+    def observe(self, updates: int, variances: Sequence[torch.Tensor], group) -> None:
+        """After full-precision update number ``updates``, with the variance of every compressed
+        tensor: decides the automatic freeze (a collective on window boundaries)."""
         auto = self.auto
         if auto is None or self._frozen_at is not None:
             return
@@ -101,13 +112,11 @@ class FreezeSchedule:
             return
         if updates % auto.window:
             return
-        stats = [float(v.sqrt().sum(dtype=torch.float64)) / math.sqrt(1.0 - b2**k) if k else 0.0
-                 for v, b2, k in variances]
+        shapes = [_shape(v) for v in variances]
         if self._last is not None:
-            pairs = zip(stats, self._last, strict=True)
-            change = max((_relative_change(a, b) for a, b in pairs), default=0.0)
-            self._calm = self._calm + 1 if change <= auto.tolerance else 0
-        self._last = stats
+            moved = [float((a - b).abs().sum()) for a, b in zip(shapes, self._last, strict=True)]
+            self._calm = self._calm + 1 if max(moved, default=0.0) <= auto.tolerance else 0
+        self._last = shapes
         verdict = updates >= auto.min_step and self._calm >= auto.patience
         if _agree(verdict, group):
             self._frozen_at = updates
@@ -120,10 +129,14 @@ class FreezeSchedule:
         self._frozen_at, self._calm, self._last = state["frozen_at"], state["calm"], state["last"]
 
 
-def _relative_change(new: float, old: float) -> float:
-    if old == 0.0:
-        return 0.0 if new == 0.0 else math.inf
-    return abs(new - old) / old
+def _shape(v: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` on at most SAMPLE evenly spaced coordinates, divided by its L1 norm
+    (float64, CPU; all zeros stays all zeros)."""
+    flat = v.detach().reshape(-1)
+    step = max(1, -(-flat.numel() // SAMPLE))
+    s = flat[::step].sqrt().to(device="cpu", dtype=torch.float64)
+    total = float(s.sum())
+    return s / total if total > 0 else s
 
 
 def _agree(verdict: bool, group) -> bool:

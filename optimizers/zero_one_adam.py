@@ -84,7 +84,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.local_step_interval, self.local_step_counter = 1, 0
         self.lrs = [0.0] * len(self.param_groups)  # learning rates summed since the last sync
         self.last_sync = 0  # the last update after which the replicas were identical
-        self.var_updates = 0  # variance updates so far (its bias correction, for "auto")
+        self.var_updates = 0  # variance updates so far
 
     @property
     def frozen_at(self) -> int | None:
@@ -95,6 +95,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def phase(self) -> int:
         """1 while the variance still updates, 2 once it is frozen (local steps)."""
         return 1 if self.frozen_at is None else 2
+
+    def _variance_samples(self) -> int:
+        return self.var_updates
 
     @property
     def freeze_state(self) -> dict[str, Any]:
@@ -127,8 +130,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._phase_one(reducer, pairs, t)
             self.last_sync = t
             self.schedule.observe(
-                t, [(self.state[p]["exp_avg_sq"], g["betas"][1], self.var_updates) for p, g in pairs],
-                self.process_group,
+                t, [self.state[p]["exp_avg_sq"] for p, _ in pairs], self.process_group,
             )
         else:
             self._phase_two(reducer, pairs, t)

@@ -56,11 +56,13 @@ def reference_onebit_adam(params, grads, *, lr, betas, eps, weight_decay, freeze
     return p
 
 
-def reference_dead(v: torch.Tensor, ratio: float | None) -> torch.Tensor | None:
+def reference_dead(v: torch.Tensor, ratio: float | None, samples: int) -> torch.Tensor | None:
     """float64 twin of the automatic momentum mask: True where sqrt(v) <= ratio * mean of the
-    tensor's nonzero sqrt(v) (None when off)."""
+    tensor's nonzero sqrt(v), the ratio 0 below 8 variance updates (None when off)."""
     if ratio is None:
         return None
+    if samples < 8:
+        ratio = 0.0
     s = torch.sqrt(v.double())
     nonzero = s[s > 0]
     typical = float(nonzero.mean()) if nonzero.numel() else 0.0
@@ -116,7 +118,7 @@ def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze
             rms = [float(mi.norm()) / math.sqrt(max(mi.numel(), 1)) for mi in m]
             united = sum(rms) / len(rms)
             scaling = [united / r if r > 0 else 1.0 for r in rms]
-            dead = [reference_dead(vi, auto_mask) for vi in v]
+            dead = [reference_dead(vi, auto_mask, freeze_step) for vi in v]
         m_last = [mi.clone() for mi in m]
         flats = []
         for r in range(W):
