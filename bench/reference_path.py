@@ -7,7 +7,7 @@ unpack), allocating what it allocated, for the baseline column of bench/bench_ke
 The collectives are simulated like the benchmark simulates them for onebit: this rank's
 server step is fed W received chunks (here: W copies of its own chunk 0) and the final
 unpack W gathered server chunks. tests/test_reference_path.py checks that the chain computes
-ALGORITHMS.md section 2, so the comparison is between equal maths.
+docs/ALGORITHMS.md section 2, so the comparison is between equal maths.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Per call, two collective launches: an all-to-all of the worker messages (sign bits of
 chunk j plus the worker scale, to rank j) and an all-gather of the server segments (sign
-bits of chunk j plus the server scale). See ALGORITHMS.md section 2 for the maths.
+bits of chunk j plus the server scale). See docs/ALGORITHMS.md section 2 for the maths.
 
 The worker error update is deferred into the final decompress pass and applied only when
 every server scale is finite, which is the case exactly when every rank's input was: a

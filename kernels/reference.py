@@ -1,6 +1,6 @@
 """Float64 reference of compressed_allreduce: W ranks simulated in one process.
 
-This is the oracle for tests and benchmarks (ALGORITHMS.md section 2). It favours
+This is the oracle for tests and benchmarks (docs/ALGORITHMS.md section 2). It favours
 clarity over speed and computes everything in float64.
 """
 
@@ -51,7 +51,7 @@ def reference_allreduce(
     """One compressed_allreduce over ``W = len(tensors)`` simulated ranks, in float64.
 
     Inputs are not modified. A non-finite value anywhere gives an all-NaN output and
-    unchanged errors (ALGORITHMS.md 1.1). ``W == 1`` is the identity unless
+    unchanged errors (docs/ALGORITHMS.md 1.1). ``W == 1`` is the identity unless
     ``compress_single_rank`` (the forced mode used to measure the local compute alone).
     """
     W = len(tensors)

@@ -1,4 +1,4 @@
-"""OnebitAdam: 1-bit Adam (Tang et al., 2021), ALGORITHMS.md section 3."""
+"""OnebitAdam: 1-bit Adam (Tang et al., 2021), docs/ALGORITHMS.md section 3."""
 
 from __future__ import annotations
 

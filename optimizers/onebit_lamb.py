@@ -1,4 +1,4 @@
-"""OnebitLamb: 1-bit LAMB (Li et al., 2021), ALGORITHMS.md section 4.1."""
+"""OnebitLamb: 1-bit LAMB (Li et al., 2021), docs/ALGORITHMS.md section 4.1."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def lamb_compressed_update(
     coeff_freeze: torch.Tensor, last_factor: torch.Tensor, *, lr: float, betas: tuple[float, float],
     eps: float, weight_decay: float, factor_min: float, factor_max: float, factor_threshold: float,
 ) -> torch.Tensor:
-    """The compression-stage step (ALGORITHMS.md 4.1, step 4) after decompression and mask.
+    """The compression-stage step (docs/ALGORITHMS.md 4.1, step 4) after decompression and mask.
     Returns the coefficient ``coeff_freeze * f`` used (0-dim float64)."""
     b1, b2 = betas
     g = (m - b1 * m_last) / (1 - b1)

@@ -1,4 +1,4 @@
-"""ZeroOneAdam: 0/1 Adam (Lu et al., ICLR 2023), ALGORITHMS.md section 4.2."""
+"""ZeroOneAdam: 0/1 Adam (Lu et al., ICLR 2023), docs/ALGORITHMS.md section 4.2."""
 
 from __future__ import annotations
 

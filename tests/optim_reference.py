@@ -1,4 +1,4 @@
-"""Float64 reference of the 1-bit optimizers (ALGORITHMS.md sections 3-4), W simulated ranks."""
+"""Float64 reference of the 1-bit optimizers (docs/ALGORITHMS.md sections 3-4), W simulated ranks."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ __all__ = ["math", "reference_dead", "reference_onebit_adam", "relative"]
 def reference_onebit_lamb(params, grads, *, lr, betas, eps, weight_decay, freeze_step, max_coeff=10.0,
                           min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                           factor_threshold=0.1, auto_mask=None):
-    """Float64 1-bit LAMB (ALGORITHMS.md 4.1) over W simulated ranks; returns (params, coeffs)."""
+    """Float64 1-bit LAMB (docs/ALGORITHMS.md 4.1) over W simulated ranks; returns (params, coeffs)."""
     W = len(grads[0])
     p = [x.double().clone() for x in params]
     m = [torch.zeros_like(x) for x in p]
@@ -156,7 +156,7 @@ __all__ += ["reference_onebit_lamb"]
 def reference_zero_one_adam(params, grads, *, lr, betas, eps, weight_decay, var_freeze_step,
                             var_update_scaler, local_step_scaler, local_step_clipper, masks=None,
                             bucket_cap_mb=25.0):
-    """Float64 0/1 Adam (ALGORITHMS.md 4.2) over W simulated ranks, steps counted from 1.
+    """Float64 0/1 Adam (docs/ALGORITHMS.md 4.2) over W simulated ranks, steps counted from 1.
     Returns the per-rank parameters after all updates (they differ between syncs)."""
     W = len(grads[0])
     P = len(params)

@@ -1,5 +1,5 @@
 """bench/reference_path.py (the reference implementation's op chain, the baseline of the CUDA
-kernel benchmark) computes ALGORITHMS.md section 2: checked against the float64 oracle, so
+kernel benchmark) computes docs/ALGORITHMS.md section 2: checked against the float64 oracle, so
 that the benchmark compares equal maths."""
 
 from __future__ import annotations
