@@ -262,6 +262,18 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     def _variance_changed(self) -> None:
         self._masks = None
 
+    # -- freeze schedule (subclasses set self.schedule) ----------------------------------
+    schedule: FreezeSchedule
+
+    @property
+    def freeze_state(self) -> dict[str, Any]:
+        """The schedule's checkpointed state (a counter: saved and restored with them)."""
+        return self.schedule.state()
+
+    @freeze_state.setter
+    def freeze_state(self, value: dict[str, Any]) -> None:
+        self.schedule.load(value)
+
     def _variance_samples(self) -> int:
         """How many updates went into the variance the masks are built from."""
         raise NotImplementedError
@@ -416,7 +428,6 @@ class WarmupThenCompress(OnebitOptimizerBase):
     variance settles; see :mod:`onebit.optimizers._freeze`). ``frozen_at`` reports it."""
 
     updates: int
-    schedule: FreezeSchedule
 
     @property
     def frozen_at(self) -> int | None:
@@ -434,14 +445,6 @@ class WarmupThenCompress(OnebitOptimizerBase):
     @property
     def stage(self) -> str:
         return "compression" if self.compressing else "warm-up"
-
-    @property
-    def freeze_state(self) -> dict[str, Any]:
-        return self.schedule.state()
-
-    @freeze_state.setter
-    def freeze_state(self, value: dict[str, Any]) -> None:
-        self.schedule.load(value)
 
     def _variance_samples(self) -> int:
         frozen = self.frozen_at

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
@@ -98,14 +96,6 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     def _variance_samples(self) -> int:
         return self.var_updates
-
-    @property
-    def freeze_state(self) -> dict[str, Any]:
-        return self.schedule.state()
-
-    @freeze_state.setter
-    def freeze_state(self, value: dict[str, Any]) -> None:
-        self.schedule.load(value)
 
     @property
     def stage(self) -> str:
