@@ -102,7 +102,7 @@ class WordModel(nn.Module):
 TASKS = {"digits": (digits_data, digits_model, 32), "words": (words_data, WordModel, 64)}
 
 
-def make_optimizer(name: str, params, lr: float, freeze, steps: int, auto_mask):
+def make_optimizer(name: str, params, lr: float, freeze, steps: int, auto_mask, var_update_scaler: int = 16):
     kw = {} if auto_mask == "default" else {"auto_mask": None if auto_mask == "none" else float(auto_mask)}
     if name == "adam":
         return OnebitAdam(params, lr=lr, freeze_step=math.inf)
@@ -113,7 +113,7 @@ def make_optimizer(name: str, params, lr: float, freeze, steps: int, auto_mask):
     if name == "onebit_lamb":
         return OnebitLamb(params, lr=lr, freeze_step=freeze, **kw)
     return ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, local_step_scaler=max(1, steps // 10),
-                       local_step_clipper=4, **kw)
+                       local_step_clipper=4, var_update_scaler=var_update_scaler, **kw)
 
 
 def parse_freeze(text: str, steps: int):
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--freeze-step", default="", help="an int, or 'auto' (default: 20%% of --steps)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--auto-mask", default="default", help="a ratio, 'none' (the reference), or 'default'")
+    p.add_argument("--var-update-scaler", type=int, default=16, help="ZeroOneAdam's kappa")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-jsonl", default=None)
@@ -151,7 +152,8 @@ def main() -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build()
     freeze = parse_freeze(args.freeze_step, args.steps)
-    opt = make_optimizer(args.optimizer, model.parameters(), args.lr, freeze, args.steps, args.auto_mask)
+    opt = make_optimizer(args.optimizer, model.parameters(), args.lr, freeze, args.steps, args.auto_mask,
+                         args.var_update_scaler)
     g = torch.Generator().manual_seed(1000 * args.seed + rank + 1)  # each rank its own samples
     log = open(args.log_jsonl, "a") if args.log_jsonl and rank == 0 else None
     train_time = 0.0
