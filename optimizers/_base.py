@@ -32,6 +32,13 @@ def check_positive_or_zero(name: str, value: object) -> float:
     return float(value)
 
 
+def check_fraction(name: str, value: object) -> float:
+    """A number in [0, 1): decay rates (betas-like) and relative bounds."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise ValueError(f"{name}: expected a number in [0, 1), got {value!r}")
+    return float(value)
+
+
 def check_betas(betas: object) -> tuple[float, float]:
     ok = isinstance(betas, tuple | list) and len(betas) == 2 and all(
         isinstance(b, int | float) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas

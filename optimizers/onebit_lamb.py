@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_positive_or_zero
+from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_fraction, check_positive_or_zero
 from ._freeze import AutoFreeze, FreezeSchedule
 
 __all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
@@ -108,10 +108,11 @@ class OnebitLamb(WarmupThenCompress):
         auto_mask: float | None = AUTO_MASK,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
-        for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff), ("coeff_beta", coeff_beta),
-                            ("factor_max", factor_max), ("factor_min", factor_min),
-                            ("factor_threshold", factor_threshold)]:
+        for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff),
+                            ("factor_max", factor_max), ("factor_min", factor_min)]:
             check_positive_or_zero(name, value)
+        check_fraction("coeff_beta", coeff_beta)  # an EMA decay
+        check_fraction("factor_threshold", factor_threshold)  # f may move by this fraction per step
         if min_coeff > max_coeff:
             raise ValueError(f"min_coeff: expected <= max_coeff ({max_coeff}), got {min_coeff}")
         if factor_min > factor_max:

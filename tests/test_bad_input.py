@@ -17,6 +17,7 @@ from onebit.collectives import compressed_allreduce, padded_numel, verify_replic
 from onebit.collectives.bucket import BucketedReducer, plan_buckets
 from onebit.kernels import decompress, server_reduce, worker_compress
 from onebit.optimizers import (
+    AutoFreeze,
     OnebitAdam,
     OnebitLamb,
     ZeroOneAdam,
@@ -96,6 +97,14 @@ CASES = [
     ("lamb min_coeff > max_coeff", lambda e: _lamb(e, min_coeff=20.0), ValueError, "min_coeff"),
     ("lamb factor_min > factor_max", lambda e: _lamb(e, factor_min=5.0), ValueError, "factor_min"),
     ("lamb coeff_beta < 0", lambda e: _lamb(e, coeff_beta=-0.1), ValueError, "coeff_beta"),
+    ("lamb coeff_beta 1.5", lambda e: _lamb(e, coeff_beta=1.5), ValueError, "coeff_beta"),
+    ("lamb factor_threshold 1", lambda e: _lamb(e, factor_threshold=1.0), ValueError, "factor_threshold"),
+    ("adam auto_mask 1", lambda e: OnebitAdam(e["params"], auto_mask=1.0), ValueError, "auto_mask"),
+    ("adam freeze_step 'Auto'", lambda e: OnebitAdam(e["params"], freeze_step="Auto"), ValueError,
+     "freeze_step"),
+    ("lamb auto_mask nan", lambda e: _lamb(e, auto_mask=math.nan), ValueError, "auto_mask"),
+    ("zero_one var_freeze_step AutoFreeze bad", lambda e: ZeroOneAdam(e["params"], var_freeze_step=AutoFreeze(
+        window=0)), ValueError, "AutoFreeze.window"),
     ("lamb non_freeze group", lambda e: OnebitLamb([{"params": e["params"], "non_freeze": True}]), ValueError,
      "params"),
     ("zero_one var_update_scaler 0", lambda e: ZeroOneAdam(e["params"], var_update_scaler=0), ValueError,
