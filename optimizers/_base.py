@@ -167,11 +167,11 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "parameters": [[list(p.shape), str(p.dtype).removeprefix("torch.")] for p in params],
             "stage": self.stage,
             "counters": {name: getattr(self, name) for name in self.COUNTERS if name != "freeze_state"},
-            "frozen_at": getattr(self, "frozen_at", None),
+            "frozen_at": self.frozen_at,
             "bucket_cap_mb": self.bucket_cap_mb,
             "nonfinite": self.nonfinite,
             "auto_mask": self.auto_mask,
-            "freeze": repr(getattr(self, "schedule", None)),
+            "freeze": repr(self.schedule),
         }
 
     def verify_ranks(self) -> None:
@@ -269,8 +269,21 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     def _variance_changed(self) -> None:
         self._masks = None
 
-    # -- freeze schedule (subclasses set self.schedule) ----------------------------------
+    # -- freeze schedule (subclasses set self.schedule and count self.updates) ------------
     schedule: FreezeSchedule
+
+    @property
+    def frozen_at(self) -> int | None:
+        """Number of full-precision updates before the variance froze; None before that."""
+        return self.schedule.frozen_at(self.updates)
+
+    def _observe_variance(self) -> None:
+        """After a full-precision update: let an automatic schedule judge the variance."""
+        self.schedule.observe(
+            self.updates,
+            [self.state[p][self.VARIANCE_STATE] for p, _ in self.compressed_params()],
+            self.process_group,
+        )
 
     @property
     def freeze_state(self) -> dict[str, Any]:
@@ -290,7 +303,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         coordinates masked by ``auto_mask`` (as of the last time the mask was built)."""
         out = {name: getattr(self, name) for name in self.COUNTERS}
         out.pop("freeze_state", None)
-        out.update(stage=self.stage, frozen_at=getattr(self, "frozen_at", None),
+        out.update(stage=self.stage, frozen_at=self.frozen_at,
                    skipped_steps=self.skipped_steps, masked_coordinates=self.masked_coordinates,
                    coordinates=sum(p.numel() for p, _ in self.compressed_params()))
         return out
@@ -437,11 +450,6 @@ class WarmupThenCompress(OnebitOptimizerBase):
     updates: int
 
     @property
-    def frozen_at(self) -> int | None:
-        """Number of warm-up updates before compression started; None before the freeze."""
-        return self.schedule.frozen_at(self.updates)
-
-    @property
     def compressing(self) -> bool:
         """True once the warm-up is over: the next step is compressed."""
         return self.frozen_at is not None
@@ -456,11 +464,3 @@ class WarmupThenCompress(OnebitOptimizerBase):
     def _variance_samples(self) -> int:
         frozen = self.frozen_at
         return self.updates if frozen is None else frozen
-
-    def _observe_variance(self) -> None:
-        """After a warm-up update: let an automatic schedule judge the variance."""
-        self.schedule.observe(
-            self.updates,
-            [self.state[p][self.VARIANCE_STATE] for p, _ in self.compressed_params()],
-            self.process_group,
-        )

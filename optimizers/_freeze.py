@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from onebit.collectives._failure import guard
-from onebit.collectives._group import comm_device
+from onebit.collectives._group import comm_device, group_size
 
 __all__ = ["AutoFreeze", "FreezeSchedule"]
 
@@ -121,7 +121,7 @@ class FreezeSchedule:
         if _agree(verdict, group):
             self._frozen_at = updates
 
-    # checkpointed with the optimizer's counters (JSON-friendly: ints, floats, lists, None)
+    # checkpointed with the optimizer's counters (an int or None, an int, CPU float64 tensors)
     def state(self) -> dict[str, Any]:
         return {"frozen_at": self._frozen_at, "calm": self._calm, "last": self._last}
 
@@ -141,7 +141,7 @@ def _shape(v: torch.Tensor) -> torch.Tensor:
 
 def _agree(verdict: bool, group) -> bool:
     """True only if every rank of ``group`` says True (a one-element MIN all-reduce)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return verdict
     flag = torch.tensor([1 if verdict else 0], dtype=torch.int64, device=comm_device(group))
     with guard("automatic freeze decision", group):

@@ -85,11 +85,6 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.var_updates = 0  # variance updates so far
 
     @property
-    def frozen_at(self) -> int | None:
-        """Number of phase-1 updates before the variance froze; None while it still updates."""
-        return self.schedule.frozen_at(self.updates)
-
-    @property
     def phase(self) -> int:
         """1 while the variance still updates, 2 once it is frozen (local steps)."""
         return 1 if self.frozen_at is None else 2
@@ -119,9 +114,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if phase == 1:
             self._phase_one(reducer, pairs, t)
             self.last_sync = t
-            self.schedule.observe(
-                t, [self.state[p]["exp_avg_sq"] for p, _ in pairs], self.process_group,
-            )
+            self._observe_variance()
         else:
             self._phase_two(reducer, pairs, t)
 
