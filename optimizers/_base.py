@@ -238,6 +238,19 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """Average in step() unless a DDP hook already did it for this step."""
         return not self.external_averaging
 
+    def averaged_gradients(self, reducer: BucketedReducer, pairs: list[tuple[torch.Tensor, dict]]):
+        """Yield ``(k, p, group, grad)`` for every compressed parameter, ``grad`` being its
+        gradient averaged over the group in full precision (a view of the reducer's scratch
+        buffer, valid until the next bucket is averaged). Bucket by bucket: the caller's
+        update of one bucket runs before the next bucket is averaged. A missing ``.grad``
+        counts as zero."""
+        for bucket in reducer.buckets:
+            grads = [pairs[i][0].grad for i in bucket.indices]
+            avg = reducer.average(bucket, grads, self._communicate_average())
+            for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
+                p, g = pairs[i]
+                yield i, p, g, avg[off : off + size].view_as(p)
+
     # -- automatic momentum mask --------------------------------------------------------
     VARIANCE_STATE = "exp_avg_sq"
 

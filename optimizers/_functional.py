@@ -6,9 +6,14 @@ automatic momentum mask (why compressed momentum needs it, and how its threshold
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["MIN_SAMPLES", "tiny_variance_mask"]
+__all__ = [
+    "MIN_SAMPLES", "adam_update", "direction", "fold_", "lamb_compressed_update", "lamb_warmup_update",
+    "mask_", "moments_", "tiny_variance_mask",
+]
 
 # Below this many variance updates only exact zeros are masked: with k samples of a Gaussian
 # gradient, sqrt(v_i) < 0.1 * mean by chance has probability ~1% at k = 2, 2e-4 at k = 4 and
@@ -43,3 +48,111 @@ def tiny_variance_mask(v: torch.Tensor, ratio: float, samples: int) -> torch.Ten
     if not bool(masked.any()):
         return None
     return masked
+
+
+# -- moments ------------------------------------------------------------------------------
+def moments_(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, betas: tuple[float, float]) -> None:
+    """Adam's moments in place: ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g*g``."""
+    b1, b2 = betas
+    m.mul_(b1).add_(grad, alpha=1.0 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+
+
+def fold_(m: torch.Tensor, grad: torch.Tensor | None, beta1: float) -> torch.Tensor:
+    """Fold a gradient into the momentum in place, ``m = b1*m + (1-b1)*g``; ``grad=None``
+    (a parameter without a gradient on this rank) counts as zero. Returns ``m``."""
+    m.mul_(beta1)
+    if grad is not None:
+        m.add_(grad, alpha=1.0 - beta1)
+    return m
+
+
+def mask_(x: torch.Tensor, dead: torch.Tensor | None, exp_avg_mask: torch.Tensor | None) -> torch.Tensor:
+    """After decompression: zero the coordinates the automatic mask marks (``dead``, bool),
+    then multiply by the user's ``exp_avg_mask``; either may be None. In place; returns ``x``."""
+    if dead is not None:
+        x.masked_fill_(dead, 0.0)
+    if exp_avg_mask is not None:
+        x.mul_(exp_avg_mask)
+    return x
+
+
+def direction(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, weight_decay: float,
+) -> torch.Tensor:
+    """The update direction ``m / (sqrt(v) + eps) + wd * p`` (a new tensor; no bias correction)."""
+    update = m / (v.sqrt() + eps)
+    if weight_decay > 0:
+        update.add_(p, alpha=weight_decay)
+    return update
+
+
+# -- Adam -----------------------------------------------------------------------------------
+def adam_update(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, eps: float, weight_decay: float,
+    bc1: float, bc2: float, eps_inside_sqrt: bool,
+) -> None:
+    """``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, in torch.optim.AdamW's order.
+
+    ``m_hat = m / bc1``, ``v_hat = v / bc2`` (``bc = 1`` without bias correction); with
+    ``eps_inside_sqrt`` the denominator is ``sqrt(v_hat + eps)``.
+    """
+    if weight_decay:
+        p.mul_(1.0 - lr * weight_decay)
+    if eps_inside_sqrt:
+        denom = (v / bc2 if bc2 != 1.0 else v.clone()).add_(eps).sqrt_()
+    else:
+        denom = v.sqrt()
+        if bc2 != 1.0:
+            denom.div_(math.sqrt(bc2))
+        denom.add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+# -- LAMB -----------------------------------------------------------------------------------
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t).to(torch.float64)
+
+
+def lamb_warmup_update(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coeff_freeze: torch.Tensor, *, lr: float,
+    eps: float, weight_decay: float, min_coeff: float, max_coeff: float, coeff_beta: float,
+) -> torch.Tensor:
+    """LAMB step with trust ratio ``c = clip(||p|| / ||upd||)`` (1 if a norm is 0); folds
+    ``c`` into the EMA ``coeff_freeze`` when ``c != 1``. Returns ``c`` (0-dim float64)."""
+    upd = direction(p, m, v, eps, weight_decay)
+    w, u = _norm(p), _norm(upd)
+    c = torch.where((w == 0) | (u == 0), 1.0, (w / u).clamp(min_coeff, max_coeff))
+    ema = coeff_beta * coeff_freeze + (1 - coeff_beta) * c
+    coeff_freeze.copy_(torch.where(c != 1, ema, coeff_freeze))
+    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    return c
+
+
+def lamb_compressed_update(
+    p: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor, v: torch.Tensor, v_fresh: torch.Tensor,
+    coeff_freeze: torch.Tensor, last_factor: torch.Tensor, *, lr: float, betas: tuple[float, float],
+    eps: float, weight_decay: float, factor_min: float, factor_max: float, factor_threshold: float,
+) -> torch.Tensor:
+    """The compression-stage step (docs/ALGORITHMS.md 4.1, step 4) after decompression and mask.
+    Returns the coefficient ``coeff_freeze * f`` used (0-dim float64)."""
+    b1, b2 = betas
+    g = (m - b1 * m_last) / (1 - b1)
+    v_fresh.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = v.sqrt() + eps
+    upd_pre = m / denom
+    upd = upd_pre + weight_decay * p if weight_decay > 0 else upd_pre
+    if p.numel():
+        f = (denom / (v_fresh.sqrt() + eps)).max().to(torch.float64)
+    else:
+        f = torch.ones_like(last_factor)
+    if weight_decay > 0:
+        r = torch.clamp(_norm(upd_pre) / _norm(upd), max=1.0).nan_to_num(nan=1.0)
+        f = f * r + (1 - r)
+    f = f.clamp(factor_min, factor_max)
+    low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
+    f = torch.minimum(torch.maximum(f, low), high)
+    last_factor.copy_(f)
+    c = coeff_freeze * f
+    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    return c

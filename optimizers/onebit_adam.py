@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from onebit.collectives.bucket import allreduce_mean_
 
 from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
+from ._functional import adam_update, fold_, mask_, moments_
 
-__all__ = ["OnebitAdam", "adam_update"]
-
-
-def adam_update(
-    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, eps: float, weight_decay: float,
-    bc1: float, bc2: float, eps_inside_sqrt: bool,
-) -> None:
-    """``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, in torch.optim.AdamW's order.
-
-    ``m_hat = m / bc1``, ``v_hat = v / bc2`` (``bc = 1`` without bias correction); with
-    ``eps_inside_sqrt`` the denominator is ``sqrt(v_hat + eps)``.
-    """
-    if weight_decay:
-        p.mul_(1.0 - lr * weight_decay)
-    if eps_inside_sqrt:
-        denom = (v / bc2 if bc2 != 1.0 else v.clone()).add_(eps).sqrt_()
-    else:
-        denom = v.sqrt()
-        if bc2 != 1.0:
-            denom.div_(math.sqrt(bc2))
-        denom.add_(eps)
-    p.addcdiv_(m, denom, value=-lr / bc1)
+__all__ = ["OnebitAdam"]
 
 
 class OnebitAdam(WarmupThenCompress):
@@ -91,24 +69,16 @@ class OnebitAdam(WarmupThenCompress):
         pairs = self.compressed_params()
         if compress:
             for k, (p, g) in enumerate(pairs):
-                m = reducer.views[k]
-                m.mul_(g["betas"][0])
-                if p.grad is not None:
-                    m.add_(p.grad, alpha=1.0 - g["betas"][0])
+                fold_(reducer.views[k], p.grad, g["betas"][0])
             reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
-                if dead is not None:
-                    reducer.views[k].masked_fill_(dead, 0.0)
-                self._apply(p, g, reducer.views[k], self.state[p]["exp_avg_sq"], t, frozen=True)
+                m = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
+                self._apply(p, g, m, self.state[p]["exp_avg_sq"], t, frozen=True)
         else:
-            for bucket in reducer.buckets:
-                grads = [pairs[i][0].grad for i in bucket.indices]
-                avg = reducer.average(bucket, grads, self._communicate_average())
-                for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
-                    p, g = pairs[i]
-                    m, v = reducer.views[i], self.state[p]["exp_avg_sq"]
-                    self._moments(g, m, v, avg[off : off + size].view_as(p))
-                    self._apply(p, g, m, v, t, frozen=False)
+            for k, p, g, grad in self.averaged_gradients(reducer, pairs):
+                m, v = reducer.views[k], self.state[p]["exp_avg_sq"]
+                moments_(m, v, grad, g["betas"])
+                self._apply(p, g, m, v, t, frozen=False)
         self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
         if not compress:
             self._observe_variance()
@@ -121,7 +91,7 @@ class OnebitAdam(WarmupThenCompress):
                 state = self.dense_state(p)
                 grad = torch.zeros_like(p) if p.grad is None else p.grad
                 avg = self._average_one(grad) if communicate else grad.to(torch.float32)
-                self._moments(g, state["exp_avg"], state["exp_avg_sq"], avg)
+                moments_(state["exp_avg"], state["exp_avg_sq"], avg, g["betas"])
                 self._apply(p, g, state["exp_avg"], state["exp_avg_sq"], t, frozen=False)
 
     def _average_one(self, grad: torch.Tensor) -> torch.Tensor:
@@ -130,16 +100,7 @@ class OnebitAdam(WarmupThenCompress):
             allreduce_mean_(avg, self.process_group, self.world_size)
         return avg
 
-    @staticmethod
-    def _moments(g: dict, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
-        b1, b2 = g["betas"]
-        m.mul_(b1).add_(grad, alpha=1.0 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-
     def _apply(self, p, g: dict, m, v, t: int, frozen: bool) -> None:
-        mask = g.get("exp_avg_mask")
-        if frozen and mask is not None:
-            m.mul_(mask)
         b1, b2 = g["betas"]
         if g["bias_correction"]:
             bc1 = 1.0 - b1**t

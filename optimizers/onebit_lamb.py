@@ -8,58 +8,13 @@ import torch
 
 from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_fraction, check_positive_or_zero
 from ._freeze import AutoFreeze, FreezeSchedule
+from ._functional import fold_, lamb_compressed_update, lamb_warmup_update, mask_, moments_
 
-__all__ = ["OnebitLamb", "lamb_compressed_update", "lamb_warmup_update"]
-
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t).to(torch.float64)
+__all__ = ["OnebitLamb"]
 
 
-def lamb_warmup_update(
-    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coeff_freeze: torch.Tensor, *, lr: float,
-    eps: float, weight_decay: float, min_coeff: float, max_coeff: float, coeff_beta: float,
-) -> torch.Tensor:
-    """LAMB step with trust ratio ``c = clip(||p|| / ||upd||)`` (1 if a norm is 0); folds
-    ``c`` into the EMA ``coeff_freeze`` when ``c != 1``. Returns ``c`` (0-dim float64)."""
-    upd = m / (v.sqrt() + eps)
-    if weight_decay:
-        upd.add_(p, alpha=weight_decay)
-    w, u = _norm(p), _norm(upd)
-    c = torch.where((w == 0) | (u == 0), 1.0, (w / u).clamp(min_coeff, max_coeff))
-    ema = coeff_beta * coeff_freeze + (1 - coeff_beta) * c
-    coeff_freeze.copy_(torch.where(c != 1, ema, coeff_freeze))
-    p.addcmul_(upd, (-lr * c).to(p.dtype))
-    return c
-
-
-def lamb_compressed_update(
-    p: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor, v: torch.Tensor, v_fresh: torch.Tensor,
-    coeff_freeze: torch.Tensor, last_factor: torch.Tensor, *, lr: float, betas: tuple[float, float],
-    eps: float, weight_decay: float, factor_min: float, factor_max: float, factor_threshold: float,
-) -> torch.Tensor:
-    """The compression-stage step (docs/ALGORITHMS.md 4.1, step 4) after decompression and mask.
-    Returns the coefficient ``coeff_freeze * f`` used (0-dim float64)."""
-    b1, b2 = betas
-    g = (m - b1 * m_last) / (1 - b1)
-    v_fresh.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = v.sqrt() + eps
-    upd_pre = m / denom
-    upd = upd_pre + weight_decay * p if weight_decay > 0 else upd_pre
-    if p.numel():
-        f = (denom / (v_fresh.sqrt() + eps)).max().to(torch.float64)
-    else:
-        f = torch.ones_like(last_factor)
-    if weight_decay > 0:
-        r = torch.clamp(_norm(upd_pre) / _norm(upd), max=1.0).nan_to_num(nan=1.0)
-        f = f * r + (1 - r)
-    f = f.clamp(factor_min, factor_max)
-    low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
-    f = torch.minimum(torch.maximum(f, low), high)
-    last_factor.copy_(f)
-    c = coeff_freeze * f
-    p.addcmul_(upd, (-lr * c).to(p.dtype))
-    return c
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t).to(torch.float64) / math.sqrt(max(t.numel(), 1))
 
 
 class OnebitLamb(WarmupThenCompress):
@@ -151,17 +106,11 @@ class OnebitLamb(WarmupThenCompress):
 
     def _warmup_step(self, reducer, pairs) -> list[torch.Tensor]:
         coeffs = []
-        for bucket in reducer.buckets:
-            grads = [pairs[i][0].grad for i in bucket.indices]
-            avg = reducer.average(bucket, grads, self._communicate_average())
-            for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
-                p, g = pairs[i]
-                state = self.state[p]
-                m, v, grad = reducer.views[i], state["exp_avg_sq"], avg[off : off + size].view_as(p)
-                b1, b2 = g["betas"]
-                m.mul_(b1).add_(grad, alpha=1 - b1)
-                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], **self._lamb_kwargs(g)))
+        for k, p, g, grad in self.averaged_gradients(reducer, pairs):
+            state = self.state[p]
+            m, v = reducer.views[k], state["exp_avg_sq"]
+            moments_(m, v, grad, g["betas"])
+            coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], **self._lamb_kwargs(g)))
         return coeffs
 
     def _compressed_step(self, reducer, pairs, first: bool) -> list[torch.Tensor]:
@@ -172,7 +121,7 @@ class OnebitLamb(WarmupThenCompress):
             for p, _ in pairs:
                 self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])
         if first:  # equalise momentum magnitudes once; 1 where a momentum is all zero
-            rms = [_norm(views[k]) / math.sqrt(max(views[k].numel(), 1)) for k in range(len(pairs))]
+            rms = [_rms(views[k]) for k in range(len(pairs))]
             united = torch.stack(rms).mean() if rms else None
             for k, (p, _) in enumerate(pairs):
                 self.state[p]["scaling_coeff"].copy_(torch.where(rms[k] > 0, united / rms[k], 1.0))
@@ -181,20 +130,12 @@ class OnebitLamb(WarmupThenCompress):
             self._m_last = torch.empty(bucket.n, dtype=torch.float32, device=bucket.flat.device)
         self._m_last.copy_(bucket.flat[: bucket.n])
         for k, (p, g) in enumerate(pairs):
-            m = views[k]
-            m.mul_(g["betas"][0])
-            if p.grad is not None:
-                m.add_(p.grad, alpha=1 - g["betas"][0])
-            m.mul_(self.state[p]["scaling_coeff"].to(torch.float32))
+            fold_(views[k], p.grad, g["betas"][0]).mul_(self.state[p]["scaling_coeff"].to(torch.float32))
         reducer.compressed_mean_()
         coeffs = []
         for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
             state, m = self.state[p], views[k]
-            m.div_(state["scaling_coeff"].to(torch.float32))
-            if dead is not None:
-                m.masked_fill_(dead, 0.0)
-            if g.get("exp_avg_mask") is not None:
-                m.mul_(g["exp_avg_mask"])
+            mask_(m.div_(state["scaling_coeff"].to(torch.float32)), dead, g.get("exp_avg_mask"))
             off = bucket.offsets[k]
             m_last = self._m_last[off : off + m.numel()].view_as(m)
             coeffs.append(lamb_compressed_update(

@@ -6,6 +6,7 @@ import torch
 
 from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
+from ._functional import direction, fold_, mask_, moments_
 
 __all__ = ["ZeroOneAdam"]
 
@@ -118,24 +119,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         else:
             self._phase_two(reducer, pairs, t)
 
-    def _update(self, p, g, m, v) -> torch.Tensor:
-        update = m / (v.sqrt() + g["eps"])
-        if g["weight_decay"] > 0:
-            update.add_(p, alpha=g["weight_decay"])
-        return update
-
     def _phase_one(self, reducer, pairs, t: int) -> None:
         var_step = t % self.var_interval == 0
         if var_step:
-            for bucket in reducer.buckets:
-                grads = [pairs[i][0].grad for i in bucket.indices]
-                avg = reducer.average(bucket, grads, self._communicate_average())
-                for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
-                    p, g = pairs[i]
-                    grad = avg[off : off + size].view_as(p)
-                    state, (b1, b2) = self.state[p], g["betas"]
-                    state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                    state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+            for _, p, g, grad in self.averaged_gradients(reducer, pairs):
+                moments_(self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], grad, g["betas"])
             self._variance_changed()
             self.var_updates += 1
         else:  # the accumulator is zero in phase 1: it carries the compressed gradient
@@ -146,16 +134,12 @@ class ZeroOneAdam(OnebitOptimizerBase):
                     reducer.views[k].copy_(p.grad)
             reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
-                grad = reducer.views[k]
-                if dead is not None:
-                    grad.masked_fill_(dead, 0.0)
-                if g.get("exp_avg_mask") is not None:
-                    grad.mul_(g["exp_avg_mask"])
-                self.state[p]["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1 - g["betas"][0])
+                grad = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
+                fold_(self.state[p]["exp_avg"], grad, g["betas"][0])
                 grad.zero_()
         for p, g in pairs:
-            state = self.state[p]
-            p.add_(self._update(p, g, state["exp_avg"], state["exp_avg_sq"]), alpha=-g["lr"])
+            m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+            p.add_(direction(p, m, v, g["eps"], g["weight_decay"]), alpha=-g["lr"])
         if var_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -169,13 +153,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
         masks = self.auto_masks()
         for (p, g), dead in zip(pairs, masks, strict=True):
             state = self.state[p]
-            m, b1 = state["exp_avg"], g["betas"][0]
-            m.mul_(b1)
-            if p.grad is not None:
-                m.add_(p.grad, alpha=1 - b1)
-            if dead is not None:
-                m.masked_fill_(dead, 0.0)
-            p.add_(self._update(p, g, m, state["exp_avg_sq"]), alpha=-g["lr"])
+            m = mask_(fold_(state["exp_avg"], p.grad, g["betas"][0]), dead, None)
+            p.add_(direction(p, m, state["exp_avg_sq"], g["eps"], g["weight_decay"]), alpha=-g["lr"])
         for i, g in enumerate(self.param_groups):
             self.lrs[i] += g["lr"]
         if t % self.local_step_interval == 0:
@@ -186,11 +165,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 u.mul_(state["exp_avg_sq"].sqrt() + g["eps"])
             reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
-                state, u = self.state[p], reducer.views[k]
-                if dead is not None:
-                    u.masked_fill_(dead, 0.0)
-                if g.get("exp_avg_mask") is not None:
-                    u.mul_(g["exp_avg_mask"])
+                state, u = self.state[p], mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
                 state["exp_avg"].copy_(u).div_(-self.lrs[index[id(g)]])
                 sync = state["sync_params"]
                 sync.add_(u / (state["exp_avg_sq"].sqrt() + g["eps"]))
