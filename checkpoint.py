@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from onebit.collectives._failure import guard
 from onebit.collectives._group import comm_device, group_size
+from onebit.kernels._checks import check_instance, check_int
 
 __all__ = ["CheckpointError", "checkpoint_path", "load", "load_latest", "save", "steps_on_disk"]
 
@@ -54,9 +55,7 @@ def checkpoint_path(directory: str | os.PathLike, step: int, rank: int) -> str:
 
 
 def _check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**9:
-        raise ValueError(f"step: expected an int in [0, 1e9), got {step!r}")
-    return step
+    return check_int("step", step, low=0, high=10**9)
 
 
 def save(state: dict[str, Any], directory: str | os.PathLike, step: int, *, group=None, keep: int = 2) -> str:
@@ -67,13 +66,9 @@ def save(state: dict[str, Any], directory: str | os.PathLike, step: int, *, grou
     leaves the others one step ahead, and the step before must still be there for everyone.
     Returns the path written. Not a collective: every rank calls it for its own file.
     """
-    if not isinstance(state, dict):
-        raise TypeError(f"state: expected a dict, got {type(state).__name__}")
+    check_instance("state", state, dict, "a dict")
     step = _check_step(step)
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
-        raise ValueError(
-            f"keep: expected an int >= 2 (a rank killed mid-save needs the step before), got {keep!r}"
-        )
+    check_int("keep", keep, low=2)  # a rank killed mid-save needs the step before
     rank, W = _rank(group)
     path = checkpoint_path(directory, step, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)

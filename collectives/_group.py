@@ -7,6 +7,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from onebit.kernels._checks import check_group
+
 from ._failure import guard
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
@@ -20,19 +22,9 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
-    """W for ``group``; 1 when torch.distributed is not initialised and no group is given."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("group: given, but torch.distributed is not initialised")
-        return 1
-    # new_group() hands non-members a sentinel (an int in torch 2.13), not a ProcessGroup
-    if group is dist.GroupMember.NON_GROUP_MEMBER or (
-        isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
-    ):
-        raise ValueError("group: this rank is not a member of the group")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group: expected a ProcessGroup or None, got {type(group).__name__}")
-    return dist.get_world_size(group)
+    """W for ``group``; 1 when torch.distributed is not initialised and no group is given
+    (validated: see :func:`onebit.kernels._checks.check_group`)."""
+    return check_group(group)
 
 
 def verify_agreement(tensor: torch.Tensor, N: int, group) -> None:

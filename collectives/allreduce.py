@@ -40,16 +40,13 @@ def _validate(tensor, worker_error, server_error, W: int) -> int:
     device = tensor.device
     unit = 8 * W
     check_buffer(
-        "worker_error", worker_error, device, torch.float32,
-        f"float32 of length N >= numel ({n}) with N % (8 * world_size) == 0 ({unit})",
-        worker_error.numel() >= n and worker_error.numel() % unit == 0
-        if isinstance(worker_error, torch.Tensor) else None,
+        "worker_error", worker_error, device, torch.float32, at_least=n, multiple_of=unit,
+        what=f"float32 of length N >= numel ({n}) with N % (8 * world_size) == 0 ({unit})",
     )
     N = worker_error.numel()
     check_buffer(
-        "server_error", server_error, device, torch.float32,
-        f"float32 of length N / world_size = {N // W}",
-        server_error.numel() == N // W if isinstance(server_error, torch.Tensor) else None,
+        "server_error", server_error, device, torch.float32, length=N // W,
+        what=f"float32 of length N / world_size = {N // W}",
     )
     return N
 

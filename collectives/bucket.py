@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from onebit.kernels._checks import check_number
 from onebit.kernels.layout import padded_numel
 
 from ._failure import guard
@@ -39,9 +40,7 @@ def plan_buckets(numels: Sequence[int], element_size: int, bucket_cap_mb: float)
     ``bucket_cap_mb == 0`` puts every tensor in a bucket of its own; a tensor larger than
     the cap gets a bucket of its own. Empty tensors join whatever bucket is open.
     """
-    ok = isinstance(bucket_cap_mb, int | float) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb >= 0
-    if not ok:  # NaN fails >= 0 too
-        raise ValueError(f"bucket_cap_mb: expected a number >= 0, got {bucket_cap_mb!r}")
+    check_number("bucket_cap_mb", bucket_cap_mb)
     cap = bucket_cap_mb * 2**20
     groups: list[list[int]] = []
     size = 0

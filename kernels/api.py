@@ -12,15 +12,14 @@ from types import ModuleType
 import torch
 
 from . import torch_kernels
-from ._checks import check_buffer, check_tensor, check_world_size
+from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
 from .layout import Layout, empty_message, padded_numel
 
 _BACKENDS = (None, "torch", "triton")
 
 
 def _backend(device: torch.device, backend: str | None) -> ModuleType:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of None, 'torch', 'triton', got {backend!r}")
+    check_choice("backend", backend, _BACKENDS)
     if backend == "torch" or (backend is None and device.type != "cuda"):
         return torch_kernels
     from . import triton_kernels  # imported on first use: CPU-only users never need triton
@@ -32,16 +31,12 @@ def _message_out(name: str, out: torch.Tensor | None, layout: Layout, segments: 
     if out is None:
         return empty_message(layout, segments, device)
     size = segments * layout.segment_bytes
-    check_buffer(name, out, device, torch.uint8, f"{size} bytes", out.numel() == size)
+    check_buffer(name, out, device, torch.uint8, length=size, what=f"{size} bytes")
     return out
 
 
 def _check_x(x: object) -> torch.Tensor:
-    check_tensor("x", x)
-    assert isinstance(x, torch.Tensor)
-    if not x.is_contiguous():
-        raise ValueError("x: expected a contiguous tensor")
-    return x
+    return check_tensor("x", x, contiguous=True)
 
 
 def worker_compress(
@@ -71,12 +66,7 @@ def worker_compress(
     x = _check_x(x)
     W = check_world_size(world_size)
     n = x.numel()
-    check_buffer(
-        "worker_error", worker_error, x.device, torch.float32,
-        f"length N >= {n} with N % {8 * W} == 0",
-        worker_error.numel() >= n and worker_error.numel() % (8 * W) == 0
-        if isinstance(worker_error, torch.Tensor) else None,
-    )
+    check_buffer("worker_error", worker_error, x.device, torch.float32, at_least=n, multiple_of=8 * W)
     layout = Layout(worker_error.numel(), W)
     impl = _backend(x.device, backend)
     msg = _message_out("out", out, layout, W, x.device)
@@ -103,13 +93,10 @@ def server_reduce(
     W = check_world_size(world_size)
     check_tensor("received", received, (torch.uint8,))
     device = received.device
-    check_buffer(
-        "server_error", server_error, device, torch.float32, "a multiple of 8",
-        server_error.numel() % 8 == 0 if isinstance(server_error, torch.Tensor) else None,
-    )
+    check_buffer("server_error", server_error, device, torch.float32, multiple_of=8, what="a multiple of 8")
     layout = Layout(server_error.numel() * W, W)
     size = layout.message_bytes
-    check_buffer("received", received, device, torch.uint8, f"{size} bytes", received.numel() == size)
+    check_buffer("received", received, device, torch.uint8, length=size, what=f"{size} bytes")
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
         _backend(device, backend).server_reduce(received, server_error, layout, seg)
@@ -136,29 +123,18 @@ def decompress(
     """
     W = check_world_size(world_size)
     check_tensor("gathered", gathered, (torch.uint8,))
-    check_tensor("out", out)
-    if not out.is_contiguous() or out.device != gathered.device:
-        raise ValueError(f"out: expected a contiguous tensor on {gathered.device}")
+    check_tensor("out", out, contiguous=True, device=gathered.device)
     n = out.numel()
     if worker_error is not None:
-        check_buffer(
-            "worker_error", worker_error, out.device, torch.float32,
-            f"length N >= {n} with N % {8 * W} == 0",
-            worker_error.numel() >= n and worker_error.numel() % (8 * W) == 0
-            if isinstance(worker_error, torch.Tensor) else None,
-        )
+        check_buffer("worker_error", worker_error, out.device, torch.float32, at_least=n, multiple_of=8 * W)
         padded = worker_error.numel()
-    N = padded_numel(n, W) if padded is None else padded
-    if N < n or N % (8 * W):
-        raise ValueError(f"padded: expected N >= {n} with N % {8 * W} == 0, got {N}")
+    N = padded_numel(n, W) if padded is None else check_int("padded", padded, low=n, multiple_of=8 * W)
     layout = Layout(N, W)
     size = layout.message_bytes
-    check_buffer("gathered", gathered, out.device, torch.uint8, f"{size} bytes", gathered.numel() == size)
+    check_buffer("gathered", gathered, out.device, torch.uint8, length=size, what=f"{size} bytes")
     if worker_error is not None:
-        check_buffer(
-            "worker_message", worker_message, out.device, torch.uint8, f"{size} bytes",
-            worker_message is not None and worker_message.numel() == size,
-        )
+        check_buffer("worker_message", worker_message, out.device, torch.uint8, length=size,
+                     what=f"{size} bytes")
     if N:
         _backend(out.device, backend).decompress(
             gathered, layout, out.view(-1), worker_error, worker_message

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_int
+
 
 def padded_numel(numel: int, world_size: int) -> int:
     """Smallest ``N >= numel`` with ``N % (8 * world_size) == 0`` (onebit's default padding)."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel: expected an int >= 0, got {numel!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    check_int("numel", numel, low=0)
+    check_int("world_size", world_size, low=1)
     unit = 8 * world_size
     return -(-numel // unit) * unit
 

@@ -21,40 +21,19 @@ import torch.distributed as dist
 from onebit.collectives._failure import guard
 from onebit.collectives._group import comm_device, gather_json, group_size
 from onebit.collectives.bucket import BucketedReducer
+from onebit.kernels._checks import check_betas, check_choice, check_fraction, check_number
 
 from ._freeze import FreezeSchedule
 from ._functional import tiny_variance_mask
 
 
-def check_positive_or_zero(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
-    return float(value)
-
-
-def check_fraction(name: str, value: object) -> float:
-    """A number in [0, 1): decay rates (betas-like) and relative bounds."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-        raise ValueError(f"{name}: expected a number in [0, 1), got {value!r}")
-    return float(value)
-
-
-def check_betas(betas: object) -> tuple[float, float]:
-    ok = isinstance(betas, tuple | list) and len(betas) == 2 and all(
-        isinstance(b, int | float) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas
-    )
-    if not ok:
-        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
-    return float(betas[0]), float(betas[1])
-
-
 def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
     """The validated hyper-parameters every 1-bit optimizer shares, plus group options."""
     return dict(
-        lr=check_positive_or_zero("lr", lr),
-        betas=check_betas(betas),
-        eps=check_positive_or_zero("eps", eps),
-        weight_decay=check_positive_or_zero("weight_decay", weight_decay),
+        lr=check_number("lr", lr),
+        betas=check_betas("betas", betas),
+        eps=check_number("eps", eps),
+        weight_decay=check_number("weight_decay", weight_decay),
         non_freeze=False,
         exp_avg_mask=None,
         **extra,
@@ -63,20 +42,6 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
 
 NONFINITE_POLICIES = ("skip", "raise", None)
 AUTO_MASK = 0.1  # default ratio: see tiny_variance_mask and README "How it trains"
-
-
-def check_auto_mask(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-        raise ValueError(f"auto_mask: expected None or a number in [0, 1), got {value!r}")
-    return float(value)
-
-
-def check_nonfinite(value: object) -> str | None:
-    if value not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite: expected 'skip', 'raise' or None, got {value!r}")
-    return value  # type: ignore[return-value]
 
 
 def closure_loss(closure) -> Any:
@@ -111,9 +76,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         nonfinite: str | None = "skip", auto_mask: float | None = AUTO_MASK,
     ) -> None:
         self.world_size = group_size(group)  # validates group before anything is built
-        self.bucket_cap_mb = check_positive_or_zero("bucket_cap_mb", bucket_cap_mb)
-        self.nonfinite = check_nonfinite(nonfinite)
-        self.auto_mask = check_auto_mask(auto_mask)
+        self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb)
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        self.auto_mask = check_fraction("auto_mask", auto_mask, optional=True)
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False

@@ -33,16 +33,11 @@ import torch.distributed as dist
 
 from onebit.collectives._failure import guard
 from onebit.collectives._group import comm_device, group_size
+from onebit.kernels._checks import check_int, check_number, check_order
 
 __all__ = ["AutoFreeze", "FreezeSchedule"]
 
 SAMPLE = 8192  # coordinates per tensor that the automatic schedule compares
-
-
-def _positive_int(name: str, value: object, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -56,17 +51,12 @@ class AutoFreeze:
     max_step: int = 100_000
 
     def __post_init__(self) -> None:
-        _positive_int("AutoFreeze.window", self.window)
-        _positive_int("AutoFreeze.patience", self.patience)
-        _positive_int("AutoFreeze.min_step", self.min_step, low=0)
-        _positive_int("AutoFreeze.max_step", self.max_step)
-        tol = self.tolerance
-        if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < 2:
-            raise ValueError(f"AutoFreeze.tolerance: expected a number in (0, 2), got {tol!r}")
-        if self.min_step > self.max_step:
-            raise ValueError(
-                f"AutoFreeze.min_step: expected <= max_step ({self.max_step}), got {self.min_step}"
-            )
+        check_int("AutoFreeze.window", self.window, low=1)
+        check_int("AutoFreeze.patience", self.patience, low=1)
+        check_int("AutoFreeze.min_step", self.min_step, low=0)
+        check_int("AutoFreeze.max_step", self.max_step, low=1)
+        check_number("AutoFreeze.tolerance", self.tolerance, 0.0, 2.0, low_open=True)
+        check_order("AutoFreeze.min_step", self.min_step, "max_step", self.max_step)
 
 
 class FreezeSchedule:

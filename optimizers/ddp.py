@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit.collectives.wire import ring_allreduce_bytes, traffic
+from onebit.kernels._checks import check_instance
 
 from ._base import OnebitOptimizerBase
 
@@ -39,10 +40,8 @@ def onebit_comm_hook(
 
 def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizerBase) -> None:
     """Register :func:`onebit_comm_hook` on ``model`` for ``optimizer`` (same process group)."""
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"model: expected a DistributedDataParallel, got {type(model).__name__}")
-    if not isinstance(optimizer, OnebitOptimizerBase):
-        raise TypeError(f"optimizer: expected a onebit optimizer, got {type(optimizer).__name__}")
+    check_instance("model", model, DistributedDataParallel, "a DistributedDataParallel")
+    check_instance("optimizer", optimizer, OnebitOptimizerBase, "a onebit optimizer")
     ddp_size = dist.get_world_size(model.process_group)
     if ddp_size != optimizer.world_size:
         raise ValueError(

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults, check_fraction, check_positive_or_zero
+from onebit.kernels._checks import check_fraction, check_number, check_order
+
+from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import fold_, lamb_compressed_update, lamb_warmup_update, mask_, moments_
 
@@ -65,13 +67,11 @@ class OnebitLamb(WarmupThenCompress):
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff),
                             ("factor_max", factor_max), ("factor_min", factor_min)]:
-            check_positive_or_zero(name, value)
+            check_number(name, value)
         check_fraction("coeff_beta", coeff_beta)  # an EMA decay
         check_fraction("factor_threshold", factor_threshold)  # f may move by this fraction per step
-        if min_coeff > max_coeff:
-            raise ValueError(f"min_coeff: expected <= max_coeff ({max_coeff}), got {min_coeff}")
-        if factor_min > factor_max:
-            raise ValueError(f"factor_min: expected <= factor_max ({factor_max}), got {factor_min}")
+        check_order("min_coeff", min_coeff, "max_coeff", max_coeff)
+        check_order("factor_min", factor_min, "factor_max", factor_max)
         super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite,
                          auto_mask=auto_mask)
         self.schedule = FreezeSchedule("freeze_step", freeze_step)

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from onebit.kernels._checks import check_int
+
 from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_
 
 __all__ = ["ZeroOneAdam"]
-
-
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return value
 
 
 class ZeroOneAdam(OnebitOptimizerBase):
@@ -75,9 +71,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
         self.schedule = FreezeSchedule("var_freeze_step", var_freeze_step)
         self.var_freeze_step = var_freeze_step
-        self.var_update_scaler = _check_int("var_update_scaler", var_update_scaler)
-        self.local_step_scaler = _check_int("local_step_scaler", local_step_scaler)
-        self.local_step_clipper = _check_int("local_step_clipper", local_step_clipper)
+        self.var_update_scaler = check_int("var_update_scaler", var_update_scaler, low=1)
+        self.local_step_scaler = check_int("local_step_scaler", local_step_scaler, low=1)
+        self.local_step_clipper = check_int("local_step_clipper", local_step_clipper, low=1)
         self.updates = 0
         self.var_interval, self.var_counter = 1, 0
         self.local_step_interval, self.local_step_counter = 1, 0

@@ -47,6 +47,13 @@ def _lamb(e, **kw):
     return OnebitLamb(e["params"], **kw)
 
 
+class _FakeDDP(torch.nn.parallel.DistributedDataParallel):
+    """Passes the model type check without a process group (the optimizer check comes next)."""
+
+    def __init__(self) -> None:  # noqa: D107 - deliberately skips DDP's set-up
+        torch.nn.Module.__init__(self)
+
+
 WE = "worker_error"
 CASES = [
     # compressed_allreduce
@@ -122,6 +129,24 @@ CASES = [
      ValueError, "config"),
     ("ddp hook model", lambda e: register_ddp_hook(torch.nn.Linear(2, 2), OnebitAdam(e["params"])), TypeError,
      "model"),
+    ("lamb max_coeff < 0", lambda e: _lamb(e, max_coeff=-1.0), ValueError, "max_coeff"),
+    ("lamb factor_max nan", lambda e: _lamb(e, factor_max=math.nan), ValueError, "factor_max"),
+    ("lamb eps bool", lambda e: _lamb(e, eps=True), ValueError, "eps"),
+    ("zero_one local_step_scaler float", lambda e: ZeroOneAdam(e["params"], local_step_scaler=2.0),
+     ValueError,
+     "local_step_scaler"),
+    ("zero_one betas list of 3", lambda e: ZeroOneAdam(e["params"], betas=[0.9, 0.99, 0.9]), ValueError,
+     "betas"),
+    ("adam AutoFreeze tolerance 0", lambda e: OnebitAdam(e["params"], freeze_step=AutoFreeze(tolerance=0)),
+     ValueError, "AutoFreeze.tolerance"),
+    ("adam AutoFreeze min_step > max_step", lambda e: OnebitAdam(
+        e["params"], freeze_step=AutoFreeze(min_step=500, max_step=400)), ValueError, "AutoFreeze.min_step"),
+    ("adam AutoFreeze patience 0", lambda e: OnebitAdam(e["params"], freeze_step=AutoFreeze(patience=0)),
+     ValueError, "AutoFreeze.patience"),
+    ("ddp hook optimizer", lambda e: register_ddp_hook(_FakeDDP(), torch.optim.SGD(e["params"])), TypeError,
+     "optimizer"),
+    ("decompress out strided", lambda e: decompress(e["msg"], e["x"].repeat(2)[::2], 1), ValueError, "out"),
+    ("decompress padded str", lambda e: decompress(e["msg"], e["x"], 1, padded="104"), ValueError, "padded"),
     # buckets, checkpoints, replica check
     ("reducer bucket_cap_mb", lambda e: BucketedReducer([(3,)], torch.device("cpu"), bucket_cap_mb=-2),
      ValueError, "bucket_cap_mb"),
