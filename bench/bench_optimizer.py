@@ -2,8 +2,8 @@
 
 A transformer-shaped parameter set (default: 8 blocks of d_model 1024, about 101M
 parameters) with fixed random gradients. OnebitAdam runs with ``freeze_step=0`` (every step
-compressed) and its compressed_allreduce forced through the full local compute at W = 1
-(``_compressed_allreduce(..., W=1)``: worker compress, server reduce, decompress, no
+compressed) and its reducer's collective replaced by the full local compute at W = 1
+(``local_compressed_allreduce``: worker compress, server reduce, decompress, no
 communication), so the time is the optimizer's own compute. The baseline is
 ``torch.optim.AdamW(fused=True)`` on identical parameters. Prints medians of --repeats steps
 and the ratio; appends a CSV row per optimizer.
@@ -25,16 +25,13 @@ import time
 
 import torch
 
-import onebit.collectives.bucket as bucket_module
-from onebit.collectives.allreduce import _compressed_allreduce, _validate
+from onebit.collectives import local_compressed_allreduce
 from onebit.optimizers import OnebitAdam
 
 
-def forced_single_rank(tensor, worker_error, server_error, group=None, **_):
+def forced_single_rank(tensor, worker_error, server_error, group=None):
     """compressed_allreduce with the whole local compute at W = 1 (no identity shortcut)."""
-    _validate(tensor, worker_error, server_error, 1)
-    _compressed_allreduce(tensor, worker_error, server_error, None, 1)
-    return tensor
+    return local_compressed_allreduce([tensor], [worker_error], [server_error])[0]
 
 
 def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
@@ -72,7 +69,6 @@ def main() -> None:
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
     device = torch.device(args.device)
-    bucket_module.compressed_allreduce = forced_single_rank  # the reducer's only collective
     results = {}
     for name in ("adamw_fused", "onebit_adam"):
         params = make_params(args.blocks, args.d_model, device)
@@ -81,6 +77,7 @@ def main() -> None:
             opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
         else:
             opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=0)
+            opt.reducer().allreduce = forced_single_rank  # the reducer's only collective
         times = time_steps(opt, device, args.repeats)
         results[name] = statistics.median(times)
         print(f"{name:12} {n / 1e6:.1f}M parameters: {results[name]:9.2f} ms/step (median of {len(times)})",

@@ -32,7 +32,8 @@ def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1)
 
 
-def _validate(tensor, worker_error, server_error, W: int) -> int:
+def validate(tensor, worker_error, server_error, W: int) -> int:
+    """Check compressed_allreduce's arguments for a group of W ranks; returns N."""
     check_tensor("tensor", tensor)
     if any(st == 0 and sz > 1 for st, sz in zip(tensor.stride(), tensor.shape, strict=True)):
         raise ValueError("tensor: expected a tensor without overlapping elements (stride 0)")
@@ -82,7 +83,7 @@ def compressed_allreduce(
     is touched or any data moves.
     """
     W = group_size(group)
-    N = _validate(tensor, worker_error, server_error, W)
+    N = validate(tensor, worker_error, server_error, W)
     if check:
         verify_agreement(tensor, N, group)
     if W == 1 or tensor.numel() == 0:
@@ -98,26 +99,19 @@ def compressed_allreduce(
 
 
 def _compressed_allreduce(tensor, worker_error, server_error, group, W: int) -> torch.Tensor:
-    """The algorithm on validated arguments; returns the W server scales (a view).
-
-    ``W == 1`` runs the whole local compute without communication (the forced single-rank
-    mode that benchmarks use to measure the kernels' cost)."""
+    """The algorithm on validated arguments, W > 1; returns the W server scales (a view).
+    (:func:`onebit.collectives.local.local_compressed_allreduce` is the same compute for
+    all ranks in one process.)"""
     layout = Layout(worker_error.numel(), W)
     flat = _flat_target(tensor)
     msg = worker_compress(flat, worker_error, W, update_error=False)
-    if W > 1:
-        recv = torch.empty_like(msg)
-        with guard("compressed_allreduce (all_to_all)", group):
-            dist.all_to_all_single(recv, msg, group=group)
-    else:
-        recv = msg
+    recv = torch.empty_like(msg)
+    with guard("compressed_allreduce (all_to_all)", group):
+        dist.all_to_all_single(recv, msg, group=group)
     seg = server_reduce(recv, server_error, W)
-    if W > 1:
-        gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
-        with guard("compressed_allreduce (all_gather)", group):
-            all_gather_single(gathered, seg, group)
-    else:
-        gathered = seg
+    gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
+    with guard("compressed_allreduce (all_gather)", group):
+        all_gather_single(gathered, seg, group)
     decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg)
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))

@@ -116,12 +116,15 @@ class BucketedReducer:
                 self.views[i] = view
             self.buckets.append(bucket)
         largest = max((b.numel for b in self.buckets), default=0)
+        # The collective compressed_mean_ calls, compressed_allreduce's signature; a benchmark
+        # may set a local one (see bench/bench_optimizer.py) to time the compute alone.
+        self.allreduce = compressed_allreduce
         self._scratch = torch.empty(largest, dtype=torch.float32, device=device)
 
     def compressed_mean_(self) -> None:
         """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
         for b in self.buckets:
-            compressed_allreduce(b.flat, b.worker_error, b.server_error, self.group)
+            self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
 
     def average(
         self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True

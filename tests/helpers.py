@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit.kernels import Layout, decompress, server_reduce, worker_compress
+from onebit.collectives import local_compressed_allreduce
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor, norm: float | None = None) -> float:
@@ -36,27 +36,7 @@ def assert_rel(
 
 
 def simulate_allreduce(xs, worker_errors, server_errors, backend=None):
-    """The local compute of one compressed_allreduce for W ranks in one process.
-
-    The message exchange is done with tensor slicing; errors are updated in place.
-    Returns the per-rank outputs (new tensors of the inputs' dtype).
-    """
-    W = len(xs)
-    N = worker_errors[0].numel()
-    layout = Layout(N, W)
-    msgs = [
-        worker_compress(x, e, W, update_error=False, backend=backend)
-        for x, e in zip(xs, worker_errors, strict=True)
-    ]
-    segs = []
-    for j in range(W):
-        recv = torch.cat([m.view(W, layout.segment_bytes)[j] for m in msgs])
-        segs.append(server_reduce(recv, server_errors[j], W, backend=backend))
-    gathered = torch.cat(segs)
-    outs = []
-    for r in range(W):
-        out = xs[r].clone()
-        decompress(gathered, out, W, worker_error=worker_errors[r], worker_message=msgs[r],
-                   backend=backend)
-        outs.append(out)
-    return outs
+    """The local compute of one compressed_allreduce for W ranks in one process (the public
+    local_compressed_allreduce on copies of ``xs``); errors are updated in place. Returns the
+    per-rank outputs (new tensors of the inputs' dtype)."""
+    return local_compressed_allreduce([x.clone() for x in xs], worker_errors, server_errors, backend=backend)

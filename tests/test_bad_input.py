@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from onebit import checkpoint
-from onebit.collectives import compressed_allreduce, padded_numel, verify_replicas
+from onebit.collectives import compressed_allreduce, local_compressed_allreduce, padded_numel, verify_replicas
 from onebit.collectives.bucket import BucketedReducer, plan_buckets
 from onebit.kernels import decompress, server_reduce, worker_compress
 from onebit.optimizers import (
@@ -72,6 +72,12 @@ CASES = [
     ("allreduce server_error strided", lambda e: _ar(e, server_error=e["se"].repeat(2)[::2]), ValueError,
      "server_error"),
     ("allreduce group without init", lambda e: _ar(e, group="world"), ValueError, "group"),
+    ("local allreduce tensors tensor", lambda e: local_compressed_allreduce(e["x"], [e["we"]], [e["se"]]),
+     TypeError, "tensors"),
+    ("local allreduce ranks differ", lambda e: local_compressed_allreduce([e["x"]], [e["we"]] * 2, [e["se"]]),
+     ValueError, "tensors"),
+    ("local allreduce worker_error short", lambda e: local_compressed_allreduce(
+        [e["x"]], [e["we"][:96]], [e["se"]]), ValueError, WE),
     # padded_numel and the kernels
     ("padded_numel numel < 0", lambda e: padded_numel(-1, 4), ValueError, "numel"),
     ("padded_numel numel float", lambda e: padded_numel(2.5, 4), ValueError, "numel"),
