@@ -17,17 +17,17 @@ expected to take longer than --max-seconds is not run (marked skipped).
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance, pyplot, write_csv  # noqa: E402
 
 LINKS = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9, "none": None}
 OPS = ("onebit", "allreduce_fp32", "allreduce_bf16")
@@ -144,14 +144,11 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(0)  # skip finalisation: gloo threads occasionally abort there (see examples/)
 
-    import torch
-
     reason = can_shape()
     links = args.links if reason is None else ["none"]
     if reason is not None:
         print(f"cannot emulate links ({reason}): running unshaped only", file=sys.stderr)
-    meta = {"device": f"{platform.machine()} CPU, {os.cpu_count()} cores", "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "backend": "gloo"}
+    meta = provenance(None, backend="gloo")
     rows = []
     for link in links:
         for W in args.worlds:
@@ -179,12 +176,8 @@ def main() -> None:
 
 
 def write(rows, args, meta) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in meta, k))
-    with open(args.csv, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.csv, rows, fields=fields)
     index = {(r["link"], r["W"], r["log2_n"], r["op"]): r for r in rows}
     print("| link | W | n | onebit s | fp32 s | bf16 s | speedup vs fp32 | vs bf16 | onebit algbw GB/s | "
           "wire MB/rank onebit / fp32 |")
@@ -215,13 +208,8 @@ def write(rows, args, meta) -> None:
 
 
 def plot(speedups, args) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     path = args.plot or os.path.splitext(args.csv)[0] + ".png"
     fig, ax = plt.subplots(figsize=(7, 4.5))

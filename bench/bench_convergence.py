@@ -17,13 +17,13 @@ freeze_step="auto": see bench/suite.py.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance, pyplot, write_csv  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -73,7 +73,6 @@ def main() -> None:
         return
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    import torch
 
     logs, summary = {}, {}
     for name in args.runs:
@@ -83,9 +82,8 @@ def main() -> None:
         summary[name] = stdout.strip().splitlines()[-4:]
         final = [r["val_loss"] for r in logs[name] if r["val_loss"] is not None][-1]
         print(f"{name:14} final validation loss {final:.4f}", file=sys.stderr)
-    meta = {"device": f"{platform.machine()} CPU, {os.cpu_count()} cores", "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "ranks": args.ranks, "steps": args.steps,
-            "freeze_step": int(args.steps * args.freeze_fraction), "lr": args.lr, "seed": args.seed}
+    meta = provenance(None, ranks=args.ranks, steps=args.steps,
+                      freeze_step=int(args.steps * args.freeze_fraction), lr=args.lr, seed=args.seed)
     rows = []
     for name, log in logs.items():
         final = [r["val_loss"] for r in log if r["val_loss"] is not None][-1]
@@ -105,10 +103,7 @@ def main() -> None:
                      else f"{stage_ms['full precision']:.1f}",
                      "ms_per_compressed_step": "" if stage_ms["compressed"] is None
                      else f"{stage_ms['compressed']:.1f}"})
-    with open(os.path.join(args.out, "convergence.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(args.out, "convergence.csv"), rows)
     print("| optimizer | final validation loss | baseline | ratio | train s | ms/step full | ms/step 1-bit |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -118,13 +113,8 @@ def main() -> None:
 
 
 def plot(logs, args) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no plots", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for name, log in logs.items():

@@ -17,13 +17,8 @@ median time, next to a float32 copy of N elements (read + write) timed in the sa
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 
@@ -31,39 +26,10 @@ from onebit.kernels import Layout, decompress, message_scales, server_reduce, wo
 from onebit.kernels.layout import empty_message, padded_numel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance, timer, write_csv  # noqa: E402
 from reference_path import reference_local  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def timer(device: torch.device, repeats: int):
-    """Returns time(fn) -> (median, p20, p80) milliseconds."""
-    if device.type == "cuda":
-        import triton.testing
-
-        def cuda_time(fn):
-            q = triton.testing.do_bench(fn, warmup=25, rep=max(repeats, 50), quantiles=[0.5, 0.2, 0.8])
-            return tuple(q)
-
-        return cuda_time
-
-    def cpu_time(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        times.sort()
-        return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
-
-    return cpu_time
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
 def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
@@ -133,42 +99,33 @@ def main() -> None:
     device = torch.device(args.device)
     sizes = args.log2 or (list(range(20, 29, 2)) if device.type == "cuda" else [16, 20, 22, 24])
     path = args.csv or os.path.join(os.path.dirname(__file__), "out", f"kernels-{device.type}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    import triton
-
-    meta = {
-        "device": device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(), "python": platform.python_version(),
-    }
+    meta = provenance(device)
     time_fn = timer(device, args.repeats)
-    fields = [*meta, "kernel", "dtype", "W", "log2_n", "ms_median", "ms_p20", "ms_p80", "bytes",
-              "gb_per_s", "copy_gb_per_s", "fraction_of_copy", "transient_bytes", "transient_per_N"]
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        print(" | ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr)
-        for k in sizes:
-            for dname in args.dtypes:
-                for W in args.worlds:
-                    copy_gbps = None
-                    N = padded_numel(1 << k, W)
-                    for name, fn, nbytes in cases(1 << k, W, DTYPES[dname], device):
-                        med, lo, hi = time_fn(fn)
-                        whole = name in ("local_total", "reference_local")
-                        extra = transient_bytes(fn, device) if whole else None
-                        gbps = nbytes / med / 1e6
-                        copy_gbps = gbps if name == "copy_f32" else copy_gbps
-                        row = {**meta, "kernel": name, "dtype": dname, "W": W, "log2_n": k,
-                               "ms_median": f"{med:.4f}", "ms_p20": f"{lo:.4f}", "ms_p80": f"{hi:.4f}",
-                               "bytes": nbytes, "gb_per_s": f"{gbps:.2f}",
-                               "copy_gb_per_s": f"{copy_gbps:.2f}",
-                               "fraction_of_copy": f"{gbps / copy_gbps:.3f}",
-                               "transient_bytes": "" if extra is None else extra,
-                               "transient_per_N": "" if extra is None else f"{extra / N:.3f}"}
-                        writer.writerow(row)
-                        mem = "" if extra is None else f", transient {extra / N:.3f} x N bytes"
-                        print(f"2^{k:<2} {dname:8} W={W:<2} {name:18} {med:9.3f} ms {gbps:8.1f} GB/s "
-                              f"({gbps / copy_gbps:5.2f} of copy){mem}", file=sys.stderr)
+    if os.path.exists(path):
+        os.unlink(path)  # rows are appended as they come: a run cut short keeps what it measured
+    print(" | ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr)
+    for k in sizes:
+        for dname in args.dtypes:
+            for W in args.worlds:
+                copy_gbps = None
+                N = padded_numel(1 << k, W)
+                for name, fn, nbytes in cases(1 << k, W, DTYPES[dname], device):
+                    med, lo, hi = time_fn(fn)
+                    whole = name in ("local_total", "reference_local")
+                    extra = transient_bytes(fn, device) if whole else None
+                    gbps = nbytes / med / 1e6
+                    copy_gbps = gbps if name == "copy_f32" else copy_gbps
+                    row = {**meta, "kernel": name, "dtype": dname, "W": W, "log2_n": k,
+                           "ms_median": f"{med:.4f}", "ms_p20": f"{lo:.4f}", "ms_p80": f"{hi:.4f}",
+                           "bytes": nbytes, "gb_per_s": f"{gbps:.2f}",
+                           "copy_gb_per_s": f"{copy_gbps:.2f}",
+                           "fraction_of_copy": f"{gbps / copy_gbps:.3f}",
+                           "transient_bytes": "" if extra is None else extra,
+                           "transient_per_N": "" if extra is None else f"{extra / N:.3f}"}
+                    write_csv(path, [row], append=True)
+                    mem = "" if extra is None else f", transient {extra / N:.3f} x N bytes"
+                    print(f"2^{k:<2} {dname:8} W={W:<2} {name:18} {med:9.3f} ms {gbps:8.1f} GB/s "
+                          f"({gbps / copy_gbps:5.2f} of copy){mem}", file=sys.stderr)
     print(path)
 
 

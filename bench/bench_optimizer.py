@@ -15,18 +15,17 @@ and the ratio; appends a CSV row per optimizer.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 
 from onebit.collectives import local_compressed_allreduce
 from onebit.optimizers import OnebitAdam
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance, wall_ms, write_csv  # noqa: E402
 
 
 def forced_single_rank(tensor, worker_error, server_error, group=None):
@@ -48,16 +47,7 @@ def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
 def time_steps(opt, device, repeats: int) -> list[float]:
     for _ in range(2):
         opt.step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return [wall_ms(opt.step, device) for _ in range(repeats)]
 
 
 def main() -> None:
@@ -85,19 +75,10 @@ def main() -> None:
         del opt, params
     ratio = results["onebit_adam"] / results["adamw_fused"]
     print(f"OnebitAdam compression-stage step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"{platform.machine()} x{torch.get_num_threads()} threads")
-    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-    new = not os.path.exists(args.csv)
-    with open(args.csv, "a", newline="") as fh:
-        w = csv.writer(fh)
-        if new:
-            w.writerow(["date", "device", "torch", "parameters", "optimizer", "ms_median", "ratio_to_adamw"])
-        for name, ms in results.items():
-            today = datetime.date.today().isoformat()
-            w.writerow([today, device_name, torch.__version__, n, name, f"{ms:.3f}",
-                        f"{ms / results['adamw_fused']:.3f}"])
-    print(args.csv)
+    meta = provenance(device)
+    rows = [{**meta, "parameters": n, "optimizer": name, "ms_median": f"{ms:.3f}",
+             "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]
+    print(write_csv(args.csv, rows, append=True))
 
 
 if __name__ == "__main__":

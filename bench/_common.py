@@ -1,0 +1,133 @@
+"""What every benchmark needs once: provenance, a timer, CSV output, Markdown tables, the
+matplotlib import. Benchmarks use only public onebit names; this module holds no onebit
+code.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def git_commit() -> str:
+    """The checkout's commit (with ``+dirty`` when files differ), or '' outside git."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
+
+
+def device_name(device=None) -> str:
+    """The GPU's name for a CUDA device, else the CPU: architecture, cores, torch threads."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def provenance(device=None, **extra) -> dict:
+    """Device, versions, date and commit: the columns every results row starts with."""
+    import torch
+
+    meta = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return {**meta, **extra}
+
+
+def timer(device, repeats: int) -> Callable[[Callable[[], object]], tuple[float, float, float]]:
+    """Returns ``time(fn) -> (median, p20, p80)`` in milliseconds: triton's do_bench on
+    CUDA (L2 flushed between calls), else wall-clock over ``repeats`` calls after one warm-up."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        def cuda_time(fn):
+            q = triton.testing.do_bench(fn, warmup=25, rep=max(repeats, 50), quantiles=[0.5, 0.2, 0.8])
+            return tuple(q)
+
+        return cuda_time
+
+    def cpu_time(fn):
+        fn()
+        times = sorted(wall_ms(fn) for _ in range(repeats))
+        return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
+
+    return cpu_time
+
+
+def wall_ms(fn: Callable[[], object], device=None) -> float:
+    """One call's wall-clock milliseconds (synchronising a CUDA device before and after)."""
+    import torch
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def write_csv(
+    path: str, rows: Sequence[dict], *, append: bool = False, fields: Sequence[str] | None = None,
+) -> str:
+    """Write (or append) dict rows; the header comes from ``fields`` or the rows' keys in order
+    of first appearance, and is written when the file is new. Returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if fields is None:
+        fields = list(dict.fromkeys(k for r in rows for k in r))
+    new = not (append and os.path.exists(path))
+    if not new:
+        with open(path, newline="") as fh:
+            header = next(csv.reader(fh), [])
+        if header != list(fields):
+            raise ValueError(f"{path}: its columns differ from these rows'; write to another file")
+    with open(path, "a" if append else "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fields))
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (what bench/RESULTS.md pastes)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None (with a hint) when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install '.[bench]'): no plots", file=sys.stderr)
+        return None
+    return plt

@@ -1,0 +1,48 @@
+"""The benchmarks still run (tiny sizes, CPU): they import only public onebit names and
+write the CSV columns bench/RESULTS.md is built from. Timings are not checked here."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, *args: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_bench_kernels_runs_every_kernel(tmp_path):
+    path = tmp_path / "k.csv"
+    _run("bench_kernels.py", "--device", "cpu", "--log2", "10", "--dtypes", "float32", "bfloat16",
+         "--worlds", "1", "3", "--repeats", "2", "--csv", str(path))
+    rows = _rows(path)
+    kernels = {"copy_f32", "worker", "worker+update", "server", "decompress+update", "local_total",
+               "reference_local"}
+    assert {(r["kernel"], r["dtype"], r["W"]) for r in rows} == {
+        (k, d, w) for k in kernels for d in ("float32", "bfloat16") for w in ("1", "3")}
+    assert all(float(r["ms_median"]) > 0 and r["torch"] and r["date"] for r in rows)
+
+
+def test_bench_optimizer_appends_both_optimizers(tmp_path):
+    path = tmp_path / "o.csv"
+    for _ in range(2):
+        _run("bench_optimizer.py", "--device", "cpu", "--blocks", "1", "--d-model", "64", "--repeats", "2",
+             "--csv", str(path))
+    rows = _rows(path)
+    assert [r["optimizer"] for r in rows] == ["adamw_fused", "onebit_adam"] * 2
+    assert all(float(r["ms_median"]) > 0 for r in rows)
+    assert {r["parameters"] for r in rows} == {str(12 * 64 * 64 + 4 * 64 + 4 * 64)}  # one block, d = 64
