@@ -91,13 +91,15 @@ def make_optimizer(name: str, params, args):
     freeze = args.freeze_step
     if name == "adam":
         return OnebitAdam(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
+    if name == "lamb":
+        return OnebitLamb(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
+    if args.auto_mask != "default":
+        common["auto_mask"] = None if args.auto_mask == "none" else float(args.auto_mask)
     if name == "onebit_adam":
         return OnebitAdam(params, freeze_step=freeze, betas=(0.9, 0.99), **common)
     if name == "zero_one_adam":
         return ZeroOneAdam(params, var_freeze_step=freeze, betas=(0.9, 0.99),
                            local_step_scaler=max(1, args.steps // 10), local_step_clipper=4, **common)
-    if name == "lamb":
-        return OnebitLamb(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
     return OnebitLamb(params, freeze_step=freeze, betas=(0.9, 0.99), **common)
 
 
@@ -154,6 +156,8 @@ def train() -> None:
                    help="an int, or 'auto': freeze when the variance settles (default: 20%% of --steps)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--auto-mask", default="default", help="the 1-bit optimizers' auto_mask: a ratio, 'none' "
+                   "(the reference's maths) or 'default'")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
