@@ -1,10 +1,16 @@
-"""Shared test helpers: comparisons and the in-process simulation of W ranks."""
+"""Shared test helpers: comparisons, the in-process simulation of W ranks, and the
+parameters, gradients and rank bodies of the optimizer tests."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
 from onebit.collectives import local_compressed_allreduce
+from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor, norm: float | None = None) -> float:
@@ -40,3 +46,82 @@ def simulate_allreduce(xs, worker_errors, server_errors, backend=None):
     local_compressed_allreduce on copies of ``xs``); errors are updated in place. Returns the
     per-rank outputs (new tensors of the inputs' dtype)."""
     return local_compressed_allreduce([x.clone() for x in xs], worker_errors, server_errors, backend=backend)
+
+
+# -- the demo (examples/train_lm.py) run small -------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--freeze-step", "2", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--batch", "4", "--eval-batches", "1"]
+
+
+def demo_fingerprint(stdout: str) -> str:
+    """The weights fingerprint the demo prints at the end."""
+    return stdout.split("weights fingerprint")[1].split()[0]
+
+
+# -- optimizer tests: parameters, gradients, rank bodies shared by the per-optimizer files --
+SHAPES = [(7, 5), (5,), (), (3, 4, 2), (0,), (33,)]
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+LAMB_SHAPES = [(7, 5), (5,), (3, 4, 2), (33,)]  # LAMB's trust ratio needs non-empty tensors here
+ZO = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def make_grads(step, rank, shapes=SHAPES):
+    """Rank ``rank``'s gradients at ``step``: fresh Gaussians, shifted by 0.3 x rank."""
+    out = []
+    for i, s in enumerate(shapes):
+        g = torch.Generator().manual_seed(10_000 * step + 100 * rank + i)
+        out.append(torch.randn(s, generator=g) + 0.3 * rank)
+    return out
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+
+
+def make_optimizer(name, params, kwargs, cap=25.0):
+    if name == "lamb":
+        return OnebitLamb(params, **kwargs)
+    if name == "zero_one":
+        return ZeroOneAdam(params, **{k: v for k, v in kwargs.items() if k != "freeze_step"}, **ZO)
+    return OnebitAdam(params, bucket_cap_mb=cap, **kwargs)
+
+
+def body_train(steps, kwargs, cap, state_bytes=None, save_at=None, name="adam"):
+    """Rank body: train ``name`` over ``range(*steps)`` on make_grads; returns the parameters
+    after every step and, with ``save_at``, the serialised model and optimizer state then."""
+    r = dist.get_rank()
+    params = make_params()
+    opt = make_optimizer(name, params, kwargs, cap)
+    if state_bytes is not None:
+        opt.load_state_dict(torch.load(io.BytesIO(state_bytes[r]), weights_only=True))
+    saved = None
+    history = []
+    for t in range(*steps):
+        set_grads(params, make_grads(t, r))
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+        if save_at is not None and t + 1 == save_at:
+            buf = io.BytesIO()
+            torch.save({"model": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+            saved = buf.getvalue()
+    return history, saved
+
+
+def body_resume(k, end, kwargs, states, name="adam"):
+    """Rank body: load this rank's state from ``states`` and train steps k..end-1."""
+    r = dist.get_rank()
+    blob = torch.load(io.BytesIO(states[r]), weights_only=True)
+    params = [torch.nn.Parameter(t.clone()) for t in blob["model"]]
+    opt = make_optimizer(name, params, kwargs)
+    opt.load_state_dict(blob["opt"])
+    for t in range(k, end):
+        set_grads(params, make_grads(t, r))
+        opt.step()
+    return [p.detach().clone() for p in params]

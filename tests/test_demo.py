@@ -5,15 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-TINY = ["--freeze-step", "2", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
-        "--batch", "4", "--eval-batches", "1"]
+from helpers import ROOT, TINY, demo_fingerprint
 
 
 def _demo(*args: str) -> str:
@@ -31,10 +25,6 @@ def test_train_lm_demo_runs(optimizer):
     _demo("--optimizer", optimizer, "--steps", "6")
 
 
-def _fingerprint(stdout: str) -> str:
-    return stdout.split("weights fingerprint")[1].split()[0]
-
-
 @pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])
 def test_train_lm_resume_is_bitwise(optimizer, tmp_path):
     straight = _demo("--optimizer", optimizer, "--steps", "8", "--checkpoint-every", "4",
@@ -47,4 +37,4 @@ def test_train_lm_resume_is_bitwise(optimizer, tmp_path):
     resumed = _demo("--optimizer", optimizer, "--steps", "8", "--resume",
                     "--checkpoint-dir", str(tmp_path / "b"))
     assert "resumed from step 4" in resumed
-    assert _fingerprint(resumed) == _fingerprint(straight)
+    assert demo_fingerprint(resumed) == demo_fingerprint(straight)

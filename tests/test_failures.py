@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from test_optimizers import HYPER, SHAPES, _grads, _make, _params, _set_grads
+from helpers import HYPER, SHAPES, make_grads, make_optimizer, make_params, set_grads
 
 from onebit.collectives import ReplicaMismatchError, fingerprints, verify_replicas
 
@@ -29,16 +29,16 @@ def _body_nonfinite(name, steps, bad_step, bad_rank, policy, value):
     """Train ``steps`` loop iterations; at ``bad_step`` poison one gradient on ``bad_rank``
     (``bad_step`` None: that iteration is left out altogether, the reference run)."""
     r = dist.get_rank()
-    params = _params()
-    opt = _make(name, params, dict(freeze_step=FREEZE, nonfinite=policy, **HYPER))
+    params = make_params()
+    opt = make_optimizer(name, params, dict(freeze_step=FREEZE, nonfinite=policy, **HYPER))
     caught, unchanged = [], None
     for t in range(steps):
         if bad_step is None and t == 6:
             continue
-        grads = _grads(t, r)
+        grads = make_grads(t, r)
         if t == bad_step and r == bad_rank:
             grads[0].view(-1)[3] = value
-        _set_grads(params, grads)
+        set_grads(params, grads)
         before = _state_bytes(opt, params) if t == bad_step else None
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -92,13 +92,13 @@ def test_nonfinite_none_policy_is_documented_propagation(ranks):
 
 def _body_nonfinite_errors(bad_step):
     r = dist.get_rank()
-    params = _params()
-    opt = _make("adam", params, dict(freeze_step=FREEZE, nonfinite=None, **HYPER))
+    params = make_params()
+    opt = make_optimizer("adam", params, dict(freeze_step=FREEZE, nonfinite=None, **HYPER))
     for t in range(bad_step + 1):
-        grads = _grads(t, r)
+        grads = make_grads(t, r)
         if t == bad_step and r == 1:
             grads[0].view(-1)[0] = float("nan")
-        _set_grads(params, grads)
+        set_grads(params, grads)
         opt.step()
     errors = [e for pair in opt.reducer().errors() for e in pair]
     return bool(torch.isnan(params[0]).any()), all(bool(torch.isfinite(e).all()) for e in errors)
@@ -112,14 +112,14 @@ def _body_disagree(kind):
     if kind == "numel" and r == 1:
         shapes[0] = (7, 6)
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    opt = _make("adam", params, dict(freeze_step=FREEZE, **HYPER))
+    opt = make_optimizer("adam", params, dict(freeze_step=FREEZE, **HYPER))
     if kind == "stage":
         for _ in range(FREEZE - 1):
-            _set_grads(params, [torch.ones(s) for s in shapes])
+            set_grads(params, [torch.ones(s) for s in shapes])
             opt.step()
         if r == 2:  # as if rank 2 had loaded a checkpoint one step newer than the others'
             opt.updates += 1
-    _set_grads(params, [torch.ones(s) for s in shapes])
+    set_grads(params, [torch.ones(s) for s in shapes])
     try:
         opt.step(check=True)
     except ValueError as exc:
@@ -187,7 +187,7 @@ def test_fingerprints_see_single_changes_and_swaps():
 def test_huge_finite_gradients_are_not_taken_for_non_finite():
     """The fast check sums in float32, which overflows for 2 x 3e38; the exact test decides."""
     p = torch.nn.Parameter(torch.zeros(4))
-    opt = _make("adam", [p], dict(freeze_step=FREEZE, nonfinite="raise", **HYPER))
+    opt = make_optimizer("adam", [p], dict(freeze_step=FREEZE, nonfinite="raise", **HYPER))
     p.grad = torch.full((4,), 3e38)
     opt.step()
     assert opt.skipped_steps == 0 and opt.updates == 1

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_demo import ROOT, TINY, _fingerprint
+from helpers import ROOT, TINY, demo_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,7 @@ def test_killed_rank_stops_survivors_and_restart_is_bitwise(tmp_path: Path):
         assert "restart all ranks with --resume" in err
     resumed = _torchrun([*COMMON, "--checkpoint-dir", ckpt, "--resume"])
     assert "resumed from step 6" in resumed.stdout
-    assert _fingerprint(resumed.stdout) == _fingerprint(straight.stdout)
+    assert demo_fingerprint(resumed.stdout) == demo_fingerprint(straight.stdout)
 
 
 def test_hung_rank_stops_survivors_after_the_timeout(tmp_path: Path):

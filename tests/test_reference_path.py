@@ -8,8 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_rel
-from test_demo import ROOT
+from helpers import ROOT, assert_rel
 
 from onebit.kernels.reference import reference_allreduce
 

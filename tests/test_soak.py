@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_demo import ROOT
+from helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
