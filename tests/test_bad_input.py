@@ -1,8 +1,10 @@
-"""Bad input to every public function and constructor, table-driven.
+"""Bad input to every public function and constructor: one table.
 
 Each case must raise the documented exception type with a message that starts with the
 name of the offending argument, and leave every tensor it was given bitwise unchanged.
-Single process: argument checks come before any communication.
+Cases of world 1 run in this process (argument checks come before any communication);
+cases of world 2 run on both ranks of a 2-rank gloo group, where the lengths that depend
+on W (N % 8W, N / W) are checked against the group's size.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from onebit import checkpoint
 from onebit.collectives import compressed_allreduce, local_compressed_allreduce, padded_numel, verify_replicas
@@ -26,13 +29,14 @@ from onebit.optimizers import (
 )
 
 
-def _env() -> dict:
+def _env(W: int = 1) -> dict:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(100, generator=g)
+    N = 104 if W == 1 else padded_numel(100, W)
     return {
         "x": x,
-        "we": torch.randn(104, generator=g),
-        "se": torch.randn(104, generator=g),
+        "we": torch.randn(N, generator=g),
+        "se": torch.randn(N // W, generator=g),
         "params": [torch.nn.Parameter(torch.randn(3, 4, generator=g)), torch.nn.Parameter(torch.randn(5))],
         "msg": worker_compress(x.clone(), torch.zeros(104), 1),
     }
@@ -167,6 +171,64 @@ CASES = [
 ]
 
 
+N2 = padded_numel(100, 2)  # the world-2 cases' N (112): the chunk is N2 // 2
+CASES_W2 = [  # compressed_allreduce on a 2-rank group
+    ("W2 allreduce tensor None", lambda e: _ar(e, tensor=None), TypeError, "tensor"),
+    ("W2 allreduce tensor int64", lambda e: _ar(e, tensor=torch.arange(100)), TypeError, "tensor"),
+    ("W2 allreduce tensor bool", lambda e: _ar(e, tensor=torch.ones(100, dtype=torch.bool)), TypeError,
+     "tensor"),
+    ("W2 allreduce tensor sparse", lambda e: _ar(e, tensor=torch.zeros(100).to_sparse()), TypeError,
+     "tensor"),
+    ("W2 allreduce tensor expanded", lambda e: _ar(e, tensor=torch.randn(1).expand(100)), ValueError,
+     "tensor"),
+    ("W2 allreduce worker_error None", lambda e: _ar(e, worker_error=None), TypeError, WE),
+    ("W2 allreduce worker_error float64", lambda e: _ar(e, worker_error=e["we"].double()), TypeError, WE),
+    ("W2 allreduce worker_error int32", lambda e: _ar(e, worker_error=e["we"].int()), TypeError, WE),
+    ("W2 allreduce worker_error bf16", lambda e: _ar(e, worker_error=e["we"].bfloat16()), TypeError, WE),
+    ("W2 allreduce worker_error short", lambda e: _ar(e, worker_error=torch.zeros(96)), ValueError, WE),
+    ("W2 allreduce worker_error N % 16", lambda e: _ar(e, worker_error=torch.zeros(N2 + 8)), ValueError, WE),
+    ("W2 allreduce worker_error 2-D", lambda e: _ar(e, worker_error=torch.zeros(2, N2 // 2)), ValueError, WE),
+    ("W2 allreduce worker_error strided", lambda e: _ar(e, worker_error=torch.zeros(2 * N2)[::2]), ValueError,
+     WE),
+    ("W2 allreduce worker_error meta", lambda e: _ar(e, worker_error=torch.zeros(N2, device="meta")),
+     ValueError, WE),
+    ("W2 allreduce server_error None", lambda e: _ar(e, server_error=None), TypeError, "server_error"),
+    ("W2 allreduce server_error fp16", lambda e: _ar(e, server_error=e["se"].half()), TypeError,
+     "server_error"),
+    ("W2 allreduce server_error long", lambda e: _ar(e, server_error=torch.zeros(N2 // 2 + 8)), ValueError,
+     "server_error"),
+    ("W2 allreduce server_error N", lambda e: _ar(e, server_error=torch.zeros(N2)), ValueError,
+     "server_error"),
+    ("W2 allreduce server_error meta", lambda e: _ar(e, server_error=torch.zeros(N2 // 2, device="meta")),
+     ValueError, "server_error"),
+    ("W2 allreduce group not a group", lambda e: _ar(e, group="world"), TypeError, "group"),
+    ("W2 adam betas on 2 ranks", lambda e: OnebitAdam(e["params"], betas=(1.5, 0.9)), ValueError, "betas"),
+]
+TABLE = [(*c, 1) for c in CASES] + [(*c, 2) for c in CASES_W2]
+
+
+def _outcome(name: str, W: int) -> tuple[str, bool]:
+    """Run one case on fresh inputs: ("ok" or what went wrong, every tensor unchanged)."""
+    _, call, exc, argument, _ = next(c for c in TABLE if c[0] == name)
+    env = _env(W)
+    before = [t.detach().clone() for t in _tensors(env)]
+    try:
+        call(env)
+        outcome = "no exception"
+    except exc as error:
+        outcome = "ok" if str(error).startswith(f"{argument}: ") else f"message: {error}"
+    except Exception as error:  # noqa: BLE001 - reported as a wrong exception type
+        outcome = f"wrong type {type(error).__name__}: {error}"
+    after = list(_tensors(env))
+    same = len(after) == len(before) and all(torch.equal(b.view(torch.uint8), a.detach().view(torch.uint8))
+                                             for b, a in zip(before, after, strict=True))
+    return outcome, same
+
+
+def _body_case(name: str) -> tuple[str, bool]:
+    return _outcome(name, dist.get_world_size())
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -179,17 +241,33 @@ def _tensors(obj):
 
 
 def test_the_table_is_large_enough():
-    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+    names = [c[0] for c in TABLE]
+    assert len(TABLE) >= 90 and len(set(names)) == len(names)
 
 
-@pytest.mark.parametrize("name, call, exc, argument", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_raises_naming_the_argument_and_changes_nothing(name, call, exc, argument):
-    env = _env()
-    before = [t.detach().clone() for t in _tensors(env)]
-    with pytest.raises(exc) as info:
-        call(env)
-    assert str(info.value).startswith(f"{argument}: "), str(info.value)
-    after = list(_tensors(env))
-    assert len(after) == len(before)
-    for b, a in zip(before, after, strict=True):
-        assert torch.equal(b.view(torch.uint8), a.detach().view(torch.uint8))
+@pytest.mark.parametrize("name, world", [(c[0], c[4]) for c in TABLE], ids=[c[0] for c in TABLE])
+def test_bad_input_raises_naming_the_argument_and_changes_nothing(ranks, name, world):
+    got = [_outcome(name, 1)] if world == 1 else ranks(world).run(_body_case, name)
+    for rank, (outcome, untouched) in enumerate(got):
+        assert outcome == "ok", f"rank {rank}: {outcome}"
+        assert untouched, f"rank {rank}: a tensor it was given changed"
+
+
+def _body_group_not_a_member():
+    x, we, se = torch.randn(10), torch.zeros(padded_numel(10, 2)), torch.zeros(padded_numel(10, 2) // 2)
+    only_zero = dist.new_group([0])
+    outcome = "member"
+    if dist.get_rank() != 0:
+        try:
+            compressed_allreduce(x, we, se, group=only_zero)
+            outcome = "no exception"
+        except ValueError as exc:
+            outcome = "ok" if str(exc).startswith("group:") else f"message: {exc}"
+    else:
+        dist.destroy_process_group(only_zero)
+    return outcome, not we.any()
+
+
+def test_a_rank_outside_the_group_is_told_so(ranks):
+    got = ranks(2).run(_body_group_not_a_member)
+    assert got == [("member", True), ("ok", True)]
