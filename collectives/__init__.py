@@ -1,7 +1,10 @@
 """Compressed collectives over torch.distributed (every function takes ``group=``)."""
 
-from onebit.kernels.layout import padded_numel
+if __name__ != "onebit.collectives":  # e.g. `import collectives` with the repository root on sys.path
+    raise ImportError(f"{__name__}: this folder is the package onebit.collectives; import onebit.collectives "
+                      "(a bare import would load a second copy of the library)")
 
+from ..kernels.layout import padded_numel
 from ._failure import CollectiveError
 from .allreduce import compressed_allreduce
 from .local import local_compressed_allreduce

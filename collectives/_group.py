@@ -7,8 +7,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from onebit.kernels._checks import check_group
-
+from ..kernels._checks import check_group
 from ._failure import guard
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.

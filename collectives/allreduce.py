@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
-from onebit.kernels._checks import check_buffer, check_tensor
-
+from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
+from ..kernels._checks import check_buffer, check_tensor
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
 from .wire import compressed_bytes, traffic

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from onebit.kernels._checks import check_number
-from onebit.kernels.layout import padded_numel
-
+from ..kernels._checks import check_number
+from ..kernels.layout import padded_numel
 from ._failure import guard
 from ._group import group_size
 from .allreduce import compressed_allreduce

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from onebit.kernels import Layout, decompress, server_reduce, worker_compress
-from onebit.kernels._checks import check_instance
-
+from ..kernels import Layout, decompress, server_reduce, worker_compress
+from ..kernels._checks import check_instance
 from .allreduce import validate
 
 __all__ = ["local_compressed_allreduce"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onebit.kernels.layout import Layout
+from ..kernels.layout import Layout
 
 
 def compressed_bytes(padded_numel: int, world_size: int) -> int:

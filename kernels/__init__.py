@@ -1,6 +1,10 @@
 """Compression kernels: Triton for CUDA tensors, plain torch for CPU tensors, and a float64
 reference (:mod:`onebit.kernels.reference`) that is the oracle for tests and benchmarks."""
 
+if __name__ != "onebit.kernels":  # e.g. `import kernels` with the repository root on sys.path
+    raise ImportError(f"{__name__}: this folder is the package onebit.kernels; import onebit.kernels "
+                      "(a bare import would load a second copy of the library)")
+
 from .api import decompress, server_reduce, worker_compress
 from .layout import Layout, message_bits, message_scales, padded_numel
 

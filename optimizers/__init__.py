@@ -1,5 +1,9 @@
 """1-bit optimizers built on onebit.collectives: torch.optim citizens, no engine needed."""
 
+if __name__ != "onebit.optimizers":  # e.g. `import optimizers` with the repository root on sys.path
+    raise ImportError(f"{__name__}: this folder is the package onebit.optimizers; import onebit.optimizers "
+                      "(a bare import would load a second copy of the library)")
+
 from ._freeze import AutoFreeze
 from .amp import GradScaler
 from .ddp import onebit_comm_hook, register_ddp_hook

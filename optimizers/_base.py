@@ -18,11 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.collectives._failure import guard
-from onebit.collectives._group import comm_device, gather_json, group_size
-from onebit.collectives.bucket import BucketedReducer
-from onebit.kernels._checks import check_betas, check_choice, check_fraction, check_number
-
+from ..collectives._failure import guard
+from ..collectives._group import comm_device, gather_json, group_size
+from ..collectives.bucket import BucketedReducer
+from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ._freeze import FreezeSchedule
 from ._functional import tiny_variance_mask
 

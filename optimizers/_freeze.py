@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.collectives._failure import guard
-from onebit.collectives._group import comm_device, group_size
-from onebit.kernels._checks import check_int, check_number, check_order
+from ..collectives._failure import guard
+from ..collectives._group import comm_device, group_size
+from ..kernels._checks import check_int, check_number, check_order
 
 __all__ = ["AutoFreeze", "FreezeSchedule"]
 

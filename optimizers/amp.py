@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from onebit.collectives._failure import guard
-from onebit.collectives._group import group_size
+from ..collectives._failure import guard
+from ..collectives._group import group_size
 
 __all__ = ["GradScaler"]
 

@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit.collectives.wire import ring_allreduce_bytes, traffic
-from onebit.kernels._checks import check_instance
-
+from ..collectives.wire import ring_allreduce_bytes, traffic
+from ..kernels._checks import check_instance
 from ._base import OnebitOptimizerBase
 
 __all__ = ["onebit_comm_hook", "register_ddp_hook"]

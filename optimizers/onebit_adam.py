@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit.collectives.bucket import allreduce_mean_
-
+from ..collectives.bucket import allreduce_mean_
 from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, mask_, moments_

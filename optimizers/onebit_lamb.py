@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from onebit.kernels._checks import check_fraction, check_number, check_order
-
+from ..kernels._checks import check_fraction, check_number, check_order
 from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import fold_, lamb_compressed_update, lamb_warmup_update, mask_, moments_

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit.kernels._checks import check_int
-
+from ..kernels._checks import check_int
 from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.collectives._failure import guard
-from onebit.collectives._group import comm_device, group_size
-from onebit.kernels._checks import check_instance, check_int
+from .collectives._failure import guard
+from .collectives._group import comm_device, group_size
+from .kernels._checks import check_instance, check_int
 
 __all__ = ["CheckpointError", "checkpoint_path", "load", "load_latest", "save", "steps_on_disk"]
 
