@@ -10,6 +10,9 @@ fixed order: deterministic, and within half an ulp of the float64 reference in f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -154,6 +157,85 @@ def _decompress_kernel(
     tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=in_x)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the launchers below make it: the one place that decides each
+    kernel's arguments, constexprs, grid and warps. ``scripts/compile_check.py`` builds the
+    same launches from mock tensors and compiles them ahead of time for real GPUs."""
+
+    kernel: Any  # a triton JITFunction
+    grid: int
+    args: tuple
+    constexprs: dict
+    num_warps: int
+
+    @property
+    def name(self) -> str:
+        flags = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if isinstance(v, bool))
+        return self.kernel.__name__.strip("_").removesuffix("_kernel") + (f"[{flags}]" if flags else "")
+
+    def __call__(self) -> None:
+        self.kernel[(self.grid,)](*self.args, **self.constexprs, num_warps=self.num_warps)
+
+
+def worker_partials(layout: Layout) -> int:
+    """How many float64 partial norms worker_compress needs (one per program)."""
+    return triton.cdiv(layout.N // 8, _settings()[0])
+
+
+def server_partials(layout: Layout) -> int:
+    return triton.cdiv(layout.chunk_bytes, _settings()[0])
+
+
+def worker_compress_launches(x, e, msg, words, partial, n: int, layout: Layout, update_error: bool):
+    """``words`` is ``msg`` viewed as float32, ``partial`` float64 [worker_partials(layout)]."""
+    bb, warps = _settings()
+    total, grid = layout.N // 8, worker_partials(layout)
+    seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
+    out = [
+        Launch(_worker_pack_kernel, grid,
+               (x, e, msg, partial, n, total, layout.chunk_bytes, layout.segment_bytes),
+               dict(BLOCK_BYTES=bb), warps),
+        Launch(_finalize_scale_kernel, 1,
+               (partial, grid, layout.N, words, layout.W, seg_words, scale_word, words, 0),
+               dict(HAS_GATE=False, BLOCK=1024), 4),
+    ]
+    if update_error:
+        out.append(Launch(_error_update_kernel, triton.cdiv(layout.N, 8 * bb),
+                          (x, e, words, n, layout.N, scale_word), dict(BLOCK=8 * bb), warps))
+    return out
+
+
+def server_reduce_launches(received, recv_words, e, out, out_words, partial, layout: Layout):
+    """``*_words``: the messages viewed as float32; ``partial`` float64 [server_partials(layout)]."""
+    bb, warps = _settings()
+    grid = server_partials(layout)
+    seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
+    inv_w = float(torch.tensor(1.0 / layout.W, dtype=torch.float32))
+    args = (
+        received, recv_words, e, out, out_words, partial, layout.chunk_bytes,
+        layout.segment_bytes, seg_words, scale_word, layout.W, inv_w,
+    )
+    return [
+        Launch(_server_kernel, grid, args, dict(UPDATE=False, BLOCK_BYTES=bb), warps),
+        Launch(_finalize_scale_kernel, 1, (partial, grid, layout.C, out_words, 1, seg_words, scale_word,
+                                           recv_words, layout.W), dict(HAS_GATE=True, BLOCK=1024), 4),
+        Launch(_server_kernel, grid, args, dict(UPDATE=True, BLOCK_BYTES=bb), warps),
+    ]
+
+
+def decompress_launches(gathered, g_words, out, worker_error, w_words, n: int, layout: Layout):
+    """Without a worker error, pass ``worker_error=out`` and ``w_words=g_words`` (unused)
+    and the kernel is specialised with HAS_ERROR=False; see decompress."""
+    bb, warps = _settings()
+    total = layout.N // 8
+    has_error = worker_error is not out
+    return [Launch(_decompress_kernel, triton.cdiv(total, bb), (
+        gathered, g_words, out, worker_error, w_words, n, total, layout.chunk_bytes, layout.segment_bytes,
+        layout.segment_bytes // 4, layout.scale_offset // 4, layout.W,
+    ), dict(HAS_ERROR=has_error, BLOCK_BYTES=bb, GATE_BLOCK=128), warps)]
+
+
 def _partials(count: int, device: torch.device) -> torch.Tensor:
     return torch.empty(count, dtype=torch.float64, device=device)
 
@@ -161,43 +243,17 @@ def _partials(count: int, device: torch.device) -> torch.Tensor:
 def worker_compress(
     x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor, update_error: bool
 ) -> None:
-    bb, warps = _settings()
-    total = layout.N // 8
-    grid = triton.cdiv(total, bb)
-    partial = _partials(grid, e.device)
-    words = out.view(torch.float32)
-    seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
-    _worker_pack_kernel[(grid,)](
-        x, e, out, partial, x.numel(), total, layout.chunk_bytes, layout.segment_bytes,
-        BLOCK_BYTES=bb, num_warps=warps,
-    )
-    _finalize_scale_kernel[(1,)](
-        partial, grid, layout.N, words, layout.W, seg_words, scale_word, words, 0,
-        HAS_GATE=False, BLOCK=1024, num_warps=4,
-    )
-    if update_error:
-        _error_update_kernel[(triton.cdiv(layout.N, 8 * bb),)](
-            x, e, words, x.numel(), layout.N, scale_word, BLOCK=8 * bb, num_warps=warps,
-        )
+    partial = _partials(worker_partials(layout), e.device)
+    for launch in worker_compress_launches(x, e, out, out.view(torch.float32), partial, x.numel(), layout,
+                                           update_error):
+        launch()
 
 
 def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
-    bb, warps = _settings()
-    grid = triton.cdiv(layout.chunk_bytes, bb)
-    partial = _partials(grid, e.device)
-    recv_words, out_words = received.view(torch.float32), out.view(torch.float32)
-    seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
-    inv_w = float(torch.tensor(1.0 / layout.W, dtype=torch.float32))
-    args = (
-        received, recv_words, e, out, out_words, partial, layout.chunk_bytes,
-        layout.segment_bytes, seg_words, scale_word, layout.W, inv_w,
-    )
-    _server_kernel[(grid,)](*args, UPDATE=False, BLOCK_BYTES=bb, num_warps=warps)
-    _finalize_scale_kernel[(1,)](
-        partial, grid, layout.C, out_words, 1, seg_words, scale_word, recv_words, layout.W,
-        HAS_GATE=True, BLOCK=1024, num_warps=4,
-    )
-    _server_kernel[(grid,)](*args, UPDATE=True, BLOCK_BYTES=bb, num_warps=warps)
+    partial = _partials(server_partials(layout), e.device)
+    for launch in server_reduce_launches(received, received.view(torch.float32), e, out,
+                                         out.view(torch.float32), partial, layout):
+        launch()
 
 
 def decompress(
@@ -207,14 +263,11 @@ def decompress(
     worker_error: torch.Tensor | None,
     worker_message: torch.Tensor | None,
 ) -> None:
-    bb, warps = _settings()
-    total = layout.N // 8
-    has_error = worker_error is not None
-    _decompress_kernel[(triton.cdiv(total, bb),)](
-        gathered, gathered.view(torch.float32), out,
-        worker_error if has_error else out,
-        worker_message.view(torch.float32) if has_error else gathered.view(torch.float32),
-        out.numel(), total, layout.chunk_bytes, layout.segment_bytes,
-        layout.segment_bytes // 4, layout.scale_offset // 4, layout.W,
-        HAS_ERROR=has_error, BLOCK_BYTES=bb, GATE_BLOCK=128, num_warps=warps,
-    )
+    g_words = gathered.view(torch.float32)
+    if worker_error is None:
+        launches = decompress_launches(gathered, g_words, out, out, g_words, out.numel(), layout)
+    else:
+        w_words = worker_message.view(torch.float32)
+        launches = decompress_launches(gathered, g_words, out, worker_error, w_words, out.numel(), layout)
+    for launch in launches:
+        launch()
