@@ -106,8 +106,14 @@ def test_killed_rank_stops_survivors_and_restart_is_bitwise(tmp_path: Path):
 def test_hung_rank_stops_survivors_after_the_timeout(tmp_path: Path):
     procs = _launch([*COMMON, "--checkpoint-dir", str(tmp_path), "--timeout", "4", "--fault", "hang",
                      "--fault-rank", "1", "--fault-step", "4"])
-    for err in _survivors_stop(procs, 1, "hang", 4.0):
-        assert "CollectiveError: " in err and "Timed out" in err, err[-2000:]
+    errors = _survivors_stop(procs, 1, "hang", 4.0)
+    # The first survivor to time out exits, and a survivor still waiting then sees that peer
+    # close its connection (seen on a loaded machine): every survivor stops with a
+    # CollectiveError, at least one of them because of the timeout.
+    for err in errors:
+        assert "CollectiveError: " in err, err[-2000:]
+        assert "restart all ranks with --resume" in err
+    assert any("Timed out" in err for err in errors), [err[-500:] for err in errors]
 
 
 def test_diverged_replica_is_caught_by_the_periodic_check(tmp_path: Path):
