@@ -3,7 +3,9 @@
 For each size, dtype and world size W: worker compress (as the collective runs it, and the
 standalone form that also updates the error), server reduce (fed W received chunks of
 N/W), decompress (with the deferred worker error update, as the collective runs it), and
-the whole local compute of one compressed_allreduce on one rank, next to the reference
+the whole local compute of one compressed_allreduce on one rank (the three kernels with
+preallocated outputs) and on all W ranks of a group (``local_compressed_allreduce``, which
+allocates its messages as the collective does), next to the reference
 implementation's chain of torch operations for the same compute (bench/reference_path.py;
 it works in place on its input, like the reference). On CUDA, the peak memory one call
 allocates beyond its inputs and buffers (transient_bytes) too. "bytes" is the fewest a
@@ -22,6 +24,7 @@ import sys
 
 import torch
 
+from onebit.collectives import local_compressed_allreduce
 from onebit.kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from onebit.kernels.layout import empty_message, padded_numel
 
@@ -61,6 +64,8 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
     src = torch.randn(N, generator=g, device=device)
     dst = torch.empty_like(src)
     ref_we, ref_se = we.clone(), se.clone()
+    group_x = [x.clone() for _ in range(W)]  # the W ranks of one group, in this process
+    group_we, group_se = [we.clone() for _ in range(W)], [se.clone() for _ in range(W)]
     return [
         ("copy_f32", lambda: dst.copy_(src), 8 * N),
         ("worker", lambda: worker_compress(x, we, W, update_error=False, out=msg), b_worker),
@@ -69,6 +74,10 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
         ("decompress+update", lambda: decompress(gathered, out, W, worker_error=we, worker_message=msg),
          b_decomp),
         ("local_total", local, b_worker + b_server + b_decomp),
+        # every rank's compute of one call, as onebit.collectives.local_compressed_allreduce
+        # runs it (allocating its messages like the collective): W times one rank's bytes
+        ("local_allreduce_all_ranks", lambda: local_compressed_allreduce(group_x, group_we, group_se),
+         W * (b_worker + b_server + b_decomp)),
         # the reference implementation's chain of torch operations (bench/reference_path.py)
         ("reference_local", lambda: reference_local(x, ref_we, ref_se, W), b_worker + b_server + b_decomp),
     ]

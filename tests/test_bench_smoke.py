@@ -31,7 +31,7 @@ def test_bench_kernels_runs_every_kernel(tmp_path):
          "--worlds", "1", "3", "--repeats", "2", "--csv", str(path))
     rows = _rows(path)
     kernels = {"copy_f32", "worker", "worker+update", "server", "decompress+update", "local_total",
-               "reference_local"}
+               "local_allreduce_all_ranks", "reference_local"}
     assert {(r["kernel"], r["dtype"], r["W"]) for r in rows} == {
         (k, d, w) for k in kernels for d in ("float32", "bfloat16") for w in ("1", "3")}
     assert all(float(r["ms_median"]) > 0 and r["torch"] and r["date"] for r in rows)
