@@ -8,7 +8,10 @@ launch is (i32/i64, divisibility by 16, constexprs). Each distinct variant is co
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``; ptxas is re-run on
 its PTX to read registers, spills and stack. One line per variant and target: registers,
 spills, shared memory, and the widths of its global loads and stores (``v4.b32x16``: sixteen
-128-bit loads). Exits 1 if any variant fails to compile.
+128-bit loads). Where ``n`` is not a multiple of 16 each kernel is also compiled with one
+block path alone: "full-block path" (what every block but the last runs) and "masked path"
+(what every block ran before full blocks went unmasked). Exits 1 if any variant fails to
+compile.
 
   python scripts/compile_check.py                  # sm_80 and sm_90
   python scripts/compile_check.py --archs 90 --dump out/   # also write ttir/ttgir/llir/ptx
@@ -17,6 +20,7 @@ spills, shared memory, and the widths of its global loads and stores (``v4.b32x1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -45,19 +49,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def launches(N: int = 2**26, W: int = 4):
-    """(label, Launch) for every launch the launchers make, over dtypes and alignments of n."""
-    T, f32, f64, u8 = MockTensor, torch.float32, torch.float64, torch.uint8
+    """(label, Launch) for every launch the launchers make, over dtypes and alignments of n;
+    where n (or the server's chunk) is not a multiple of 16, also each block path alone."""
+    T, f32, f64, u8, i32 = MockTensor, torch.float32, torch.float64, torch.uint8, torch.int32
     layout = Layout(N, W)
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
         for dname, d in DTYPES.items():
             tag = f"x {dname}{align}"
-            for launch in tk.worker_compress_launches(T(d), T(f32), T(u8), T(f32), T(f64), n, layout, True):
-                yield tag, launch
-            yield tag, tk.decompress_launches(T(u8), T(f32), T(d), T(f32), T(f32), n, layout)[0]
             out, words = T(d), T(f32)  # no worker error: the kernel gets `out` in its place
-            yield tag, tk.decompress_launches(T(u8), words, out, out, words, n, layout)[0]
-    for launch in tk.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(f64), layout):
-        yield "", launch
+            made = [*tk.worker_compress_launches(T(d), T(f32), T(u8), T(f32), T(f64), T(i32), n, layout,
+                                                 True),
+                    *tk.decompress_launches(T(u8), T(f32), T(d), T(f32), T(f32), n, layout, True),
+                    *tk.decompress_launches(T(u8), words, out, out, words, n, layout, False)]
+            for launch in made:
+                yield from _with_paths(tag, launch, split=bool(align))
+    for size, align in ((N, ""), (N + 8 * W, "chunk % 16 != 0")):
+        for launch in tk.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(f64), T(i32),
+                                                Layout(size, W)):
+            yield from _with_paths(align, launch, split=bool(align))
+
+
+def _with_paths(tag: str, launch, split: bool):
+    """The launch as made (both block paths); with ``split``, each path compiled alone too:
+    the masked path is what every block ran before full blocks went unmasked."""
+    yield tag, launch
+    if split:
+        for path, label in ((tk.FULL_PATH, "full-block path"), (tk.MASKED_PATH, "masked path")):
+            alone = dataclasses.replace(launch, constexprs={**launch.constexprs, "PATHS": path})
+            yield ", ".join(t for t in (tag, label) if t), alone
 
 
 def specialise(launch, backend):

@@ -243,3 +243,37 @@ def test_torch_path_blocking_is_invisible(monkeypatch, block, W):
     for part in range(1, 5):
         for a, b in zip(runs[0][part], runs[1][part], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,W", [(3 * 4096, 1), (3 * 4096 - 5, 3), (2 * 4096 + 13, 4), (4096 + 1, 5)])
+def test_triton_full_blocks_and_last_block(n, W, poison):
+    """Several 4,096-element programs: full blocks take the unmasked path, the last one the
+    masked path (n off any multiple of 16 too), and the scale is finalised by whichever program
+    arrives last. Bitwise the torch path over three chained calls (the arrival counter must be
+    back at zero after each launch), and a NaN inside a full block still leaves every error
+    buffer untouched and gives NaN everywhere."""
+    N = padded_numel(n, W)
+    g = torch.Generator().manual_seed(n)
+    xs = [[torch.randn(n, generator=g) * (k + 1) for _ in range(W)] for k in range(3)]
+    we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
+    se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
+    got = {}
+    for backend in BACKENDS:
+        w, s = [e.clone() for e in we], [e.clone() for e in se]
+        direct = [e.clone() for e in we]
+        msgs = [worker_compress(x, e, W, backend=backend) for x, e in zip(xs[0], direct, strict=True)]
+        outs = [simulate_allreduce(step, w, s, backend=backend) for step in xs]
+        got[backend] = (msgs, direct, outs, w, s)
+    (m_a, d_a, o_a, w_a, s_a), (m_b, d_b, o_b, w_b, s_b) = got["torch"], got["triton"]
+    for a, b in zip(m_a, m_b, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(d_a + w_a + s_a + sum(o_a, []), d_b + w_b + s_b + sum(o_b, []), strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(out, o_b[-1][0]) for out in o_b[-1])
+    bad = [x.clone() for x in xs[0]]
+    bad[-1][4096 // 2] = float("nan")  # inside the first (full) block
+    w0, s0 = [e.clone() for e in w_b], [e.clone() for e in s_b]
+    outs = simulate_allreduce(bad, w_b, s_b, backend="triton")
+    assert all(bool(torch.isnan(out).all()) for out in outs)
+    for a, b in zip(w_b + s_b, w0 + s0, strict=True):
+        assert torch.equal(a, b)
