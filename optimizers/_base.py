@@ -40,7 +40,7 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
 
 
 NONFINITE_POLICIES = ("skip", "raise", None)
-AUTO_MASK = 0.1  # default ratio: see tiny_variance_mask and README "How it trains"
+AUTO_MASK = 0.5  # default ratio: see tiny_variance_mask and README "How it trains"
 
 
 def closure_loss(closure) -> Any:
