@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
-from ..kernels._checks import check_buffer, check_tensor
+from ..kernels._checks import check_buffer, check_instance, check_tensor
+from . import _async
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
 from .wire import compressed_bytes, traffic
@@ -60,7 +61,8 @@ def compressed_allreduce(
     *,
     check: bool = False,
     raise_on_nonfinite: bool = False,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> torch.Tensor | torch.futures.Future:
     """Replace ``tensor`` in place by the 1-bit estimate of its mean over ``group``.
 
     Args:
@@ -77,16 +79,30 @@ def compressed_allreduce(
         raise_on_nonfinite: raise ``FloatingPointError`` (on every rank) when some rank's
             input was not finite. Without it, such a call gives NaN on every rank with the
             error buffers unchanged, and never synchronises with the host.
+        async_op: return at once a ``torch.futures.Future`` whose value is ``tensor`` (bitwise
+            the synchronous result) instead of ``tensor``; ``fut.wait()`` waits for it. The
+            stages are chained without blocking the caller (gloo: from the transport's
+            threads, all-gathers on a second process group made on the first such call; CUDA:
+            all enqueued on the current stream, no host synchronisation; see
+            :mod:`onebit.collectives._async`). Several calls may be in flight, each with its
+            own tensor and error buffers (a buffer still in flight raises ``ValueError``);
+            every rank must start them in the same order. Not with ``raise_on_nonfinite``.
 
     Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any buffer
     is touched or any data moves.
     """
     W = group_size(group)
     N = validate(tensor, worker_error, server_error, W)
+    check_instance("async_op", async_op, bool, "a bool")
+    if async_op and raise_on_nonfinite:
+        raise ValueError("raise_on_nonfinite: expected False with async_op=True (raising needs a host "
+                         "synchronisation; test torch.isfinite on the result instead)")
     if check:
         verify_agreement(tensor, N, group)
     if W == 1 or tensor.numel() == 0:
-        return tensor
+        return _done(tensor) if async_op else tensor
+    if async_op and not tensor.is_cuda:
+        return _async.start(tensor, _flat_target(tensor), worker_error, server_error, group, W, N)
     scales = _compressed_allreduce(tensor, worker_error, server_error, group, W)
     traffic.compressed += compressed_bytes(N, W)
     traffic.compressed_calls += 1
@@ -94,7 +110,13 @@ def compressed_allreduce(
         raise FloatingPointError(
             "tensor: a rank's input was not finite; error buffers were left unchanged"
         )
-    return tensor
+    return _done(tensor) if async_op else tensor  # CUDA: every stage is queued on the stream
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future:
+    fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+    fut.set_result(tensor)
+    return fut
 
 
 def _compressed_allreduce(tensor, worker_error, server_error, group, W: int) -> torch.Tensor:
