@@ -25,11 +25,10 @@ import torch.distributed as dist
 
 from ..kernels import decompress, server_reduce, worker_compress
 from ._failure import CollectiveError, guard
+from ._group import all_gather_single
 from .wire import compressed_bytes, traffic
 
 __all__ = ["start"]
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Sequencer:
@@ -159,7 +158,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int) -> to
 
         def issue() -> None:
             try:
-                work = _all_gather(gathered, seg, group=companion.group, async_op=True)
+                work = all_gather_single(gathered, seg, companion.group, async_op=True)
             except BaseException as exc:  # noqa: BLE001
                 fail("compressed_allreduce (all_gather)", exc)
                 return

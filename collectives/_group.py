@@ -16,8 +16,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    _all_gather(output, input, group=group)
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Gather every rank's ``input`` into ``output``; with ``async_op``, returns the Work."""
+    return _all_gather(output, input, group=group, async_op=async_op)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
