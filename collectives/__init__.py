@@ -7,11 +7,13 @@ if __name__ != "onebit.collectives":  # e.g. `import collectives` with the repos
 from ..kernels.layout import padded_numel
 from ._failure import CollectiveError
 from .allreduce import compressed_allreduce
+from .ddp_hook import OnebitHookState, onebit_hook
 from .local import local_compressed_allreduce
 from .replicas import ReplicaMismatchError, fingerprints, verify_replicas
 from .wire import compressed_bytes, ring_allreduce_bytes, traffic
 
 __all__ = [
-    "CollectiveError", "ReplicaMismatchError", "compressed_allreduce", "compressed_bytes", "fingerprints",
-    "local_compressed_allreduce", "padded_numel", "ring_allreduce_bytes", "traffic", "verify_replicas",
+    "CollectiveError", "OnebitHookState", "ReplicaMismatchError", "compressed_allreduce", "compressed_bytes",
+    "fingerprints", "local_compressed_allreduce", "onebit_hook", "padded_numel", "ring_allreduce_bytes",
+    "traffic", "verify_replicas",
 ]

@@ -1,0 +1,182 @@
+"""A DDP communication hook that averages gradients with 1-bit compression, for any optimizer.
+
+    from onebit.collectives import OnebitHookState, onebit_hook
+    state = OnebitHookState(process_group=None, start_iter=2)
+    ddp_model.register_comm_hook(state, onebit_hook)
+
+In the style of torch's PowerSGD hook: the first ``start_iter`` iterations average in full
+precision (DDP rebuilds its buckets after the first iteration, so bucket contents settle
+only then); afterwards each bucket goes through ``compressed_allreduce`` with its own worker
+and server error buffers, keyed by the bucket's index and made on the bucket's first
+compressed use. The state pickles (``__getstate__``/``__setstate__``: error buffers, each
+bucket's parameters, the iteration counter and the byte counts; the process group is not
+saved and must be given again), so ``torch.save(state.__getstate__())`` /
+``state.__setstate__(torch.load(...))`` resumes a run bitwise.
+
+Resuming meets one obstacle: a freshly built DDP runs its first iteration with its initial
+bucket layout (all parameters in one bucket unless ``find_unused_parameters``) and rebuilds
+the buckets only afterwards. So the state names each parameter by where it sat in the first
+layout this process saw (bucket index, position: the same on every rank and in every process
+built the same way) and remembers which parameters each compressed bucket holds. A bucket
+made of several remembered buckets is compressed as those buckets, each with its own error
+buffers, exactly as before the checkpoint; a bucket that matches nothing remembered starts
+from zero error (counted in ``stats()["resets"]``, with one warning).
+
+Error feedback makes the average of the compressed gradients unbiased over time, not per
+step; with Adam-type optimizers, whose per-coordinate normalisation amplifies the sign noise,
+it is known to converge worse than with SGD (bench/RESULTS.md has the measurements). The 1-bit
+optimizers (onebit.optimizers) compress momentum instead, which is what those papers do.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..kernels._checks import check_group, check_int
+from ..kernels.layout import padded_numel
+from .allreduce import compressed_allreduce
+from .wire import compressed_bytes, ring_allreduce_bytes
+
+__all__ = ["OnebitHookState", "onebit_hook"]
+
+
+class OnebitHookState:
+    """State of :func:`onebit_hook`: error buffers per bucket, the iteration, bytes sent.
+
+    Args:
+        process_group: the DDP model's process group (None: the default group).
+        start_iter: iterations averaged in full precision before compression starts
+            (at least 1: DDP's buckets change after the first iteration).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2) -> None:
+        self.process_group = process_group
+        self.world_size = check_group(process_group)
+        self.start_iter = check_int("start_iter", start_iter, low=1)
+        self.iter = 0
+        self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layouts: dict[int, tuple[tuple[int, int], ...]] = {}  # bucket index -> its parameters' names
+        self.bytes_full = 0
+        self.bytes_compressed = 0
+        self.resets = 0
+        self._names: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, position), this process
+        self._naming = True  # until the end of the first iteration this process sees
+        self._warned = False
+
+    def stats(self) -> dict:
+        """Iteration, stage, buckets with error buffers, error buffers started afresh because a
+        bucket matched no remembered one, and the bytes this rank sent."""
+        return {"iter": self.iter, "compressing": self.iter >= self.start_iter, "buckets": len(self.errors),
+                "resets": self.resets, "bytes_full": self.bytes_full,
+                "bytes_compressed": self.bytes_compressed}
+
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k != "process_group" and not k.startswith("_")}
+        state["errors"] = {k: (w.clone(), s.clone()) for k, (w, s) in self.errors.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        local = {k: v for k, v in self.__dict__.items() if k == "process_group" or k.startswith("_")}
+        self.__dict__.update(state)
+        self.__dict__.update(local)
+        self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("_names", {})
+        self.__dict__.setdefault("_naming", True)
+        self.__dict__.setdefault("_warned", False)
+        self.errors = {int(k): (w, s) for k, (w, s) in state["errors"].items()}
+        self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
+
+    def _layout(self, bucket: dist.GradBucket) -> tuple[tuple[int, int], ...]:
+        """The names of the bucket's parameters, naming them first if this is the first iteration."""
+        params = bucket.parameters()
+        if self._naming:
+            for position, p in enumerate(params):
+                self._names.setdefault(id(p), (bucket.index(), position))
+        return tuple(self._names.get(id(p), (-1, -1)) for p in params)
+
+    def _cover(self, layout: tuple[tuple[int, int], ...]) -> list[int] | None:
+        """Remembered buckets that together hold exactly the parameters of ``layout``."""
+        wanted = set(layout)
+        if (-1, -1) in wanted or len(wanted) != len(layout):
+            return None
+        parts = sorted(i for i, names in self.layouts.items() if set(names) <= wanted)
+        if sum(len(self.layouts[i]) for i in parts) != len(layout) or len(parts) < 2:
+            return None
+        return parts if set().union(*(self.layouts[i] for i in parts)) == wanted else None
+
+    def _buffers(self, index: int, buffer: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        N = padded_numel(buffer.numel(), self.world_size)
+        found = self.errors.get(index)
+        if found is None or self.layouts.get(index) != layout or found[0].numel() != N:
+            if found is not None:
+                self.resets += 1
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"onebit_hook: bucket {index} matches no bucket the state remembers "
+                                  "(the model or DDP's bucketing changed); its error feedback "
+                                  "starts from zero (counted in stats()['resets'])",
+                                  RuntimeWarning, stacklevel=3)
+            device = buffer.device
+            found = (torch.zeros(N, device=device), torch.zeros(N // self.world_size, device=device))
+            self.errors[index] = found
+            self.layouts[index] = layout
+        return found
+
+
+def _allreduce_parts(state: OnebitHookState, bucket: dist.GradBucket, layout, parts: list[int]):
+    """Compress a bucket that holds several remembered buckets as those buckets: gather each
+    one's gradients in its remembered order, compress with its own error buffers, scatter back."""
+    buffer = bucket.buffer()
+    views = dict(zip(layout, bucket.gradients(), strict=True))
+    pieces, futures = [], []
+    for index in parts:
+        piece = torch.cat([views[name].reshape(-1) for name in state.layouts[index]])
+        worker_error, server_error = state.errors[index]
+        state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size)
+        futures.append(compressed_allreduce(piece, worker_error, server_error, state.process_group,
+                                            async_op=True))
+        pieces.append(piece)
+
+    def scatter(done) -> torch.Tensor:
+        for index, piece, fut in zip(parts, pieces, done.value(), strict=True):
+            fut.wait()  # raises what the collective raised
+            offset = 0
+            for name in state.layouts[index]:
+                view = views[name]
+                view.copy_(piece[offset:offset + view.numel()].view_as(view))
+                offset += view.numel()
+        return buffer
+
+    return torch.futures.collect_all(futures).then(scatter)
+
+
+def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP bucket over ``state.process_group``: in full precision for the first
+    ``state.start_iter`` iterations, then with ``compressed_allreduce`` (asynchronously)."""
+    buffer = bucket.buffer()
+    W = state.world_size
+    layout = state._layout(bucket)
+    compressing = state.iter >= state.start_iter
+    if bucket.is_last():
+        state.iter += 1
+        state._naming = False
+    if W == 1:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    if not compressing:
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        buffer.div_(W)
+        state.bytes_full += ring_allreduce_bytes(buffer.numel(), W, buffer.element_size())
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    index = bucket.index()
+    if state.layouts.get(index) != layout:
+        parts = state._cover(layout)
+        if parts is not None:
+            return _allreduce_parts(state, bucket, layout, parts)
+    worker_error, server_error = state._buffers(index, buffer, layout)
+    state.bytes_compressed += compressed_bytes(worker_error.numel(), W)
+    return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True)
