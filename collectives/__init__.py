@@ -8,12 +8,13 @@ from ..kernels.layout import padded_numel
 from ._failure import CollectiveError
 from .allreduce import compressed_allreduce
 from .ddp_hook import OnebitHookState, onebit_hook
+from .fsdp_hook import OnebitAllReduceHook, register_fsdp_hooks
 from .local import local_compressed_allreduce
 from .replicas import ReplicaMismatchError, fingerprints, verify_replicas
 from .wire import compressed_bytes, ring_allreduce_bytes, traffic
 
 __all__ = [
-    "CollectiveError", "OnebitHookState", "ReplicaMismatchError", "compressed_allreduce", "compressed_bytes",
-    "fingerprints", "local_compressed_allreduce", "onebit_hook", "padded_numel", "ring_allreduce_bytes",
-    "traffic", "verify_replicas",
+    "CollectiveError", "OnebitAllReduceHook", "OnebitHookState", "ReplicaMismatchError",
+    "compressed_allreduce", "compressed_bytes", "fingerprints", "local_compressed_allreduce", "onebit_hook",
+    "padded_numel", "register_fsdp_hooks", "ring_allreduce_bytes", "traffic", "verify_replicas",
 ]
