@@ -12,6 +12,7 @@ parameters' dtype (torch would cast it to the parameter dtype).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..collectives.bucket import BucketedReducer
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ._freeze import FreezeSchedule
 from ._functional import tiny_variance_mask
+from ._overlap import BackwardOverlap
 
 
 def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
@@ -88,6 +90,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self._reducer: BucketedReducer | None = None
         self._pending: dict[str, Any] | None = None
         self.external_averaging = False  # set by register_ddp_hook: DDP averages when asked
+        self._overlap: BackwardOverlap | None = None  # set by subclasses that offer overlap=True
+        self._overlapped = False  # this step's compressed all-reduces ran from backward
         self.register_state_dict_post_hook(OnebitOptimizerBase._add_extra_state)
         self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
         self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
@@ -113,11 +117,46 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
         Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
-        if check:
-            self.verify_ranks()
-        if self._gradients_usable():
-            self._take_step()
+        overlap = self._overlap
+        if overlap is None or not overlap.wanted():
+            if check:
+                self.verify_ranks()
+            if self._gradients_usable():
+                self._take_step()
+            return loss
+        try:  # overlap=True: finish the collectives backward started, then agree and update
+            if self._grads_verified:
+                raise ValueError("overlap: the compressed all-reduces started in backward, before GradScaler "
+                                 "unscaled the gradients; use overlap=False with a GradScaler")
+            overlap.launch_rest()
+            overlap.wait()
+            if check:
+                self.verify_ranks()
+            if self._gradients_usable():
+                self._overlapped = True
+                self._take_step()
+            else:
+                overlap.restore()
+        except BaseException:
+            overlap.restore()
+            raise
+        finally:
+            self._overlapped = False
+            overlap.done()
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this context do not start compressed all-reduces
+        (``overlap=True``): for all but the last pass of a gradient accumulation."""
+        if self._overlap is None:
+            yield
+            return
+        self._overlap.paused += 1
+        try:
+            yield
+        finally:
+            self._overlap.paused -= 1
 
     def _take_step(self) -> None:
         """The optimizer's update, on gradients every rank has agreed are usable."""

@@ -38,6 +38,9 @@ class GradScaler(torch.amp.GradScaler):
             optimizer._grads_verified = verified
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if getattr(optimizer, "_overlap", None) is not None:
+            raise ValueError("optimizer: built with overlap=True, whose compressed all-reduces start in "
+                             "backward, before gradients are unscaled; use overlap=False with a GradScaler")
         super().unscale_(optimizer)
         if not self.is_enabled():
             return

@@ -46,5 +46,8 @@ def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizer
         raise ValueError(
             f"optimizer: its group has {optimizer.world_size} ranks but the model's DDP group has {ddp_size}"
         )
+    if optimizer._overlap is not None:
+        raise ValueError("optimizer: built with overlap=True, which starts its own all-reduces from "
+                         "backward; use overlap=False under DDP")
     model.register_comm_hook(optimizer, onebit_comm_hook)
     optimizer.external_averaging = True

@@ -8,6 +8,7 @@ from ..collectives.bucket import allreduce_mean_
 from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, mask_, moments_
+from ._overlap import BackwardOverlap
 
 __all__ = ["OnebitAdam"]
 
@@ -28,6 +29,14 @@ class OnebitAdam(WarmupThenCompress):
     element) plus the bucket's error buffers (about 4 + 4/W bytes per element).
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
+
+    ``overlap=True``: in the compression stage each momentum bucket is folded and its
+    compressed all-reduce started from backward, as soon as the bucket's gradients are all
+    accumulated (see :mod:`onebit.optimizers._overlap`); results are bitwise those of
+    ``overlap=False``. Gradient accumulation: all passes but the last under
+    ``with opt.no_sync():``. Not with a GradScaler (it unscales after the send), nor with
+    ``register_ddp_hook`` (DDP then owns the gradients). Costs one copy of each launched
+    bucket per step (restored when a non-finite gradient skips the step).
     """
 
     FLAT_STATE = ("exp_avg",)
@@ -49,6 +58,7 @@ class OnebitAdam(WarmupThenCompress):
         group=None,
         nonfinite: str | None = "skip",
         auto_mask: float | None = AUTO_MASK,
+        overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(
             lr, betas, eps, weight_decay,
@@ -59,6 +69,16 @@ class OnebitAdam(WarmupThenCompress):
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.updates = 0
+        if overlap:
+            pairs, views = self.compressed_params(), self.reducer().views
+
+            def fold_one(k: int) -> None:
+                p, g = pairs[k]
+                fold_(views[k], p.grad, g["betas"][0])
+
+            self._overlap = BackwardOverlap(
+                self.reducer(), [p for p, _ in pairs], wanted=lambda: self.compressing, fill=fold_one,
+                backup=lambda: self.nonfinite is not None)
 
     def _take_step(self) -> None:
         reducer = self.reducer()
@@ -67,9 +87,10 @@ class OnebitAdam(WarmupThenCompress):
         t = self.updates
         pairs = self.compressed_params()
         if compress:
-            for k, (p, g) in enumerate(pairs):
-                fold_(reducer.views[k], p.grad, g["betas"][0])
-            reducer.compressed_mean_()
+            if not self._overlapped:  # overlap=True folded and all-reduced during backward
+                for k, (p, g) in enumerate(pairs):
+                    fold_(reducer.views[k], p.grad, g["betas"][0])
+                reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
                 m = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
                 self._apply(p, g, m, self.state[p]["exp_avg_sq"], t, frozen=True)

@@ -1,0 +1,136 @@
+"""OnebitAdam(overlap=True): compressed all-reduces started from backward, bucket by bucket."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.optimizers import GradScaler, OnebitAdam
+
+
+def _model():
+    torch.manual_seed(0)
+    # bucket_cap_mb=0.002 (524 floats): the first Linear is bucket 0, each later weight a bucket
+    return torch.nn.Sequential(torch.nn.Linear(24, 20), torch.nn.Linear(20, 40), torch.nn.Tanh(),
+                               torch.nn.Linear(40, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+
+
+def _loss(model, step, rank, unused_on):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g)
+    # on the ranks in unused_on the first layer gets no gradient (its .grad stays None)
+    x = x[:, :20] if rank in unused_on else model[0](x)
+    return torch.nn.functional.cross_entropy(model[1:](x), y)
+
+
+def _state(model, opt):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    buckets = opt.reducer().buckets
+    return flat, [b.flat.clone() for b in buckets], [b.worker_error.clone() for b in buckets], \
+        [b.server_error.clone() for b in buckets]
+
+
+def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int):
+    r = dist.get_rank()
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.002, overlap=overlap)
+    launched_in_backward = []
+    before_nan = after_nan = None
+    for step in range(steps):
+        if nan_at is not None and step == nan_at[0]:
+            before_nan = _state(model, opt)  # before backward, which starts the all-reduces
+        opt.zero_grad(set_to_none=True)
+        for k in range(micro):
+            last = k == micro - 1
+            loss = _loss(model, step * micro + k, r, unused_on={1} if step % 2 else set())
+            if nan_at == (step, r) and last:
+                loss = loss * float("nan")
+            if last:
+                loss.backward()
+            else:
+                with opt.no_sync():
+                    loss.backward()
+        if overlap:
+            launched_in_backward.append(opt._overlap.launched)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+        if nan_at is not None and step == nan_at[0]:
+            after_nan = _state(model, opt)
+    same = None
+    if before_nan is not None:
+        same = all(torch.equal(a, b) if torch.is_tensor(a) else all(map(torch.equal, a, b))
+                   for a, b in zip(before_nan, after_nan, strict=True))
+    return _state(model, opt), launched_in_backward, len(opt.reducer().buckets), opt.stats(), same
+
+
+def _equal(a, b):
+    rest = zip(a[1:], b[1:], strict=True)
+    return torch.equal(a[0], b[0]) and all(all(map(torch.equal, x, y)) for x, y in rest)
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_overlap_is_bitwise_the_synchronous_step(ranks, W):
+    pool = ranks(W)
+    sync = pool.run(_body, False, 8, None, 1)
+    over = pool.run(_body, True, 8, None, 1)
+    for r in range(W):
+        assert _equal(over[r][0], sync[r][0])  # parameters, momentum, both error buffers
+        mine, first = over[r][0], over[0][0]  # replicas identical: parameters and momentum
+        assert torch.equal(mine[0], first[0]) and all(map(torch.equal, mine[1], first[1]))
+    nb = over[0][2]
+    assert nb >= 3
+    for r in range(W):
+        launched = over[r][1]
+        assert launched[:3] == [0, 0, 0]  # warm-up: nothing from backward
+        # compression: every bucket from backward, except (on rank 1, odd steps) bucket 0, whose
+        # parameters got no gradient and which is last in launch order: step() sends it
+        full = [nb - (1 if (r == 1 and s % 2) else 0) for s in range(3, 8)]
+        assert launched[3:] == full
+
+
+def test_overlap_skips_a_non_finite_step_on_every_rank_without_a_trace(ranks):
+    pool = ranks(3)
+    over = pool.run(_body, True, 7, (5, 2), 1)
+    sync = pool.run(_body, False, 7, (5, 2), 1)
+    for r in range(3):
+        assert over[r][4] is True  # the skipped step left parameters, momentum, errors bitwise
+        assert over[r][3]["skipped_steps"] == 1
+        assert _equal(over[r][0], sync[r][0])
+
+
+def test_overlap_with_gradient_accumulation_under_no_sync(ranks):
+    pool = ranks(2)
+    over = pool.run(_body, True, 6, None, 3)
+    sync = pool.run(_body, False, 6, None, 3)
+    for r in range(2):
+        assert _equal(over[r][0], sync[r][0])
+
+
+def _body_accumulate_without_no_sync():
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=0, bucket_cap_mb=0.002, overlap=True)
+    _loss(model, 0, dist.get_rank(), set()).backward()
+    try:
+        _loss(model, 1, dist.get_rank(), set()).backward()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        message = ""
+    opt.step()  # the buckets launched so far (and the rest) complete on every rank
+    return message
+
+
+def test_accumulating_after_launch_raises(ranks):
+    for message in ranks(2).run(_body_accumulate_without_no_sync):
+        assert "no_sync" in message and "after its bucket" in message
+
+
+def test_overlap_refuses_grad_scaler():
+    model = _model()
+    opt = OnebitAdam(model.parameters(), overlap=True)
+    with pytest.raises(ValueError, match=r"^optimizer: built with overlap=True"):
+        GradScaler("cpu").unscale_(opt)
