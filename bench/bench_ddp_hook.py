@@ -1,0 +1,157 @@
+"""DDP with onebit_hook against plain DDP, with torch's own optimizers, on the demo's LM.
+
+The model, data and batches of examples/train_lm.py; the model wrapped in
+DistributedDataParallel (several buckets); SGD with momentum and AdamW from torch.optim,
+each with full-precision DDP averaging and with ``onebit_hook`` (1-bit error-feedback
+compression of every gradient bucket after ``start_iter`` full-precision iterations).
+Writes per-step logs (JSONL), a CSV of final validation losses with the ratio to plain DDP,
+and a plot.
+
+  python bench/bench_ddp_hook.py --steps 1000 --ranks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import provenance, pyplot, write_csv  # noqa: E402
+
+RUNS = [("sgd", "ddp"), ("sgd", "onebit"), ("adamw", "ddp"), ("adamw", "onebit")]
+LR = {"sgd": 0.1, "adamw": 2e-3}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_lm as lm
+
+    from onebit.collectives import OnebitHookState, onebit_hook
+
+    dist.init_process_group("gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = lm.GPT(64, 128, 2, 4)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    state = None
+    if args.hook == "onebit":
+        state = OnebitHookState(start_iter=args.start_iter)
+        ddp.register_comm_hook(state, onebit_hook)
+    opt = (torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
+    train, valid = lm.load_bytes(lm.TRAIN_FILES), lm.load_bytes(lm.VALID_FILES)
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
+    log = open(args.log_jsonl, "w") if rank == 0 else None
+    t0 = time.perf_counter()
+
+    @torch.no_grad()
+    def validate() -> float:
+        gv = torch.Generator().manual_seed(12345)
+        losses = []
+        for _ in range(8):
+            x, y = lm.batch(valid, 16, 64, gv, torch.device("cpu"))
+            losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+        v = torch.tensor([sum(losses) / len(losses)])
+        dist.all_reduce(v)
+        return v.item() / W
+
+    for step in range(1, args.steps + 1):
+        x, y = lm.batch(train, 16, 64, g, torch.device("cpu"))
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        val = validate() if step % args.eval_every == 0 or step == args.steps else None
+        if log is not None:
+            log.write(json.dumps({"step": step, "time": time.perf_counter() - t0, "train_loss": loss.item(),
+                                  "val_loss": val}) + "\n")
+    if log is not None:
+        stats = state.stats() if state is not None else {}
+        log.write(json.dumps({"final": True, "stats": stats, "buckets": stats.get("buckets")}) + "\n")
+        log.close()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.5)
+    p.add_argument("--start-iter", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(HERE, "out", "ddp_hook"))
+    p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], help=argparse.SUPPRESS)
+    p.add_argument("--hook", choices=["ddp", "onebit"], help=argparse.SUPPRESS)
+    p.add_argument("--lr", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--log-jsonl", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    logs = {}
+    for optimizer, hook in RUNS:
+        path = os.path.join(args.out, f"{optimizer}-{hook}.jsonl")
+        rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+        if not (args.reuse and rows and rows[-1].get("final")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(args.ranks), os.path.abspath(__file__), "--worker", "--optimizer", optimizer,
+                   "--hook", hook, "--lr", str(LR[optimizer]), "--log-jsonl", path,
+                   "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+                   "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
+                   "--seed", str(args.seed)]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                raise RuntimeError(f"{optimizer} {hook} failed:\n{out.stderr[-3000:]}")
+            rows = [json.loads(line) for line in open(path)]
+        logs[(optimizer, hook)] = rows
+    meta = provenance()
+    table = []
+    print("| optimizer (lr) | plain DDP final val loss | onebit_hook final val loss | ratio | "
+          "bytes sent per rank, compressed iterations |")
+    print("|---|---|---|---|---|")
+    for optimizer in ("sgd", "adamw"):
+        base = [r for r in logs[(optimizer, "ddp")] if r.get("val_loss") is not None][-1]["val_loss"]
+        mine = [r for r in logs[(optimizer, "onebit")] if r.get("val_loss") is not None][-1]["val_loss"]
+        stats = logs[(optimizer, "onebit")][-1]["stats"]
+        table.append({**meta, "optimizer": optimizer, "lr": LR[optimizer], "steps": args.steps,
+                      "ranks": args.ranks, "ddp_val_loss": f"{base:.4f}",
+                      "onebit_hook_val_loss": f"{mine:.4f}",
+                      "ratio": f"{mine / base:.4f}", "bytes_compressed": stats["bytes_compressed"],
+                      "bytes_full": stats["bytes_full"], "buckets": stats["buckets"]})
+        print(f"| {optimizer} ({LR[optimizer]:g}) | {base:.4f} | {mine:.4f} | {mine / base:.4f} | "
+              f"{stats['bytes_compressed']:,} (+ {stats['bytes_full']:,} full precision) |")
+    write_csv(os.path.join(args.out, "ddp_hook.csv"), table)
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, optimizer in zip(axes, ("sgd", "adamw"), strict=True):
+            for hook in ("ddp", "onebit"):
+                rows = [r for r in logs[(optimizer, hook)] if r.get("val_loss") is not None]
+                ax.plot([r["step"] for r in rows], [r["val_loss"] for r in rows], marker="o",
+                        label="plain DDP" if hook == "ddp" else "onebit_hook")
+            ax.set_title(f"{optimizer} (lr {LR[optimizer]:g}), {args.ranks} gloo ranks")
+            ax.set_xlabel("step")
+            ax.set_ylabel("validation loss")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "ddp_hook.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
