@@ -98,16 +98,22 @@ class OnebitAllReduceHook:
 def register_fsdp_hooks(model: torch.nn.Module, process_group: dist.ProcessGroup | None,
                         start_iter: int = 0) -> dict[str, OnebitAllReduceHook]:
     """Give every FSDP module inside ``model`` (``fully_shard`` applied with the shard mesh)
-    its own :class:`OnebitAllReduceHook` over ``process_group``; returns them by module name."""
+    its own :class:`OnebitAllReduceHook` over ``process_group``; returns them by module name.
+    Modules that manage no parameter of their own (a root whose parameters all sit in sharded
+    children) get none: FSDP never calls them."""
     from torch.distributed.fsdp import FSDPModule
 
     check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
     check_group(process_group)
     hooks = {}
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            hooks[name] = OnebitAllReduceHook(process_group, start_iter)
-            module.set_all_reduce_hook(hooks[name])
-    if not hooks:
+    sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not sharded:
         raise ValueError("model: expected a module with fully_shard applied (no FSDPModule inside)")
+    for name, module in sharded:
+        inner = {id(p) for other_name, other in sharded if other is not module
+                 and other_name.startswith(f"{name}." if name else "") for p in other.parameters()}
+        if all(id(p) in inner for p in module.parameters()):
+            continue  # manages no parameter of its own (e.g. a root over sharded blocks): never called
+        hooks[name] = OnebitAllReduceHook(process_group, start_iter)
+        module.set_all_reduce_hook(hooks[name])
     return hooks
