@@ -23,12 +23,13 @@ def _snippets() -> list[str]:
 def _run(code: str, cwd) -> str:
     script = cwd / "snippet.py"
     script.write_text(code)
+    # each rank's stdout to a file of its own (printed together, the ranks' lines interleave)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(script)]
+           "--log-dir", str(cwd / "logs"), "--redirects", "1", str(script)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    return "\n".join(p.read_text() for p in sorted((cwd / "logs").rglob("stdout.log")))
 
 
 def test_the_section_has_three_snippets():
