@@ -99,7 +99,8 @@ def make_optimizer(name: str, params, args):
         return OnebitAdam(params, freeze_step=freeze, betas=(0.9, 0.99), overlap=args.overlap,
                           bucket_cap_mb=args.bucket_cap_mb, **common)
     if name == "zero_one_adam":
-        return ZeroOneAdam(params, var_freeze_step=freeze, betas=(0.9, 0.99),
+        return ZeroOneAdam(params, var_freeze_step=freeze, betas=(0.9, 0.99), overlap=args.overlap,
+                           bucket_cap_mb=args.bucket_cap_mb,
                            local_step_scaler=max(1, args.steps // 10), local_step_clipper=4, **common)
     return OnebitLamb(params, freeze_step=freeze, betas=(0.9, 0.99), **common)
 
@@ -159,9 +160,10 @@ def train() -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--auto-mask", default="default", help="the 1-bit optimizers' auto_mask: a ratio, 'none' "
                    "(the reference's maths) or 'default'")
-    p.add_argument("--overlap", action="store_true", help="onebit_adam: start each momentum bucket's "
-                   "compressed all-reduce from backward (overlap=True)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="onebit_adam: momentum bucket size")
+    p.add_argument("--overlap", action="store_true", help="onebit_adam, zero_one_adam: start each "
+                   "bucket's compressed all-reduce from backward (overlap=True)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="onebit_adam, zero_one_adam: bucket size")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)

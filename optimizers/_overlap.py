@@ -1,8 +1,9 @@
 """Compressed all-reduces started from backward, bucket by bucket (``overlap=True``).
 
-The optimizer's compression stage folds each rank's local gradient into the momentum and
-all-reduces the momentum buckets. Neither needs the whole backward: a bucket can go as soon
-as every parameter in it has its gradient. A post-accumulate-grad hook on each parameter
+OnebitAdam's compression stage folds each rank's local gradient into the momentum and
+all-reduces the momentum buckets; ZeroOneAdam's phase-1 gradient steps copy the gradients
+into the accumulator and all-reduce that. Neither needs the whole backward: a bucket can go
+as soon as every parameter in it has its gradient. A post-accumulate-grad hook on each parameter
 counts them; a bucket whose count is complete is folded and its
 ``compressed_allreduce(..., async_op=True)`` started while backward goes on. ``step()``
 starts what backward did not (parameters without a gradient on this rank), waits, and

@@ -8,6 +8,7 @@ from ..kernels._checks import check_int
 from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_
+from ._overlap import BackwardOverlap
 
 __all__ = ["ZeroOneAdam"]
 
@@ -39,6 +40,14 @@ class ZeroOneAdam(OnebitOptimizerBase):
     4 + 4/W bytes per element).
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
+
+    ``overlap=True``: on phase 1's compressed steps each gradient bucket is copied into the
+    accumulator and its compressed all-reduce started from backward, as soon as the bucket's
+    gradients are all accumulated (see :mod:`onebit.optimizers._overlap`); results are bitwise
+    those of ``overlap=False``. Phase 1's variance steps (full precision) and phase 2's syncs
+    (the update ``u`` needs this step's local update first) stay after backward. Gradient
+    accumulation: all passes but the last under ``with opt.no_sync():``. Not with a
+    GradScaler, nor with ``register_ddp_hook``.
     """
 
     FLAT_STATE = ("momentum_accumulator",)
@@ -62,6 +71,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         group=None,
         nonfinite: str | None = "skip",
         auto_mask: float | None = AUTO_MASK,
+        overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
@@ -79,6 +89,23 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.lrs = [0.0] * len(self.param_groups)  # learning rates summed since the last sync
         self.last_sync = 0  # the last update after which the replicas were identical
         self.var_updates = 0  # variance updates so far
+        if overlap:
+            params, views = [p for p, _ in self.compressed_params()], self.reducer().views
+
+            def copy_one(k: int) -> None:
+                grad = params[k].grad
+                if grad is None:
+                    views[k].zero_()
+                else:
+                    views[k].copy_(grad)
+
+            self._overlap = BackwardOverlap(
+                self.reducer(), params, wanted=self._compresses_gradients, fill=copy_one,
+                backup=lambda: self.nonfinite is not None)
+
+    def _compresses_gradients(self) -> bool:
+        """Whether the next step sends the gradient through compressed_allreduce (phase 1)."""
+        return self.phase == 1 and not self.wants_averaged_gradients()
 
     @property
     def phase(self) -> int:
@@ -122,12 +149,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._variance_changed()
             self.var_updates += 1
         else:  # the accumulator is zero in phase 1: it carries the compressed gradient
-            for k, (p, _) in enumerate(pairs):
-                if p.grad is None:
-                    reducer.views[k].zero_()
-                else:
-                    reducer.views[k].copy_(p.grad)
-            reducer.compressed_mean_()
+            if not self._overlapped:  # overlap=True copied and all-reduced it during backward
+                for k, (p, _) in enumerate(pairs):
+                    if p.grad is None:
+                        reducer.views[k].zero_()
+                    else:
+                        reducer.views[k].copy_(p.grad)
+                reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
                 grad = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
                 fold_(self.state[p]["exp_avg"], grad, g["betas"][0])

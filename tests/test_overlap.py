@@ -1,4 +1,4 @@
-"""OnebitAdam(overlap=True): compressed all-reduces started from backward, bucket by bucket."""
+"""OnebitAdam / ZeroOneAdam (overlap=True): compressed all-reduces started from backward, bucket by bucket."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from onebit.optimizers import GradScaler, OnebitAdam
+from onebit.optimizers import GradScaler, OnebitAdam, ZeroOneAdam
 
 
 def _model():
@@ -33,10 +33,24 @@ def _state(model, opt):
         [b.server_error.clone() for b in buckets]
 
 
-def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int):
+def _optimizer(kind: str, model, overlap: bool):
+    if kind == "onebit_adam":
+        return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.002, overlap=overlap)
+    # phase 1 for 10 updates: variance (full-precision) updates 1, 2, 4, 6, 8 (the interval doubles
+    # after every 2: 1, 1, 2, 2, 4), compressed gradients on 3, 5, 7, 9, 10; then phase 2 (local
+    # steps; syncs on 11, 12, 14: the sync interval doubles after every 2)
+    return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=10, var_update_scaler=2,
+                       local_step_scaler=2, bucket_cap_mb=0.002, overlap=overlap)
+
+
+# the step indices (0-based) whose compressed all-reduces run from backward
+FROM_BACKWARD = {"onebit_adam": lambda s: s >= 3, "zero_one_adam": lambda s: s + 1 in (3, 5, 7, 9, 10)}
+
+
+def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int, kind: str = "onebit_adam"):
     r = dist.get_rank()
     model = _model()
-    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.002, overlap=overlap)
+    opt = _optimizer(kind, model, overlap)
     launched_in_backward = []
     before_nan = after_nan = None
     for step in range(steps):
@@ -72,40 +86,45 @@ def _equal(a, b):
     return torch.equal(a[0], b[0]) and all(all(map(torch.equal, x, y)) for x, y in rest)
 
 
-@pytest.mark.parametrize("W", [2, 3])
-def test_overlap_is_bitwise_the_synchronous_step(ranks, W):
+@pytest.mark.parametrize(("kind", "W", "steps"), [("onebit_adam", 2, 8), ("onebit_adam", 3, 8),
+                                                   ("zero_one_adam", 2, 14), ("zero_one_adam", 3, 14)])
+def test_overlap_is_bitwise_the_synchronous_step(ranks, kind, W, steps):
     pool = ranks(W)
-    sync = pool.run(_body, False, 8, None, 1)
-    over = pool.run(_body, True, 8, None, 1)
+    sync = pool.run(_body, False, steps, None, 1, kind)
+    over = pool.run(_body, True, steps, None, 1, kind)
     for r in range(W):
-        assert _equal(over[r][0], sync[r][0])  # parameters, momentum, both error buffers
-        mine, first = over[r][0], over[0][0]  # replicas identical: parameters and momentum
-        assert torch.equal(mine[0], first[0]) and all(map(torch.equal, mine[1], first[1]))
+        assert _equal(over[r][0], sync[r][0])  # parameters, momentum/accumulator, both error buffers
+        mine, first = over[r][0], over[0][0]  # after a sync, replicas are identical
+        if kind == "onebit_adam" or steps % 2 == 0:  # ZeroOneAdam: local_step_scaler 2 -> sync at 14
+            assert torch.equal(mine[0], first[0]) and all(map(torch.equal, mine[1], first[1]))
     nb = over[0][2]
     assert nb >= 3
     for r in range(W):
-        launched = over[r][1]
-        assert launched[:3] == [0, 0, 0]  # warm-up: nothing from backward
-        # compression: every bucket from backward, except (on rank 1, odd steps) bucket 0, whose
-        # parameters got no gradient and which is last in launch order: step() sends it
-        full = [nb - (1 if (r == 1 and s % 2) else 0) for s in range(3, 8)]
-        assert launched[3:] == full
+        # compressed steps: every bucket from backward, except (on rank 1, odd steps) bucket 0,
+        # whose parameters got no gradient and which is last in launch order: step() sends it;
+        # other steps (warm-up, variance steps, phase 2): nothing from backward
+        expect = [(nb - (1 if (r == 1 and s % 2) else 0)) if FROM_BACKWARD[kind](s) else 0
+                  for s in range(steps)]
+        assert over[r][1] == expect
 
 
-def test_overlap_skips_a_non_finite_step_on_every_rank_without_a_trace(ranks):
+@pytest.mark.parametrize("kind", ["onebit_adam", "zero_one_adam"])
+def test_overlap_skips_a_non_finite_step_on_every_rank_without_a_trace(ranks, kind):
     pool = ranks(3)
-    over = pool.run(_body, True, 7, (5, 2), 1)
-    sync = pool.run(_body, False, 7, (5, 2), 1)
+    # step index 4 is update 5: compressed for both optimizers (ZeroOneAdam: a phase-1 gradient step)
+    over = pool.run(_body, True, 7, (4, 2), 1, kind)
+    sync = pool.run(_body, False, 7, (4, 2), 1, kind)
     for r in range(3):
         assert over[r][4] is True  # the skipped step left parameters, momentum, errors bitwise
         assert over[r][3]["skipped_steps"] == 1
         assert _equal(over[r][0], sync[r][0])
 
 
-def test_overlap_with_gradient_accumulation_under_no_sync(ranks):
+@pytest.mark.parametrize("kind", ["onebit_adam", "zero_one_adam"])
+def test_overlap_with_gradient_accumulation_under_no_sync(ranks, kind):
     pool = ranks(2)
-    over = pool.run(_body, True, 6, None, 3)
-    sync = pool.run(_body, False, 6, None, 3)
+    over = pool.run(_body, True, 6, None, 3, kind)
+    sync = pool.run(_body, False, 6, None, 3, kind)
     for r in range(2):
         assert _equal(over[r][0], sync[r][0])
 
