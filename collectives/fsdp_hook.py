@@ -19,7 +19,8 @@ CUDA it is queued on FSDP's all-reduce stream, which is what overlaps with backw
 mesh must be 1-D in FSDP's eyes (``mesh["shard"]``): with a 2-D mesh FSDP would all-reduce
 across replicas itself, in full precision, before calling the hook. Gradient accumulation
 with ``set_requires_all_reduce(False)`` skips the hook on the accumulating steps, as it skips
-FSDP's own all-reduce.
+FSDP's own all-reduce. It compresses gradients, as the DDP hook does: see that module's
+note on which optimizers and learning rates suit gradient compression.
 """
 
 from __future__ import annotations
