@@ -13,7 +13,7 @@ on its communication share), and the median step time of OnebitAdam's compressio
 The link's cost is what it adds to the synchronous step over the unshaped loopback
 (sync(link) - sync(none)); the share hidden is (sync(link) - overlap(link)) / that cost.
 
-  python bench/bench_step.py --overlap --links 100mbit 1gbit none --steps 40
+  python bench/bench_step.py --overlap --ranks 2 --links 10mbit 100mbit none --steps 40
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -29,7 +30,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_allreduce import LINKS, Namespace, can_shape  # noqa: E402
+from bench_allreduce import DEFAULT_LINKS, LINKS, Namespace, can_shape  # noqa: E402
 
 
 def run(link: str, optimizer: str, args, extra: tuple[str, ...] = ()) -> list[dict]:
@@ -45,7 +46,14 @@ def run(link: str, optimizer: str, args, extra: tuple[str, ...] = ()) -> list[di
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"{link} {optimizer} failed:\n{out.stderr[-3000:]}")
-        rows = [row for line in open(log) if "step" in (row := json.loads(line))]  # not the final stats
+        lines = [json.loads(line) for line in open(log)]
+        rows = [row for row in lines if "step" in row]  # not the final stats
+        skipped = lines[-1].get("stats", {}).get("skipped_steps", 0) if lines else 0
+        if skipped or not all(math.isfinite(r["train_loss"]) for r in rows):
+            # a skipped step sends no compressed all-reduce: its time would be a false speed-up
+            raise RuntimeError(f"{link} {optimizer} {' '.join(extra)}: training went non-finite "
+                               f"({skipped} skipped steps); its step times are not comparable (a later "
+                               "--freeze-step or a lower --lr)")
     finally:
         if ns:
             ns.close()
@@ -55,7 +63,7 @@ def run(link: str, optimizer: str, args, extra: tuple[str, ...] = ()) -> list[di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))
+    p.add_argument("--links", nargs="+", default=DEFAULT_LINKS, choices=list(LINKS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--freeze-step", type=int, default=10)
