@@ -29,7 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, pyplot, write_csv  # noqa: E402
 
-LINKS = {"1mbit": 1e6, "3mbit": 3e6, "10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9, "none": None}
+LINKS = {"1mbit": 1e6, "3mbit": 3e6, "10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9,
+         "none": None}
 DEFAULT_LINKS = ["100mbit", "1gbit", "10gbit", "none"]  # the slower ones only when asked
 OPS = ("onebit", "allreduce_fp32", "allreduce_bf16")
 
