@@ -145,6 +145,18 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             overlap.done()
         return loss
 
+    def _enable_overlap(self, wanted, fill) -> None:
+        """``overlap=True``: launch the compressed buckets from backward (see ``_overlap``).
+        ``fill(p, group, view)`` writes compressed parameter p's contribution into its view."""
+        pairs, views = self.compressed_params(), self.reducer().views
+
+        def fill_one(k: int) -> None:
+            p, g = pairs[k]
+            fill(p, g, views[k])
+
+        self._overlap = BackwardOverlap(self.reducer(), [p for p, _ in pairs], wanted=wanted, fill=fill_one,
+                                        backup=lambda: self.nonfinite is not None)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside this context do not start compressed all-reduces

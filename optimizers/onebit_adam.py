@@ -8,7 +8,6 @@ from ..collectives.bucket import allreduce_mean_
 from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, mask_, moments_
-from ._overlap import BackwardOverlap
 
 __all__ = ["OnebitAdam"]
 
@@ -70,15 +69,8 @@ class OnebitAdam(WarmupThenCompress):
         self.freeze_step = freeze_step
         self.updates = 0
         if overlap:
-            pairs, views = self.compressed_params(), self.reducer().views
-
-            def fold_one(k: int) -> None:
-                p, g = pairs[k]
-                fold_(views[k], p.grad, g["betas"][0])
-
-            self._overlap = BackwardOverlap(
-                self.reducer(), [p for p, _ in pairs], wanted=lambda: self.compressing, fill=fold_one,
-                backup=lambda: self.nonfinite is not None)
+            self._enable_overlap(lambda: self.compressing,
+                                 lambda p, g, view: fold_(view, p.grad, g["betas"][0]))
 
     def _take_step(self) -> None:
         reducer = self.reducer()

@@ -8,7 +8,6 @@ from ..kernels._checks import check_int
 from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_
-from ._overlap import BackwardOverlap
 
 __all__ = ["ZeroOneAdam"]
 
@@ -90,18 +89,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.last_sync = 0  # the last update after which the replicas were identical
         self.var_updates = 0  # variance updates so far
         if overlap:
-            params, views = [p for p, _ in self.compressed_params()], self.reducer().views
-
-            def copy_one(k: int) -> None:
-                grad = params[k].grad
-                if grad is None:
-                    views[k].zero_()
-                else:
-                    views[k].copy_(grad)
-
-            self._overlap = BackwardOverlap(
-                self.reducer(), params, wanted=self._compresses_gradients, fill=copy_one,
-                backup=lambda: self.nonfinite is not None)
+            self._enable_overlap(self._compresses_gradients, _copy_grad)
 
     def _compresses_gradients(self) -> bool:
         """Whether the next step sends the gradient through compressed_allreduce (phase 1)."""
@@ -150,11 +138,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self.var_updates += 1
         else:  # the accumulator is zero in phase 1: it carries the compressed gradient
             if not self._overlapped:  # overlap=True copied and all-reduced it during backward
-                for k, (p, _) in enumerate(pairs):
-                    if p.grad is None:
-                        reducer.views[k].zero_()
-                    else:
-                        reducer.views[k].copy_(p.grad)
+                for k, (p, g) in enumerate(pairs):
+                    _copy_grad(p, g, reducer.views[k])
                 reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
                 grad = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
@@ -200,3 +185,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
+
+
+def _copy_grad(p: torch.Tensor, group: dict, view: torch.Tensor) -> None:
+    """Phase 1: the accumulator view carries this rank's gradient (zero where it has none)."""
+    if p.grad is None:
+        view.zero_()
+    else:
+        view.copy_(p.grad)
