@@ -1,13 +1,16 @@
-"""DDP with onebit_hook against plain DDP, with torch's own optimizers, on the demo's LM.
+"""DDP with onebit_hook against plain DDP, with torch's own optimizers.
 
-The model, data and batches of examples/train_lm.py; the model wrapped in
-DistributedDataParallel (several buckets); SGD with momentum and AdamW from torch.optim,
-each with full-precision DDP averaging and with ``onebit_hook`` (1-bit error-feedback
-compression of every gradient bucket after ``start_iter`` full-precision iterations).
-Writes per-step logs (JSONL), a CSV of final validation losses with the ratio to plain DDP,
-and a plot.
+--task lm: the model, data and batches of examples/train_lm.py (the demo's LM). --task mlp:
+bench/train_task.py's 64-128-128-10 ReLU MLP on scikit-learn's digits (batch 32 per rank).
+The model is wrapped in DistributedDataParallel (several buckets); SGD with momentum and
+AdamW from torch.optim, each with full-precision DDP averaging and with ``onebit_hook``
+(1-bit error-feedback compression of every gradient bucket after ``start_iter``
+full-precision iterations, ``--block`` elements per scale; 'none': one scale per chunk).
+Writes per-step logs (JSONL), a CSV of final validation losses with the ratio to plain DDP
+per seed, and a plot.
 
   python bench/bench_ddp_hook.py --steps 1000 --ranks 4
+  python bench/bench_ddp_hook.py --task mlp --steps 600 --seeds 0 1 2
 
 A run whose loss goes non-finite keeps going (the hook and the optimizers do not stop it);
 its final loss is reported as it is (nan), with the last step where it was still finite.
@@ -33,47 +36,84 @@ PAIRS = [("sgd", 0.1), ("sgd", 0.03), ("adamw", 2e-3)]
 HOOKS = ("ddp", "onebit")
 
 
+def _lm_task(args):
+    """(model, next training batch, validation loss) of the demo's LM."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_lm as lm
+
+    model = lm.GPT(64, 128, 2, 4)
+    train, valid = lm.load_bytes(lm.TRAIN_FILES), lm.load_bytes(lm.VALID_FILES)
+
+    def batch(g):
+        x, y = lm.batch(train, 16, 64, g, torch.device("cpu"))
+        return x, y.flatten()
+
+    def val_loss() -> float:
+        gv = torch.Generator().manual_seed(12345)
+        losses = []
+        for _ in range(8):
+            x, y = lm.batch(valid, 16, 64, gv, torch.device("cpu"))
+            losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+        return sum(losses) / len(losses)
+
+    return model, batch, val_loss, lambda out: out.flatten(0, 1)
+
+
+def _mlp_task(args):
+    """(model, next training batch, validation loss) of the digits MLP."""
+    import torch
+    import torch.nn.functional as F
+    from train_task import digits_data, mlp_model
+
+    (xt, yt), (xv, yv) = digits_data()
+    model = mlp_model()
+
+    def batch(g):
+        i = torch.randint(0, len(yt), (32,), generator=g)
+        return xt[i], yt[i]
+
+    def val_loss() -> float:
+        return F.cross_entropy(model(xv), yv).item()
+
+    return model, batch, val_loss, lambda out: out
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import train_lm as lm
-
     from onebit.collectives import OnebitHookState, onebit_hook
 
     dist.init_process_group("gloo")
+    torch.set_num_threads(1)
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = lm.GPT(64, 128, 2, 4)
+    model, next_batch, val_loss, logits = (_lm_task if args.task == "lm" else _mlp_task)(args)
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     state = None
     if args.hook == "onebit":
-        state = OnebitHookState(start_iter=args.start_iter)
+        state = OnebitHookState(start_iter=args.start_iter, block=_block(args.block))
         ddp.register_comm_hook(state, onebit_hook)
     opt = (torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
-    train, valid = lm.load_bytes(lm.TRAIN_FILES), lm.load_bytes(lm.VALID_FILES)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
     t0 = time.perf_counter()
 
     @torch.no_grad()
     def validate() -> float:
-        gv = torch.Generator().manual_seed(12345)
-        losses = []
-        for _ in range(8):
-            x, y = lm.batch(valid, 16, 64, gv, torch.device("cpu"))
-            losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
-        v = torch.tensor([sum(losses) / len(losses)])
+        v = torch.tensor([val_loss()])
         dist.all_reduce(v)
         return v.item() / W
 
     for step in range(1, args.steps + 1):
-        x, y = lm.batch(train, 16, 64, g, torch.device("cpu"))
-        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        x, y = next_batch(g)
+        loss = F.cross_entropy(logits(ddp(x)), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -85,7 +125,10 @@ def worker(args) -> None:
         stats = state.stats() if state is not None else {}
         log.write(json.dumps({"final": True, "stats": stats, "buckets": stats.get("buckets")}) + "\n")
         log.close()
-    dist.destroy_process_group()
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from teardown import finish  # gloo's teardown aborts now and then without it
+
+    finish()
 
 
 def main() -> None:
@@ -95,8 +138,11 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--bucket-cap-mb", type=float, default=0.5)
     p.add_argument("--start-iter", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(HERE, "out", "ddp_hook"))
+    p.add_argument("--task", choices=["lm", "mlp"], default="lm")
+    p.add_argument("--block", default="64", help="the hook's block (elements per scale), or 'none'")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="default: bench/out/ddp_hook[-mlp]")
     p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], help=argparse.SUPPRESS)
@@ -107,42 +153,36 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.out is None:
+        args.out = os.path.join(HERE, "out", "ddp_hook" + ("" if args.task == "lm" else f"-{args.task}"))
     os.makedirs(args.out, exist_ok=True)
     logs = {}
-    for optimizer, lr in PAIRS:
-        for hook in HOOKS:
-            path = os.path.join(args.out, f"{optimizer}-{lr:g}-{hook}.jsonl")
-            rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-            if not (args.reuse and rows and rows[-1].get("final")):
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                       str(args.ranks), os.path.abspath(__file__), "--worker", "--optimizer", optimizer,
-                       "--hook", hook, "--lr", str(lr), "--log-jsonl", path,
-                       "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                       "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
-                       "--seed", str(args.seed)]
-                env = dict(os.environ, OMP_NUM_THREADS="1")
-                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if out.returncode != 0:
-                    raise RuntimeError(f"{optimizer} {lr:g} {hook} failed:\n{out.stderr[-3000:]}")
-                rows = [json.loads(line) for line in open(path)]
-            logs[(optimizer, lr, hook)] = rows
-    meta = provenance()
+    for seed in args.seeds:
+        for optimizer, lr in PAIRS:
+            for hook in HOOKS:
+                tag = f"-block{args.block}" if hook == "onebit" else ""
+                name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
+                path = os.path.join(args.out, f"{name}.jsonl")
+                logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
+    meta = provenance(None, task=args.task, block=args.block)
     table = []
-    print("| optimizer (lr) | plain DDP final val loss | onebit_hook final val loss | ratio | "
+    print("| optimizer (lr) | seed | plain DDP final val loss | onebit_hook final val loss | ratio | "
           "onebit_hook: last finite step | bytes sent per rank, compressed iterations |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for optimizer, lr in PAIRS:
-        base, mine = (_final_val(logs[(optimizer, lr, hook)]) for hook in HOOKS)
-        finite = _last_finite_step(logs[(optimizer, lr, "onebit")])
-        stats = logs[(optimizer, lr, "onebit")][-1]["stats"]
-        table.append({**meta, "optimizer": optimizer, "lr": lr, "steps": args.steps,
-                      "ranks": args.ranks, "ddp_val_loss": f"{base:.4f}",
-                      "onebit_hook_val_loss": f"{mine:.4f}", "ratio": f"{mine / base:.4f}",
-                      "onebit_last_finite_step": finite, "bytes_compressed": stats["bytes_compressed"],
-                      "bytes_full": stats["bytes_full"], "buckets": stats["buckets"]})
-        print(f"| {optimizer} ({lr:g}) | {base:.4f} | {mine:.4f} | {mine / base:.4f} | {finite} | "
-              f"{stats['bytes_compressed']:,} (+ {stats['bytes_full']:,} full precision) |")
+        for seed in args.seeds:
+            base, mine = (_final_val(logs[(seed, optimizer, lr, hook)]) for hook in HOOKS)
+            finite = _last_finite_step(logs[(seed, optimizer, lr, "onebit")])
+            stats = logs[(seed, optimizer, lr, "onebit")][-1]["stats"]
+            table.append({**meta, "optimizer": optimizer, "lr": lr, "seed": seed, "steps": args.steps,
+                          "ranks": args.ranks, "ddp_val_loss": f"{base:.4f}",
+                          "onebit_hook_val_loss": f"{mine:.4f}", "ratio": f"{mine / base:.4f}",
+                          "onebit_last_finite_step": finite, "bytes_compressed": stats["bytes_compressed"],
+                          "bytes_full": stats["bytes_full"], "buckets": stats["buckets"]})
+            print(f"| {optimizer} ({lr:g}) | {seed} | {base:.4f} | {mine:.4f} | {mine / base:.4f} | "
+                  f"{finite} | {stats['bytes_compressed']:,} (+ {stats['bytes_full']:,} full precision) |")
     write_csv(os.path.join(args.out, "ddp_hook.csv"), table)
+    logs = {k[1:]: v for k, v in logs.items() if k[0] == args.seeds[0]}  # the plot: the first seed
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, len(PAIRS), figsize=(5 * len(PAIRS), 4))
@@ -154,10 +194,34 @@ def main() -> None:
             ax.set_title(f"{optimizer} (lr {lr:g}), {args.ranks} gloo ranks")
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss")
-            ax.set_ylim(1.0, 4.0)  # a diverging run leaves the plot upwards
+            if args.task == "lm":
+                ax.set_ylim(1.0, 4.0)  # a diverging run leaves the plot upwards
+            else:
+                ax.set_ylim(0.0, 1.0)
             ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "ddp_hook.png"), dpi=110)
+
+
+def _block(text: str) -> int | None:
+    return None if text == "none" else int(text)
+
+
+def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> list[dict]:
+    """One torchrun of the worker unless --reuse finds a finished log; returns its rows."""
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    if args.reuse and rows and rows[-1].get("final"):
+        return rows
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(args.ranks), os.path.abspath(__file__), "--worker", "--optimizer", optimizer,
+           "--hook", hook, "--lr", str(lr), "--log-jsonl", path, "--task", args.task, "--block", args.block,
+           "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+           "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
+           "--seed", str(seed)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if out.returncode != 0:
+        raise RuntimeError(f"{optimizer} {lr:g} {hook} failed:\n{out.stderr[-3000:]}")
+    return [json.loads(line) for line in open(path)]
 
 
 def _final_val(rows: list[dict]) -> float:

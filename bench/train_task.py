@@ -36,7 +36,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from onebit.movement import MovementMeter
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from train_lm import add_optimizer_options, optimizer_options  # noqa: E402  (the demo's CLI for them)
 
 OPTIMIZERS = ["adam", "onebit_adam", "zero_one_adam", "lamb", "onebit_lamb"]
 WORD_FILES_TRAIN = [
@@ -103,11 +107,17 @@ class WordModel(nn.Module):
         return self.mlp(self.emb(ids).flatten(1))
 
 
-TASKS = {"digits": (digits_data, digits_model, 32), "words": (words_data, WordModel, 64)}
+def mlp_model() -> nn.Module:
+    """The 64-128-128-10 ReLU MLP without dropout on which the reference's frozen-variance
+    LAMB stage fell apart (issue "Train without freezing coordinates")."""
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def make_optimizer(name: str, params, lr: float, freeze, steps: int, auto_mask, var_update_scaler: int = 16):
-    kw = {} if auto_mask == "default" else {"auto_mask": None if auto_mask == "none" else float(auto_mask)}
+TASKS = {"digits": (digits_data, digits_model, 32), "words": (words_data, WordModel, 64),
+         "mlp": (digits_data, mlp_model, 32)}
+
+
+def make_optimizer(name: str, params, lr: float, freeze, steps: int, kw: dict, var_update_scaler: int = 16):
     if name == "adam":
         return OnebitAdam(params, lr=lr, freeze_step=math.inf)
     if name == "lamb":
@@ -144,7 +154,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--freeze-step", default="", help="an int, or 'auto' (default: 20%% of --steps)")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--auto-mask", default="default", help="a ratio, 'none' (the reference), or 'default'")
+    add_optimizer_options(p)
     p.add_argument("--var-update-scaler", type=int, default=16, help="ZeroOneAdam's kappa")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -158,8 +168,10 @@ def main() -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build()
     freeze = parse_freeze(args.freeze_step, args.steps)
-    opt = make_optimizer(args.optimizer, model.parameters(), args.lr, freeze, args.steps, args.auto_mask,
-                         args.var_update_scaler)
+    opt = make_optimizer(args.optimizer, model.parameters(), args.lr, freeze, args.steps,
+                         optimizer_options(args), args.var_update_scaler)
+    meter = MovementMeter(model.parameters())
+    mark_at = freeze if isinstance(freeze, int) else None  # baselines: the fixed freeze step
     g = torch.Generator().manual_seed(1000 * args.seed + rank + 1)  # each rank its own samples
     log = open(args.log_jsonl, "a") if args.log_jsonl and rank == 0 else None
     train_time = 0.0
@@ -174,19 +186,21 @@ def main() -> None:
             loss.backward()
             opt.step()
             train_time += time.perf_counter() - t0
+            if step == mark_at or opt.frozen_at is not None:
+                meter.mark(step)
             val = evaluate(model, valid) if step % args.eval_every == 0 or step == args.steps else None
             if log is not None:
                 log.write(json.dumps({"step": step, "time": train_time, "train_loss": loss.item(),
                                       "val_loss": val, "stage": stage}) + "\n")
     stats = opt.stats()
     if log is not None:
-        log.write(json.dumps({"final": True, "stats": stats,
+        log.write(json.dumps({"final": True, "stats": stats, "movement": meter.report(),
                               "warnings": sorted({str(w.message)[:300] for w in caught})}) + "\n")
         log.close()
         print(f"{args.task} {args.optimizer}: validation loss {val:.4f}, {json.dumps(stats)}")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
+    from teardown import finish  # examples/ (on the path): gloo's teardown aborts now and then
+
+    finish()
 
 
 if __name__ == "__main__":

@@ -112,13 +112,14 @@ def _failure(operation: str, group, exc: BaseException) -> BaseException:
     return exc  # pragma: no cover
 
 
-def start(tensor, flat, worker_error, server_error, group, W: int, N: int) -> torch.futures.Future:
+def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
+          block: int | None = None) -> torch.futures.Future:
     """Start the call on validated CPU arguments (W > 1); the future's value is ``tensor``.
     (CUDA tensors take the synchronous path, which never blocks the host; see allreduce.)"""
     ptrs = _claim({"tensor": tensor, "worker_error": worker_error, "server_error": server_error})
     try:
         companion = _companion(group)
-        msg = worker_compress(flat, worker_error, W, update_error=False)
+        msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
         recv = torch.empty_like(msg)
         ticket = companion.sequencer.ticket()
     except BaseException:
@@ -137,10 +138,10 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int) -> to
             fail("compressed_allreduce (all_gather)", exc)
             return
         with torch.no_grad():
-            decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg)
+            decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
             if not tensor.is_contiguous():
                 tensor.copy_(flat.view(tensor.shape))
-        traffic.compressed += compressed_bytes(N, W)
+        traffic.compressed += compressed_bytes(N, W, block)
         traffic.compressed_calls += 1
         _release(ptrs)
         result.set_result(tensor)
@@ -149,7 +150,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int) -> to
         try:
             fut.value()
             with torch.no_grad():
-                seg = server_reduce(recv, server_error, W)
+                seg = server_reduce(recv, server_error, W, block=block)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             companion.sequencer.ready(ticket, None)
             fail("compressed_allreduce (all_to_all)", exc)

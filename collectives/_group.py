@@ -27,23 +27,23 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return check_group(group)
 
 
-def verify_agreement(tensor: torch.Tensor, N: int, group) -> None:
-    """Raise ValueError on every rank unless all ranks pass the same numel, N and dtype."""
+def verify_agreement(tensor: torch.Tensor, N: int, group, block: int | None = None) -> None:
+    """Raise ValueError on every rank unless all ranks pass the same numel, N, dtype and block."""
     W = group_size(group)
     if W == 1:
         return
-    mine = [tensor.numel(), N, _DTYPE_CODES[tensor.dtype]]
+    mine = [tensor.numel(), N, _DTYPE_CODES[tensor.dtype], 0 if block is None else block]
     device = tensor.device if tensor.is_cuda else torch.device("cpu")
-    rows = torch.empty(W * 3, dtype=torch.int64, device=device)
+    rows = torch.empty(W * 4, dtype=torch.int64, device=device)
     with guard("check", group):
         all_gather_single(rows, torch.tensor(mine, dtype=torch.int64, device=device), group)
-    table = rows.view(W, 3).tolist()
+    table = rows.view(W, 4).tolist()
     names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
     me = dist.get_rank(group)
     for r, row in enumerate(table):
         if row != table[0]:
             def show(x):
-                return f"numel={x[0]}, N={x[1]}, dtype={names[x[2]]}"
+                return f"numel={x[0]}, N={x[1]}, dtype={names[x[2]]}, block={x[3] or None}"
 
             raise ValueError(
                 f"check: ranks disagree: group rank {r} passed {show(row)} but group rank 0 "

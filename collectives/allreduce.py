@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from ..kernels._checks import check_buffer, check_instance, check_tensor
+from ..kernels.layout import check_block, pad_unit
 from . import _async
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
@@ -32,17 +33,18 @@ def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1)
 
 
-def validate(tensor, worker_error, server_error, W: int) -> int:
+def validate(tensor, worker_error, server_error, W: int, block: int | None = None) -> int:
     """Check compressed_allreduce's arguments for a group of W ranks; returns N."""
     check_tensor("tensor", tensor)
     if any(st == 0 and sz > 1 for st, sz in zip(tensor.stride(), tensor.shape, strict=True)):
         raise ValueError("tensor: expected a tensor without overlapping elements (stride 0)")
     n = tensor.numel()
     device = tensor.device
-    unit = 8 * W
+    unit = pad_unit(W, block)
+    per = "8" if block is None else "block"
     check_buffer(
         "worker_error", worker_error, device, torch.float32, at_least=n, multiple_of=unit,
-        what=f"float32 of length N >= numel ({n}) with N % (8 * world_size) == 0 ({unit})",
+        what=f"float32 of length N >= numel ({n}) with N % ({per} * world_size) == 0 ({unit})",
     )
     N = worker_error.numel()
     check_buffer(
@@ -62,6 +64,7 @@ def compressed_allreduce(
     check: bool = False,
     raise_on_nonfinite: bool = False,
     async_op: bool = False,
+    block: int | None = None,
 ) -> torch.Tensor | torch.futures.Future:
     """Replace ``tensor`` in place by the 1-bit estimate of its mean over ``group``.
 
@@ -87,24 +90,30 @@ def compressed_allreduce(
             :mod:`onebit.collectives._async`). Several calls may be in flight, each with its
             own tensor and error buffers (a buffer still in flight raises ``ValueError``);
             every rank must start them in the same order. Not with ``raise_on_nonfinite``.
+        block: ``None`` (default): one scale per chunk, the reference's wire format. An int
+            (a multiple of 8): one scale per ``block`` elements on both stages, which keeps
+            the compression a contraction for heavy-tailed or sparse inputs (docs/ALGORITHMS.md
+            section 7); then ``N % (block * W) == 0`` (``padded_numel(n, W, block)``) and each
+            rank sends ``4 / block`` more bytes per element. Every rank must pass the same.
 
     Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any buffer
     is touched or any data moves.
     """
     W = group_size(group)
-    N = validate(tensor, worker_error, server_error, W)
+    block = check_block(block)
+    N = validate(tensor, worker_error, server_error, W, block)
     check_instance("async_op", async_op, bool, "a bool")
     if async_op and raise_on_nonfinite:
         raise ValueError("raise_on_nonfinite: expected False with async_op=True (raising needs a host "
                          "synchronisation; test torch.isfinite on the result instead)")
     if check:
-        verify_agreement(tensor, N, group)
+        verify_agreement(tensor, N, group, block)
     if W == 1 or tensor.numel() == 0:
         return _done(tensor) if async_op else tensor
     if async_op and not tensor.is_cuda:
-        return _async.start(tensor, _flat_target(tensor), worker_error, server_error, group, W, N)
-    scales = _compressed_allreduce(tensor, worker_error, server_error, group, W)
-    traffic.compressed += compressed_bytes(N, W)
+        return _async.start(tensor, _flat_target(tensor), worker_error, server_error, group, W, N, block)
+    scales = _compressed_allreduce(tensor, worker_error, server_error, group, W, block)
+    traffic.compressed += compressed_bytes(N, W, block)
     traffic.compressed_calls += 1
     if raise_on_nonfinite and not bool(torch.isfinite(scales).all()):
         raise FloatingPointError(
@@ -119,21 +128,21 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-def _compressed_allreduce(tensor, worker_error, server_error, group, W: int) -> torch.Tensor:
+def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None) -> torch.Tensor:
     """The algorithm on validated arguments, W > 1; returns the W server scales (a view).
     (:func:`onebit.collectives.local.local_compressed_allreduce` is the same compute for
     all ranks in one process.)"""
-    layout = Layout(worker_error.numel(), W)
+    layout = Layout(worker_error.numel(), W, block)
     flat = _flat_target(tensor)
-    msg = worker_compress(flat, worker_error, W, update_error=False)
+    msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
     recv = torch.empty_like(msg)
     with guard("compressed_allreduce (all_to_all)", group):
         dist.all_to_all_single(recv, msg, group=group)
-    seg = server_reduce(recv, server_error, W)
+    seg = server_reduce(recv, server_error, W, block=block)
     gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
     with guard("compressed_allreduce (all_gather)", group):
         all_gather_single(gathered, seg, group)
-    decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg)
+    decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return message_scales(gathered, layout)

@@ -79,7 +79,8 @@ class BucketedReducer:
 
     With ``flat_padding`` the flat buffers include the padding to N, which is then
     compressed as data and keeps what the previous call left there (1-bit LAMB's
-    reference behaviour); otherwise the padding is implicit zeros.
+    reference behaviour); otherwise the padding is implicit zeros. ``block``: block scales
+    for every compressed all-reduce (see compressed_allreduce).
     """
 
     def __init__(
@@ -90,8 +91,10 @@ class BucketedReducer:
         group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
         flat_padding: bool = False,
+        block: int | None = None,
     ) -> None:
         self.group = group
+        self.block = block
         self.world_size = group_size(group)
         self.shapes = [torch.Size(s) for s in shapes]
         numels = [s.numel() for s in self.shapes]
@@ -102,7 +105,7 @@ class BucketedReducer:
             sizes = [numels[i] for i in indices]
             offsets = [sum(sizes[:k]) for k in range(len(sizes))]
             n = sum(sizes)
-            N = padded_numel(n, W)
+            N = padded_numel(n, W, block)
             flat = torch.zeros(N if flat_padding else n, dtype=torch.float32, device=device)
             bucket = Bucket(
                 indices, offsets, sizes, n, flat,
@@ -123,7 +126,10 @@ class BucketedReducer:
     def compressed_mean_(self) -> None:
         """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
         for b in self.buckets:
-            self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
+            if self.block is None:  # the signature a benchmark's local allreduce may have
+                self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
+            else:
+                self.allreduce(b.flat, b.worker_error, b.server_error, self.group, block=self.block)
 
     def average(
         self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True

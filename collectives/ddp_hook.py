@@ -38,11 +38,14 @@ import torch
 import torch.distributed as dist
 
 from ..kernels._checks import check_group, check_int
-from ..kernels.layout import padded_numel
+from ..kernels.layout import check_block, padded_numel
 from .allreduce import compressed_allreduce
 from .wire import compressed_bytes, ring_allreduce_bytes
 
 __all__ = ["OnebitHookState", "onebit_hook"]
+
+
+HOOK_BLOCK = 64  # the hooks' default block size (docs/ALGORITHMS.md section 7)
 
 
 class OnebitHookState:
@@ -52,12 +55,17 @@ class OnebitHookState:
         process_group: the DDP model's process group (None: the default group).
         start_iter: iterations averaged in full precision before compression starts
             (at least 1: DDP's buckets change after the first iteration).
+        block: elements per scale of the compressed all-reduce (``compressed_allreduce``'s
+            ``block``); default ``HOOK_BLOCK`` (64: 1.5 bits per element; bench/RESULTS.md
+            "DDP hook" measures why), ``None`` for one scale per chunk.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
+                 block: int | None = HOOK_BLOCK) -> None:
         self.process_group = process_group
         self.world_size = check_group(process_group)
         self.start_iter = check_int("start_iter", start_iter, low=1)
+        self.block = check_block(block)
         self.iter = 0
         self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layouts: dict[int, tuple[tuple[int, int], ...]] = {}  # bucket index -> its parameters' names
@@ -88,6 +96,7 @@ class OnebitHookState:
         self.__dict__.setdefault("_names", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
+        self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.errors = {int(k): (w, s) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
 
@@ -110,7 +119,7 @@ class OnebitHookState:
         return parts if set().union(*(self.layouts[i] for i in parts)) == wanted else None
 
     def _buffers(self, index: int, buffer: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-        N = padded_numel(buffer.numel(), self.world_size)
+        N = padded_numel(buffer.numel(), self.world_size, self.block)
         found = self.errors.get(index)
         if found is None or self.layouts.get(index) != layout or found[0].numel() != N:
             if found is not None:
@@ -137,9 +146,9 @@ def _allreduce_parts(state: OnebitHookState, bucket: dist.GradBucket, layout, pa
     for index in parts:
         piece = torch.cat([views[name].reshape(-1) for name in state.layouts[index]])
         worker_error, server_error = state.errors[index]
-        state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size)
+        state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size, state.block)
         futures.append(compressed_allreduce(piece, worker_error, server_error, state.process_group,
-                                            async_op=True))
+                                            async_op=True, block=state.block))
         pieces.append(piece)
 
     def scatter(done) -> torch.Tensor:
@@ -181,5 +190,6 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.future
         if parts is not None:
             return _allreduce_parts(state, bucket, layout, parts)
     worker_error, server_error = state._buffers(index, buffer, layout)
-    state.bytes_compressed += compressed_bytes(worker_error.numel(), W)
-    return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True)
+    state.bytes_compressed += compressed_bytes(worker_error.numel(), W, state.block)
+    return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True,
+                                block=state.block)

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..kernels._checks import check_group, check_instance, check_int
-from ..kernels.layout import padded_numel
+from ..kernels.layout import check_block, padded_numel
 from .allreduce import compressed_allreduce
+from .ddp_hook import HOOK_BLOCK
 from .wire import compressed_bytes, ring_allreduce_bytes
 
 __all__ = ["OnebitAllReduceHook", "register_fsdp_hooks"]
@@ -41,13 +42,16 @@ class OnebitAllReduceHook:
     shard over ``process_group`` (the replica group) in place, with 1-bit compression after
     ``start_iter`` full-precision calls.
 
-    ``state_dict()`` / ``load_state_dict()`` checkpoint the error buffers and counters.
+    ``block``: elements per scale (see ``OnebitHookState``; default 64). ``state_dict()`` /
+    ``load_state_dict()`` checkpoint the error buffers and counters.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, start_iter: int = 0) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None, start_iter: int = 0,
+                 block: int | None = HOOK_BLOCK) -> None:
         self.process_group = process_group
         self.world_size = check_group(process_group)
         self.start_iter = check_int("start_iter", start_iter)
+        self.block = check_block(block)
         self.iter = 0
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
@@ -63,15 +67,16 @@ class OnebitAllReduceHook:
             reduce_output.div_(W)
             self.bytes_full += ring_allreduce_bytes(reduce_output.numel(), W, reduce_output.element_size())
         elif W > 1:
-            N = padded_numel(reduce_output.numel(), W)
+            N = padded_numel(reduce_output.numel(), W, self.block)
             if self.worker_error is None or self.worker_error.numel() != N:
                 if self.worker_error is not None:
                     raise ValueError(f"reduce_output: expected {self.worker_error.numel()} elements padded "
                                      f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
                 self.worker_error = torch.zeros(N, device=reduce_output.device)
                 self.server_error = torch.zeros(N // W, device=reduce_output.device)
-            compressed_allreduce(reduce_output, self.worker_error, self.server_error, self.process_group)
-            self.bytes_compressed += compressed_bytes(N, W)
+            compressed_allreduce(reduce_output, self.worker_error, self.server_error, self.process_group,
+                                 block=self.block)
+            self.bytes_compressed += compressed_bytes(N, W, self.block)
         self.iter += 1
 
     def stats(self) -> dict:
@@ -96,8 +101,10 @@ class OnebitAllReduceHook:
         self.server_error = None if server is None else server.clone()
 
 
-def register_fsdp_hooks(model: torch.nn.Module, process_group: dist.ProcessGroup | None,
-                        start_iter: int = 0) -> dict[str, OnebitAllReduceHook]:
+def register_fsdp_hooks(
+    model: torch.nn.Module, process_group: dist.ProcessGroup | None, start_iter: int = 0,
+    block: int | None = HOOK_BLOCK,
+) -> dict[str, OnebitAllReduceHook]:
     """Give every FSDP module inside ``model`` (``fully_shard`` applied with the shard mesh)
     its own :class:`OnebitAllReduceHook` over ``process_group``; returns them by module name.
     Modules that manage no parameter of their own (a root whose parameters all sit in sharded
@@ -115,6 +122,6 @@ def register_fsdp_hooks(model: torch.nn.Module, process_group: dist.ProcessGroup
                  and other_name.startswith(f"{name}." if name else "") for p in other.parameters()}
         if all(id(p) in inner for p in module.parameters()):
             continue  # manages no parameter of its own (e.g. a root over sharded blocks): never called
-        hooks[name] = OnebitAllReduceHook(process_group, start_iter)
+        hooks[name] = OnebitAllReduceHook(process_group, start_iter, block)
         module.set_all_reduce_hook(hooks[name])
     return hooks

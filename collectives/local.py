@@ -27,6 +27,7 @@ def local_compressed_allreduce(
     server_errors: Sequence[torch.Tensor],
     *,
     backend: str | None = None,
+    block: int | None = None,
 ) -> list[torch.Tensor]:
     """Run one compressed_allreduce of a W-rank group locally, ``W = len(tensors)``.
 
@@ -34,7 +35,7 @@ def local_compressed_allreduce(
     pass (validated like compressed_allreduce's arguments). Each tensor is replaced in place
     by rank ``r``'s result (identical for every ``r``) and each rank's errors are updated as
     the collective would update them. ``backend``: as for the kernels (None: Triton on CUDA,
-    torch on CPU). Returns ``tensors`` as a list.
+    torch on CPU); ``block``: as for compressed_allreduce. Returns ``tensors`` as a list.
     """
     per_rank = (("tensors", tensors), ("worker_errors", worker_errors), ("server_errors", server_errors))
     for name, seq in per_rank:
@@ -45,19 +46,19 @@ def local_compressed_allreduce(
                          f"{len(tensors)}, {len(worker_errors)}, {len(server_errors)}")
     N = 0
     for r in range(W):
-        N = validate(tensors[r], worker_errors[r], server_errors[r], W)
-    layout = Layout(N, W)
+        N = validate(tensors[r], worker_errors[r], server_errors[r], W, block)
+    layout = Layout(N, W, block)
     flats = [t.view(-1) if t.is_contiguous() else t.contiguous().view(-1) for t in tensors]
-    msgs = [worker_compress(f, e, W, update_error=False, backend=backend)
+    msgs = [worker_compress(f, e, W, update_error=False, backend=backend, block=block)
             for f, e in zip(flats, worker_errors, strict=True)]
     segments = []
     for j in range(W):  # the all-to-all: chunk j of every rank's message goes to rank j
         received = torch.cat([m.view(W, layout.segment_bytes)[j] for m in msgs])
-        segments.append(server_reduce(received, server_errors[j], W, backend=backend))
+        segments.append(server_reduce(received, server_errors[j], W, backend=backend, block=block))
     gathered = torch.cat(segments)  # the all-gather
     for r in range(W):
         decompress(gathered, flats[r], W, worker_error=worker_errors[r], worker_message=msgs[r],
-                   backend=backend)
+                   backend=backend, block=block)
         if not tensors[r].is_contiguous():
             tensors[r].copy_(flats[r].view(tensors[r].shape))
     return list(tensors)

@@ -43,6 +43,7 @@ from onebit.collectives import (
     traffic,
     verify_replicas,
 )
+from onebit.movement import MovementMeter
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 TRAIN_FILES = [
@@ -86,6 +87,28 @@ def batch(data: torch.Tensor, n: int, context: int, g: torch.Generator, device) 
     return rows[:, :-1], rows[:, 1:]
 
 
+def optimizer_options(args) -> dict:
+    """The 1-bit optimizers' mode switches from the command line ('default' leaves one out)."""
+    kw: dict = {}
+    for name in ("auto_mask", "variance_floor", "update_clip", "block"):
+        text = getattr(args, name)
+        if text != "default":
+            kw[name] = None if text == "none" else (int(text) if name == "block" else float(text))
+    if args.compression != "default":
+        kw["compression"] = args.compression
+    return kw
+
+
+def add_optimizer_options(p: argparse.ArgumentParser) -> None:
+    """The 1-bit optimizers' mode switches ('default': the library's; the reference's maths is
+    --compression momentum --variance-floor none --auto-mask none)."""
+    p.add_argument("--auto-mask", default="default", help="a ratio, 'none', or 'default'")
+    p.add_argument("--compression", default="default", choices=["default", "preconditioned", "momentum"])
+    p.add_argument("--variance-floor", default="default", help="a ratio, 'none', or 'default'")
+    p.add_argument("--update-clip", default="default", help="a bound, 'none', or 'default'")
+    p.add_argument("--block", default="default", help="elements per scale, 'none', or 'default'")
+
+
 def make_optimizer(name: str, params, args):
     common = dict(lr=args.lr, weight_decay=args.weight_decay)
     freeze = args.freeze_step
@@ -93,8 +116,7 @@ def make_optimizer(name: str, params, args):
         return OnebitAdam(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
     if name == "lamb":
         return OnebitLamb(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
-    if args.auto_mask != "default":
-        common["auto_mask"] = None if args.auto_mask == "none" else float(args.auto_mask)
+    common.update(optimizer_options(args))
     if name == "onebit_adam":
         return OnebitAdam(params, freeze_step=freeze, betas=(0.9, 0.99), overlap=args.overlap,
                           bucket_cap_mb=args.bucket_cap_mb, **common)
@@ -158,8 +180,7 @@ def train() -> None:
                    help="an int, or 'auto': freeze when the variance settles (default: 20%% of --steps)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--auto-mask", default="default", help="the 1-bit optimizers' auto_mask: a ratio, 'none' "
-                   "(the reference's maths) or 'default'")
+    add_optimizer_options(p)
     p.add_argument("--overlap", action="store_true", help="onebit_adam, zero_one_adam: start each "
                    "bucket's compressed all-reduce from backward (overlap=True)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
@@ -224,6 +245,8 @@ def train() -> None:
         if rank == 0:
             print(f"resumed from step {saved_step}")
     log = open(args.log_jsonl, "a") if args.log_jsonl and rank == 0 else None
+    meter = MovementMeter(model.parameters())  # which weights still move after the freeze
+    mark_at = args.freeze_step if isinstance(args.freeze_step, int) else None
     t_start = time.perf_counter()
     for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
@@ -240,6 +263,8 @@ def train() -> None:
             torch.cuda.synchronize(device)
         stage = "full precision" if full else "compressed"
         step_seconds = time.perf_counter() - t0
+        if step == mark_at or opt.frozen_at is not None:
+            meter.mark(step)
         stage_time[stage][0] += step_seconds
         stage_time[stage][1] += 1
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -266,7 +291,7 @@ def train() -> None:
             sys.stdout.flush()
     elapsed = time.perf_counter() - t_start
     if log is not None:
-        log.write(json.dumps({"final": True, "stats": opt.stats()}) + "\n")
+        log.write(json.dumps({"final": True, "stats": opt.stats(), "movement": meter.report()}) + "\n")
         log.close()
     val = evaluate(model, valid, args, device)
     val_t = torch.tensor([val], device=device)
@@ -280,7 +305,12 @@ def train() -> None:
                 print(f"  {stage:>14} steps: {count:4d}, {1e3 * secs / count:8.1f} ms/step")
         stats = opt.stats()
         print(f"  froze at {stats.get('frozen_at')}, {stats['skipped_steps']} steps skipped, "
-              f"{stats['masked_coordinates']:,} of {stats['coordinates']:,} coordinates masked")
+              f"{stats['masked_coordinates']:,} of {stats['coordinates']:,} coordinates masked, "
+              f"{stats['floored_coordinates']:,} with their sqrt(v) floored")
+        moved = meter.report()
+        if moved["marked_at"] is not None and not args.resume:
+            print(f"  of the {moved['moved_before']:,} weights that moved before step {moved['marked_at']}, "
+                  f"{moved['stalled']:,} ({100 * moved['stalled_share']:.2f}%) never moved after it")
         total = traffic.full + traffic.compressed
         baseline = (args.steps - first + 1) * full_bytes
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "

@@ -13,13 +13,17 @@ import torch
 
 from . import torch_kernels
 from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
-from .layout import Layout, empty_message, padded_numel
+from .layout import Layout, check_block, empty_message, pad_unit, padded_numel
 
 _BACKENDS = (None, "torch", "triton")
 
 
-def _backend(device: torch.device, backend: str | None) -> ModuleType:
+def _backend(device: torch.device, backend: str | None, block: int | None = None) -> ModuleType:
     check_choice("backend", backend, _BACKENDS)
+    if block is not None:
+        if backend == "triton":
+            raise ValueError("backend: block scales have no Triton kernels yet; expected None or 'torch'")
+        return torch_kernels  # plain torch runs on CUDA tensors too (see docs/ALGORITHMS.md 7)
     if backend == "torch" or (backend is None and device.type != "cuda"):
         return torch_kernels
     from . import triton_kernels  # imported on first use: CPU-only users never need triton
@@ -47,6 +51,7 @@ def worker_compress(
     update_error: bool = True,
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """Error-compensated 1-bit compression of ``x`` (worker side).
 
@@ -62,13 +67,20 @@ def worker_compress(
     Example (16 elements, W = 1): ``x = [4, -4, 2, -2, 2, 0, -0., 2, -2, 2, -2, 2, 0, 0, -0., 0]``,
     zero error: scale 2.0, bytes ``[0xAF, 0x5F]``, new error
     ``[2, -2, 0, 0, 0, -2, -2, 0, 0, 0, 0, 0, -2, -2, -2, -2]``.
+
+    ``block``: one scale per ``block`` elements of each chunk (``N % (block * W) == 0``); the
+    message then carries ``C / block`` scales per segment (see :mod:`onebit.kernels.layout`).
+    Same example with ``block=8``: the same bytes, scales ``[sqrt(6), sqrt(2)]`` (one per 8
+    elements), new error ``z - scale_of_its_block * sgn(z)``.
     """
     x = _check_x(x)
     W = check_world_size(world_size)
+    block = check_block(block)
     n = x.numel()
-    check_buffer("worker_error", worker_error, x.device, torch.float32, at_least=n, multiple_of=8 * W)
-    layout = Layout(worker_error.numel(), W)
-    impl = _backend(x.device, backend)
+    check_buffer("worker_error", worker_error, x.device, torch.float32, at_least=n,
+                 multiple_of=pad_unit(W, block))
+    layout = Layout(worker_error.numel(), W, block)
+    impl = _backend(x.device, backend, block)
     msg = _message_out("out", out, layout, W, x.device)
     if layout.N:
         impl.worker_compress(x.view(-1), worker_error, layout, msg, update_error)
@@ -82,24 +94,29 @@ def server_reduce(
     *,
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """Server side for one chunk: ``received`` holds W segments (one per rank, bits and scale).
 
     ``m = sum_r sgn_r * (s_r * (1/W)) + server_error``; ``s = ||m|| / sqrt(C)``; returns one
     segment with the packed ``sgn(m)`` and ``s``; ``server_error <- m - s*sgn(m)``. If any
     received scale or ``m`` is not finite, ``s`` is NaN and ``server_error`` is unchanged.
-    ``server_error``: float32 ``[C]``, ``C % 8 == 0``.
+    ``server_error``: float32 ``[C]``, ``C % 8 == 0`` (``C % block == 0`` with ``block``: then
+    every block of the chunk has its own scale).
     """
     W = check_world_size(world_size)
+    block = check_block(block)
     check_tensor("received", received, (torch.uint8,))
     device = received.device
-    check_buffer("server_error", server_error, device, torch.float32, multiple_of=8, what="a multiple of 8")
-    layout = Layout(server_error.numel() * W, W)
+    unit = 8 if block is None else block
+    check_buffer("server_error", server_error, device, torch.float32, multiple_of=unit,
+                 what=f"a multiple of {unit}")
+    layout = Layout(server_error.numel() * W, W, block)
     size = layout.message_bytes
     check_buffer("received", received, device, torch.uint8, length=size, what=f"{size} bytes")
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
-        _backend(device, backend).server_reduce(received, server_error, layout, seg)
+        _backend(device, backend, block).server_reduce(received, server_error, layout, seg)
     return seg
 
 
@@ -112,6 +129,7 @@ def decompress(
     worker_error: torch.Tensor | None = None,
     worker_message: torch.Tensor | None = None,
     backend: str | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """Write ``s_j * sgn`` from ``gathered`` (W segments) into ``out`` (unpadded, its own dtype).
 
@@ -119,24 +137,27 @@ def decompress(
     With ``worker_error`` and ``worker_message`` (the message :func:`worker_compress` made with
     ``update_error=False`` from ``x`` = the current contents of ``out``), the deferred worker
     error update is applied first, and only when every scale in ``gathered`` is finite, so a
-    non-finite value on any rank leaves every rank's error unchanged. Returns ``out``.
+    non-finite value on any rank leaves every rank's error unchanged. ``block``: as for
+    :func:`worker_compress`. Returns ``out``.
     """
     W = check_world_size(world_size)
+    block = check_block(block)
+    unit = pad_unit(W, block)
     check_tensor("gathered", gathered, (torch.uint8,))
     check_tensor("out", out, contiguous=True, device=gathered.device)
     n = out.numel()
     if worker_error is not None:
-        check_buffer("worker_error", worker_error, out.device, torch.float32, at_least=n, multiple_of=8 * W)
+        check_buffer("worker_error", worker_error, out.device, torch.float32, at_least=n, multiple_of=unit)
         padded = worker_error.numel()
-    N = padded_numel(n, W) if padded is None else check_int("padded", padded, low=n, multiple_of=8 * W)
-    layout = Layout(N, W)
+    N = padded_numel(n, W, block) if padded is None else check_int("padded", padded, low=n, multiple_of=unit)
+    layout = Layout(N, W, block)
     size = layout.message_bytes
     check_buffer("gathered", gathered, out.device, torch.uint8, length=size, what=f"{size} bytes")
     if worker_error is not None:
         check_buffer("worker_message", worker_message, out.device, torch.uint8, length=size,
                      what=f"{size} bytes")
     if N:
-        _backend(out.device, backend).decompress(
+        _backend(out.device, backend, block).decompress(
             gathered, layout, out.view(-1), worker_error, worker_message
         )
     return out

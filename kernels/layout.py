@@ -2,8 +2,10 @@
 
 A message is ``W`` segments of ``segment_bytes`` bytes. Segment ``j`` holds the packed sign
 bits of chunk ``j`` (``C/8`` bytes, element ``8k+i`` of the chunk in bit ``7-i`` of byte ``k``),
-zero padding up to a multiple of 4 bytes, then one float32 scale. Keeping the scale inside the
-segment lets one all-to-all and one all-gather move bits and scales together.
+zero padding up to a multiple of 4 bytes, then the float32 scales: one for the whole chunk
+(``block=None``, the reference's format), or one per ``block`` consecutive elements of the
+chunk (``C / block`` scales; block scales, docs/ALGORITHMS.md section 7). Keeping the scales
+inside the segment lets one all-to-all and one all-gather move bits and scales together.
 """
 
 from __future__ import annotations
@@ -15,29 +17,55 @@ import torch
 from ._checks import check_int
 
 
-def padded_numel(numel: int, world_size: int) -> int:
-    """Smallest ``N >= numel`` with ``N % (8 * world_size) == 0`` (onebit's default padding)."""
+def check_block(block: object) -> int | None:
+    """None (one scale per chunk) or a positive multiple of 8 (elements per scale)."""
+    if block is None:
+        return None
+    return check_int("block", block, low=8, multiple_of=8)
+
+
+def pad_unit(world_size: int, block: int | None = None) -> int:
+    """What N must be a multiple of: ``8 * W``, or ``block * W`` with block scales."""
+    return (8 if block is None else block) * world_size
+
+
+def padded_numel(numel: int, world_size: int, block: int | None = None) -> int:
+    """Smallest ``N >= numel`` with ``N % (8 * world_size) == 0`` (onebit's default padding);
+    with ``block``, ``N % (block * world_size) == 0`` (every chunk holds whole blocks)."""
     check_int("numel", numel, low=0)
     check_int("world_size", world_size, low=1)
-    unit = 8 * world_size
+    unit = pad_unit(world_size, check_block(block))
     return -(-numel // unit) * unit
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes derived from the padded length ``N`` and the world size ``W``."""
+    """Sizes derived from the padded length ``N``, the world size ``W`` and ``block``."""
 
     N: int
     W: int
+    block: int | None = None
 
     def __post_init__(self) -> None:
-        if self.W < 1 or self.N < 0 or self.N % (8 * self.W):
-            raise ValueError(f"N: expected a multiple of 8 * W = {8 * self.W}, got {self.N}")
+        unit = pad_unit(self.W, self.block)
+        if self.W < 1 or self.N < 0 or self.N % unit:
+            what = "8 * W" if self.block is None else "block * W"
+            raise ValueError(f"N: expected a multiple of {what} = {unit}, got {self.N}")
 
     @property
     def C(self) -> int:
         """Chunk length in elements."""
         return self.N // self.W
+
+    @property
+    def blocks(self) -> int:
+        """Scales per chunk (1 without block scales)."""
+        return 1 if self.block is None else self.C // self.block
+
+    @property
+    def block_len(self) -> int:
+        """Elements per scale."""
+        return self.C if self.block is None else self.block
 
     @property
     def chunk_bytes(self) -> int:
@@ -50,7 +78,7 @@ class Layout:
 
     @property
     def segment_bytes(self) -> int:
-        return self.scale_offset + 4
+        return self.scale_offset + 4 * self.blocks
 
     @property
     def message_bytes(self) -> int:
@@ -68,10 +96,18 @@ def empty_message(layout: Layout, segments: int, device: torch.device) -> torch.
 
 def message_bits(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
     """View ``[segments, C/8]`` (uint8) of the packed bits in a message buffer."""
+    if layout.segment_bytes == 0:  # N == 0 with block scales: no bits, no scales
+        return buf.view(0, 0)
     return buf.view(-1, layout.segment_bytes)[:, : layout.chunk_bytes]
 
 
 def message_scales(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """View ``[segments]`` (float32) of the scales in a message buffer."""
+    """View ``[segments]`` (float32) of the scales in a message buffer; with block scales
+    ``[segments, C / block]``."""
+    if layout.segment_bytes == 0:
+        return buf.view(torch.float32).view(0, 0)
     words = buf.view(torch.float32).view(-1, layout.segment_bytes // 4)
-    return words[:, layout.scale_offset // 4]
+    first = layout.scale_offset // 4
+    if layout.block is None:
+        return words[:, first]
+    return words[:, first : first + layout.blocks]

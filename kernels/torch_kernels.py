@@ -95,6 +95,9 @@ def worker_compress(
 
     With ``update_error`` the error becomes ``z - scale*sgn(z)`` unless the scale is not finite.
     """
+    if layout.block is not None:
+        worker_compress_blocks(x, e, layout, out, update_error)
+        return
     bits, C = message_bits(out, layout), layout.C
     acc = torch.zeros((), dtype=torch.float64, device=e.device)
     for j, lo, hi in _blocks(layout):
@@ -123,6 +126,9 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
 
     A non-finite worker scale or sum makes the server scale NaN and leaves ``e`` unchanged.
     """
+    if layout.block is not None:
+        server_reduce_blocks(received, e, layout, out)
+        return
     bits = message_bits(out, layout)[0]
     acc = torch.zeros((), dtype=torch.float64, device=e.device)
     sums = []  # kept for the error update: this rank's chunk only (N/W floats)
@@ -153,6 +159,9 @@ def decompress(
     ``e <- pad(out) + e - s_w*sgn(pad(out) + e)``, only when all W scales in ``gathered`` are
     finite (``s_w`` is the scale in ``worker_message``).
     """
+    if layout.block is not None:
+        decompress_blocks(gathered, layout, out, worker_error, worker_message)
+        return
     scales = message_scales(gathered, layout)
     bits, C, n = message_bits(gathered, layout), layout.C, out.numel()
     update = worker_error is not None and bool(torch.isfinite(scales).all())
@@ -168,3 +177,91 @@ def decompress(
             unpack_signs(src, scales[j], out.dtype, out=out[lo:hi])
         else:  # the last, partly padded block
             out[lo:end] = unpack_signs(src, scales[j], out.dtype)[: end - lo]
+
+
+# -- block scales: one scale per ``layout.block`` elements (docs/ALGORITHMS.md section 7) ------
+def _pieces(layout: Layout) -> Iterator[tuple[int, int, int]]:
+    """Like _blocks, but every piece holds whole scale blocks."""
+    step = max(layout.block, _BLOCK // layout.block * layout.block)
+    for j in range(layout.W):
+        for a in range(0, layout.C, step):
+            yield j, j * layout.C + a, j * layout.C + min(a + step, layout.C)
+
+
+def _block_rms(z: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 RMS of each ``block`` consecutive elements of ``z`` (sums in float64)."""
+    zd = z.to(torch.float64).view(-1, block)
+    return torch.sqrt((zd * zd).sum(1) / block).to(torch.float32)
+
+
+def _spread(scales: torch.Tensor, block: int) -> torch.Tensor:
+    """One scale per element: each of ``scales`` repeated ``block`` times."""
+    return scales.repeat_interleave(block)
+
+
+def worker_compress_blocks(
+    x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor, update_error: bool
+) -> None:
+    """worker_compress with a scale per block: the message's scales are ``[W, C / block]``."""
+    bits, scales, C, B = message_bits(out, layout), message_scales(out, layout), layout.C, layout.block
+    for j, lo, hi in _pieces(layout):
+        z = _z(x, e, lo, hi)
+        a, b = lo - j * C, hi - j * C
+        scales[j, a // B : b // B] = _block_rms(z, B)
+        bits[j, a // 8 : b // 8] = pack_signs(z)
+    # one non-finite block poisons every scale of the message, so that every server (not only
+    # the one serving that block) sees it and leaves its error alone (no host synchronisation)
+    scales.copy_(torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan"))))
+    if update_error and bool(torch.isfinite(scales).all()):
+        for j, lo, hi in _pieces(layout):
+            a, b = lo - j * C, hi - j * C
+            _minus_sgn_scaled(_z(x, e, lo, hi), _spread(scales[j, a // B : b // B], B), e[lo:hi])
+
+
+def server_reduce_blocks(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
+    """server_reduce with a scale per block; any non-finite received scale or sum makes every
+    output scale NaN and leaves ``e`` unchanged."""
+    bits, out_scales, B = message_bits(out, layout)[0], message_scales(out, layout)[0], layout.block
+    rbits, rscales = message_bits(received, layout), message_scales(received, layout)
+    weights = rscales * (1.0 / layout.W)  # [W, blocks]: 1/W multiplied, as the spec
+    step = max(B, _BLOCK // B * B)
+    sums = []
+    for a in range(0, layout.C, step):
+        b = min(a + step, layout.C)
+        m = unpack_signs(rbits[0, a // 8 : b // 8]) * _spread(weights[0, a // B : b // B], B)
+        for r in range(1, layout.W):
+            m += unpack_signs(rbits[r, a // 8 : b // 8]) * _spread(weights[r, a // B : b // B], B)
+        m += e[a:b]
+        out_scales[a // B : b // B] = _block_rms(m, B)
+        bits[a // 8 : b // 8] = pack_signs(m)
+        sums.append((a, b, m))
+    if not bool(torch.isfinite(rscales).all() and torch.isfinite(out_scales).all()):
+        out_scales.fill_(float("nan"))
+        return
+    for a, b, m in sums:
+        _minus_sgn_scaled(m, _spread(out_scales[a // B : b // B], B), e[a:b])
+
+
+def decompress_blocks(
+    gathered: torch.Tensor,
+    layout: Layout,
+    out: torch.Tensor,
+    worker_error: torch.Tensor | None,
+    worker_message: torch.Tensor | None,
+) -> None:
+    """decompress with a scale per block (chunk j's scales from segment j of ``gathered``; the
+    deferred worker error update takes segment j's scales from ``worker_message``)."""
+    scales = message_scales(gathered, layout)
+    bits, C, B, n = message_bits(gathered, layout), layout.C, layout.block, out.numel()
+    update = worker_error is not None and bool(torch.isfinite(scales).all())
+    s_w = message_scales(worker_message, layout) if update else None
+    for j, lo, hi in _pieces(layout):
+        a, b = lo - j * C, hi - j * C
+        if update:
+            _minus_sgn_scaled(_z(out, worker_error, lo, hi), _spread(s_w[j, a // B : b // B], B),
+                              worker_error[lo:hi])
+        if lo >= n:
+            continue
+        values = unpack_signs(bits[j, a // 8 : b // 8]) * _spread(scales[j, a // B : b // B], B)
+        end = min(hi, n)
+        out[lo:end] = values[: end - lo].to(out.dtype)

@@ -23,8 +23,9 @@ from ..collectives._failure import guard
 from ..collectives._group import comm_device, gather_json, group_size
 from ..collectives.bucket import BucketedReducer
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
+from ..kernels.layout import check_block
 from ._freeze import FreezeSchedule
-from ._functional import tiny_variance_mask
+from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
 from ._overlap import BackwardOverlap
 
 
@@ -42,7 +43,10 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
 
 
 NONFINITE_POLICIES = ("skip", "raise", None)
-AUTO_MASK = 0.5  # default ratio: see tiny_variance_mask and README "How it trains"
+COMPRESSIONS = ("preconditioned", "momentum")
+VARIANCE_FLOOR = 0.1  # default: docs/ALGORITHMS.md section 6 and bench/RESULTS.md say why
+UPDATE_CLIP = 1.0  # default with compression="preconditioned" (ALGORITHMS.md section 6)
+MODE_DEFAULT = "default"  # update_clip: UPDATE_CLIP when preconditioned, None with "momentum"
 
 
 def closure_loss(closure) -> Any:
@@ -71,15 +75,25 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     SCALAR_STATE: dict[str, float] = {}  # float64 0-dim tensors per parameter, initial values
     COUNTERS: tuple[str, ...] = ()
     FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
+    UPDATE_CLIP: float | None = UPDATE_CLIP  # update_clip's default with compression="preconditioned"
 
     def __init__(
         self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float,
-        nonfinite: str | None = "skip", auto_mask: float | None = AUTO_MASK,
+        nonfinite: str | None = "skip", auto_mask: float | None = None,
+        compression: str = "preconditioned", variance_floor: float | None = VARIANCE_FLOOR,
+        update_clip: float | str | None = MODE_DEFAULT, block: int | None = None,
     ) -> None:
         self.world_size = group_size(group)  # validates group before anything is built
+        self.block = check_block(block)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         self.auto_mask = check_fraction("auto_mask", auto_mask, optional=True)
+        self.compression = check_choice("compression", compression, COMPRESSIONS)
+        self.variance_floor = check_fraction("variance_floor", variance_floor, optional=True)
+        if isinstance(update_clip, str) and update_clip == MODE_DEFAULT:
+            update_clip = self.UPDATE_CLIP if compression == "preconditioned" else None
+        self.update_clip = check_number("update_clip", update_clip, low_open=True, optional=True)
+        self._floors: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False
@@ -147,12 +161,12 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
 
     def _enable_overlap(self, wanted, fill) -> None:
         """``overlap=True``: launch the compressed buckets from backward (see ``_overlap``).
-        ``fill(p, group, view)`` writes compressed parameter p's contribution into its view."""
+        ``fill(k, p, group, view)`` writes compressed parameter k's contribution into its view."""
         pairs, views = self.compressed_params(), self.reducer().views
 
         def fill_one(k: int) -> None:
             p, g = pairs[k]
-            fill(p, g, views[k])
+            fill(k, p, g, views[k])
 
         self._overlap = BackwardOverlap(self.reducer(), [p for p, _ in pairs], wanted=wanted, fill=fill_one,
                                         backup=lambda: self.nonfinite is not None)
@@ -186,6 +200,10 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "nonfinite": self.nonfinite,
             "auto_mask": self.auto_mask,
+            "compression": self.compression,
+            "variance_floor": self.variance_floor,
+            "update_clip": self.update_clip,
+            "block": self.block,
             "freeze": repr(self.schedule),
         }
 
@@ -296,6 +314,51 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
 
     def _variance_changed(self) -> None:
         self._masks = None
+        self._floors = None
+
+    # -- preconditioned compression: variance floor, stale denominators ---------------------
+    @property
+    def preconditioned(self) -> bool:
+        """Whether the compressed quantity is divided by Adam's denominator first
+        (``compression="preconditioned"``, docs/ALGORITHMS.md section 6)."""
+        return self.compression == "preconditioned"
+
+    def _stale_variance(self) -> bool:
+        """Whether updates now use a variance that is not refreshed every step (after the
+        freeze; 0/1 Adam: from its first variance update on). Floors exist only then."""
+        raise NotImplementedError
+
+    def sqrt_v_floors(self) -> list[torch.Tensor | None]:
+        """Per compressed parameter: the floor under its ``sqrt(v)`` (a 0-dim float32), or
+        None without ``variance_floor``; built from the variance when first needed after it
+        changed (see :func:`~onebit.optimizers._functional.sqrt_v_floors`)."""
+        pairs = self.compressed_params()
+        if self.variance_floor is None:
+            return [None] * len(pairs)
+        if self._floors is None:
+            self._floors = list(sqrt_v_floors([self.state[p][self.VARIANCE_STATE] for p, _ in pairs],
+                                              self.variance_floor))
+        return self._floors
+
+    def _stale_bc2(self, g: dict) -> float:
+        """The variance's bias correction on stale steps (OnebitAdam's frozen one); 1 without."""
+        return 1.0
+
+    def stale_denominator(self, k: int, p: torch.Tensor, g: dict) -> torch.Tensor:
+        """Compressed parameter k (``p`` in group ``g``): ``max(sqrt(v), floor) / sqrt(bc2) + eps``
+        (a new tensor)."""
+        return stale_denominator(self.state[p][self.VARIANCE_STATE], self.sqrt_v_floors()[k], g["eps"],
+                                 self._stale_bc2(g), g.get("eps_inside_sqrt", False))
+
+    def floored_coordinates(self) -> int:
+        """How many coordinates have their ``sqrt(v)`` raised to the floor now (0 before the
+        variance goes stale, or without ``variance_floor``). One host synchronisation."""
+        if self.variance_floor is None or not self._stale_variance():
+            return 0
+        pairs = self.compressed_params()
+        counts = [(self.state[p][self.VARIANCE_STATE].sqrt() < floor).sum()
+                  for (p, _), floor in zip(pairs, self.sqrt_v_floors(), strict=True)]
+        return int(sum(int(c) for c in counts))
 
     # -- freeze schedule (subclasses set self.schedule and count self.updates) ------------
     schedule: FreezeSchedule
@@ -333,6 +396,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         out.pop("freeze_state", None)
         out.update(stage=self.stage, frozen_at=self.frozen_at,
                    skipped_steps=self.skipped_steps, masked_coordinates=self.masked_coordinates,
+                   floored_coordinates=self.floored_coordinates(),
                    coordinates=sum(p.numel() for p, _ in self.compressed_params()))
         return out
 
@@ -351,7 +415,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             device = devices.pop() if devices else torch.device("cpu")
             self._reducer = BucketedReducer(
                 [p.shape for p in params], device, group=self.process_group,
-                bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING,
+                bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
             )
             (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
             for k, p in enumerate(params):
@@ -492,3 +556,17 @@ class WarmupThenCompress(OnebitOptimizerBase):
     def _variance_samples(self) -> int:
         frozen = self.frozen_at
         return self.updates if frozen is None else frozen
+
+    def _stale_variance(self) -> bool:
+        return self.compressing
+
+    def _enter_compression(self) -> None:
+        """Called once, right after the last warm-up update. Preconditioned: the momentum
+        buffers change domain, ``m -> m / denom`` (denom frozen from here on), so that the
+        compressed quantity and its error feedback live in update space (ALGORITHMS.md 6)."""
+        self._variance_changed()
+        if not self.preconditioned:
+            return
+        views = self.reducer().views
+        for k, (p, g) in enumerate(self.compressed_params()):
+            views[k].div_(self.stale_denominator(k, p, g))

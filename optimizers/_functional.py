@@ -11,8 +11,9 @@ import math
 import torch
 
 __all__ = [
-    "MIN_SAMPLES", "adam_update", "direction", "fold_", "lamb_compressed_update", "lamb_warmup_update",
-    "mask_", "moments_", "tiny_variance_mask",
+    "MIN_SAMPLES", "adam_update", "clip_", "direction", "fold_", "fold_preconditioned_",
+    "lamb_compressed_update", "lamb_live_update", "lamb_warmup_update", "mask_", "moments_",
+    "sqrt_v_floors", "stale_denominator", "stale_direction", "tiny_variance_mask",
 ]
 
 # Below this many variance updates only exact zeros are masked: with k samples of a Gaussian
@@ -87,6 +88,80 @@ def direction(
     return update
 
 
+# -- preconditioned compression: floor, denominator, clip (docs/ALGORITHMS.md section 6) ------
+def sqrt_v_floors(variances: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """Per tensor, ``ratio`` times the mean of its nonzero ``sqrt(v)`` (a 0-dim float32 on its
+    device). A tensor whose variance is all zero (it never had a gradient) takes ``ratio``
+    times the mean of the other tensors' means: nothing better is known about it, and a
+    floor of zero would let one such coordinate's ``g / eps`` swamp its chunk's scale. No
+    host synchronisation."""
+    means = []
+    for v in variances:
+        s = v.sqrt()
+        count = torch.count_nonzero(s).clamp_(min=1)
+        means.append((s.sum(dtype=torch.float64) / count).to(torch.float32))
+    if not means:
+        return []
+    stacked = torch.stack([m.to(means[0].device) for m in means])
+    known = (stacked > 0).sum().clamp_(min=1)
+    fallback = stacked.sum() / known
+    return [(ratio * torch.where(m > 0, m, fallback.to(m.device))).to(torch.float32) for m in means]
+
+
+def stale_denominator(
+    v: torch.Tensor, floor: torch.Tensor | None, eps: float, bc2: float = 1.0, eps_inside_sqrt: bool = False,
+) -> torch.Tensor:
+    """Adam's denominator from a frozen (or not refreshed) variance, each ``sqrt(v)`` raised to
+    at least ``floor`` first (None: no floor): ``max(sqrt(v), floor) / sqrt(bc2) + eps``, or
+    ``sqrt(max(v, floor^2) / bc2 + eps)`` with ``eps_inside_sqrt``. A new tensor. Without a
+    floor and bias correction it is bitwise ``v.sqrt() + eps``, the reference's."""
+    if eps_inside_sqrt:
+        w = v.clamp(min=floor * floor) if floor is not None else v.clone()
+        if bc2 != 1.0:
+            w.div_(bc2)
+        return w.add_(eps).sqrt_()
+    d = v.sqrt()
+    if floor is not None:
+        d = torch.maximum(d, floor)
+    if bc2 != 1.0:
+        d.div_(math.sqrt(bc2))
+    return d.add_(eps)
+
+
+def fold_preconditioned_(u: torch.Tensor, grad: torch.Tensor | None, denom: torch.Tensor,
+                         beta1: float) -> torch.Tensor:
+    """The preconditioned momentum ``u = m / denom`` takes a gradient in place:
+    ``u = b1*u + (1-b1) * g / denom`` (``denom`` is frozen, so this is ``fold_`` divided by
+    it); ``grad=None`` counts as zero. Returns ``u``."""
+    u.mul_(beta1)
+    if grad is not None:
+        u.addcdiv_(grad, denom, value=1.0 - beta1)
+    return u
+
+
+def clip_(x: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """Bound every coordinate to ``[-clip, clip]`` in place (None: nothing). Returns ``x``."""
+    if clip is not None:
+        x.clamp_(-clip, clip)
+    return x
+
+
+def stale_direction(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor | None, weight_decay: float,
+                    clip: float | None, bc1: float = 1.0) -> torch.Tensor:
+    """The update direction on a step whose variance is stale: ``clip(m / denom / bc1) + wd*p``
+    (a new tensor). ``denom=None``: ``m`` is already preconditioned. ``clip`` bounds every
+    coordinate to ``[-clip, clip]`` (None: no bound). With ``denom = v.sqrt() + eps``, no
+    clip and ``bc1 = 1`` this is bitwise :func:`direction`."""
+    update = m / denom if denom is not None else m.clone()
+    if bc1 != 1.0:
+        update.div_(bc1)
+    if clip is not None:
+        update.clamp_(-clip, clip)
+    if weight_decay > 0:
+        update.add_(p, alpha=weight_decay)
+    return update
+
+
 # -- Adam -----------------------------------------------------------------------------------
 def adam_update(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, eps: float, weight_decay: float,
@@ -129,18 +204,41 @@ def lamb_warmup_update(
     return c
 
 
+def lamb_live_update(
+    p: torch.Tensor, u: torch.Tensor, *, lr: float, weight_decay: float, min_coeff: float,
+    max_coeff: float, clip: float | None,
+) -> torch.Tensor:
+    """The preconditioned compression stage's LAMB step (docs/ALGORITHMS.md section 6.3): the
+    trust ratio is computed live from the averaged preconditioned momentum ``u`` (identical on
+    every rank): ``upd = clip(u) + wd*p``, ``c = clip(||p|| / ||upd||, min_coeff, max_coeff)``
+    (1 if a norm is 0), ``p -= lr * c * upd``. Returns ``c`` (0-dim float64)."""
+    upd = u.clamp(-clip, clip) if clip is not None else u.clone()
+    if weight_decay > 0:
+        upd.add_(p, alpha=weight_decay)
+    w, n = _norm(p), _norm(upd)
+    c = torch.where((w == 0) | (n == 0), 1.0, (w / n).clamp(min_coeff, max_coeff))
+    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    return c
+
+
 def lamb_compressed_update(
     p: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor, v: torch.Tensor, v_fresh: torch.Tensor,
     coeff_freeze: torch.Tensor, last_factor: torch.Tensor, *, lr: float, betas: tuple[float, float],
     eps: float, weight_decay: float, factor_min: float, factor_max: float, factor_threshold: float,
+    denom: torch.Tensor | None = None, clip: float | None = None,
 ) -> torch.Tensor:
     """The compression-stage step (docs/ALGORITHMS.md 4.1, step 4) after decompression and mask.
-    Returns the coefficient ``coeff_freeze * f`` used (0-dim float64)."""
+    ``denom``: the (floored) frozen denominator (default ``sqrt(v) + eps``, the reference's);
+    ``clip`` bounds every coordinate of ``m / denom`` (section 6). Returns the coefficient
+    ``coeff_freeze * f`` used (0-dim float64)."""
     b1, b2 = betas
     g = (m - b1 * m_last) / (1 - b1)
     v_fresh.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = v.sqrt() + eps
+    if denom is None:
+        denom = v.sqrt() + eps
     upd_pre = m / denom
+    if clip is not None:
+        upd_pre.clamp_(-clip, clip)
     upd = upd_pre + weight_decay * p if weight_decay > 0 else upd_pre
     if p.numel():
         f = (denom / (v_fresh.sqrt() + eps)).max().to(torch.float64)

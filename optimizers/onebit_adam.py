@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..collectives.bucket import allreduce_mean_
-from ._base import AUTO_MASK, WarmupThenCompress, adam_defaults
+from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
-from ._functional import adam_update, fold_, mask_, moments_
+from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
 
 __all__ = ["OnebitAdam"]
 
@@ -56,7 +56,11 @@ class OnebitAdam(WarmupThenCompress):
         bucket_cap_mb: float = 25.0,
         group=None,
         nonfinite: str | None = "skip",
-        auto_mask: float | None = AUTO_MASK,
+        auto_mask: float | None = None,
+        compression: str = "preconditioned",
+        variance_floor: float | None = VARIANCE_FLOOR,
+        update_clip: float | str | None = MODE_DEFAULT,
+        block: int | None = None,
         overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(
@@ -64,13 +68,27 @@ class OnebitAdam(WarmupThenCompress):
             bias_correction=bool(bias_correction), eps_inside_sqrt=bool(eps_inside_sqrt),
         )
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
-                         auto_mask=auto_mask)
+                         auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
+                         update_clip=update_clip, block=block)
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.updates = 0
         if overlap:
-            self._enable_overlap(lambda: self.compressing,
-                                 lambda p, g, view: fold_(view, p.grad, g["betas"][0]))
+            self._enable_overlap(lambda: self.compressing, self._fold_one)
+
+    def _reference_maths(self) -> bool:
+        """compression="momentum" without floor or clip: the reference's update, bitwise."""
+        return not self.preconditioned and self.variance_floor is None and self.update_clip is None
+
+    def _stale_bc2(self, g: dict) -> float:
+        return 1.0 - g["betas"][1] ** self.frozen_at if g["bias_correction"] else 1.0
+
+    def _fold_one(self, k: int, p, g: dict, view) -> None:
+        """Fold p's local gradient into its compressed momentum (preconditioned: into m/denom)."""
+        if self.preconditioned:
+            fold_preconditioned_(view, p.grad, self.stale_denominator(k, p, g), g["betas"][0])
+        else:
+            fold_(view, p.grad, g["betas"][0])
 
     def _take_step(self) -> None:
         reducer = self.reducer()
@@ -81,11 +99,15 @@ class OnebitAdam(WarmupThenCompress):
         if compress:
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
                 for k, (p, g) in enumerate(pairs):
-                    fold_(reducer.views[k], p.grad, g["betas"][0])
+                    self._fold_one(k, p, g, reducer.views[k])
                 reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
                 m = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
-                self._apply(p, g, m, self.state[p]["exp_avg_sq"], t, frozen=True)
+                if self._reference_maths():
+                    self._apply(p, g, m, self.state[p]["exp_avg_sq"], t, frozen=True)
+                else:  # preconditioned: m is already m / denom
+                    denom = None if self.preconditioned else self.stale_denominator(k, p, g)
+                    self._apply_stale(p, g, m, denom, t)
         else:
             for k, p, g, grad in self.averaged_gradients(reducer, pairs):
                 m, v = reducer.views[k], self.state[p]["exp_avg_sq"]
@@ -94,6 +116,17 @@ class OnebitAdam(WarmupThenCompress):
         self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
         if not compress:
             self._observe_variance()
+            if self.compressing:
+                self._enter_compression()
+
+    def _apply_stale(self, p, g: dict, m, denom, t: int) -> None:
+        """Compression-stage update with the floored frozen denominator and the clip:
+        ``p -= lr * (clip(m / denom / bc1) + wd * p)`` (``denom=None``: m is m/denom)."""
+        bc1 = 1.0 - g["betas"][0] ** t if g["bias_correction"] else 1.0
+        update = stale_direction(p, m, denom, 0.0, self.update_clip, bc1)
+        if g["weight_decay"]:
+            p.mul_(1.0 - g["lr"] * g["weight_decay"])
+        p.add_(update, alpha=-g["lr"])
 
     def _step_non_freeze(self, t: int, communicate: bool) -> None:
         for g in self.param_groups:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..kernels._checks import check_int
-from ._base import AUTO_MASK, OnebitOptimizerBase, adam_defaults
+from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
-from ._functional import direction, fold_, mask_, moments_
+from ._functional import direction, fold_, mask_, moments_, stale_direction
 
 __all__ = ["ZeroOneAdam"]
 
@@ -69,12 +69,17 @@ class ZeroOneAdam(OnebitOptimizerBase):
         bucket_cap_mb: float = 25.0,
         group=None,
         nonfinite: str | None = "skip",
-        auto_mask: float | None = AUTO_MASK,
+        auto_mask: float | None = None,
+        compression: str = "preconditioned",
+        variance_floor: float | None = VARIANCE_FLOOR,
+        update_clip: float | str | None = MODE_DEFAULT,
+        block: int | None = None,
         overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
-                         auto_mask=auto_mask)
+                         auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
+                         update_clip=update_clip, block=block)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
         self.schedule = FreezeSchedule("var_freeze_step", var_freeze_step)
@@ -89,7 +94,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.last_sync = 0  # the last update after which the replicas were identical
         self.var_updates = 0  # variance updates so far
         if overlap:
-            self._enable_overlap(self._compresses_gradients, _copy_grad)
+            self._enable_overlap(self._compresses_gradients, self._load_grad)
 
     def _compresses_gradients(self) -> bool:
         """Whether the next step sends the gradient through compressed_allreduce (phase 1)."""
@@ -102,6 +107,19 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     def _variance_samples(self) -> int:
         return self.var_updates
+
+    def _stale_variance(self) -> bool:
+        return self.var_updates > 0
+
+    def _load_grad(self, k: int, p: torch.Tensor, g: dict, view: torch.Tensor) -> None:
+        """Phase 1's compressed steps: the accumulator view carries this rank's gradient (zero
+        where it has none), divided by the stale denominator when preconditioned."""
+        if p.grad is None:
+            view.zero_()
+        elif self.preconditioned:
+            torch.div(p.grad, self.stale_denominator(k, p, g), out=view)
+        else:
+            view.copy_(p.grad)
 
     @property
     def stage(self) -> str:
@@ -139,15 +157,26 @@ class ZeroOneAdam(OnebitOptimizerBase):
         else:  # the accumulator is zero in phase 1: it carries the compressed gradient
             if not self._overlapped:  # overlap=True copied and all-reduced it during backward
                 for k, (p, g) in enumerate(pairs):
-                    _copy_grad(p, g, reducer.views[k])
+                    self._load_grad(k, p, g, reducer.views[k])
                 reducer.compressed_mean_()
             for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
                 grad = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
-                fold_(self.state[p]["exp_avg"], grad, g["betas"][0])
+                m, b1 = self.state[p]["exp_avg"], g["betas"][0]
+                if self.preconditioned:  # m = b1*m + (1-b1) * mean(g / denom) * denom
+                    m.mul_(b1).addcmul_(grad, self.stale_denominator(k, p, g), value=1 - b1)
+                else:
+                    fold_(m, grad, g["betas"][0])
                 grad.zero_()
-        for p, g in pairs:
+        for k, (p, g) in enumerate(pairs):
             m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
-            p.add_(direction(p, m, v, g["eps"], g["weight_decay"]), alpha=-g["lr"])
+            # even on a variance step m holds compressed gradients that v has never seen
+            # (a coordinate first hit between variance steps has v = 0): floor and clip always
+            if self._reference_maths():
+                update = direction(p, m, v, g["eps"], g["weight_decay"])
+            else:
+                update = stale_direction(p, m, self.stale_denominator(k, p, g), g["weight_decay"],
+                                         self.update_clip)
+            p.add_(update, alpha=-g["lr"])
         if var_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -159,37 +188,55 @@ class ZeroOneAdam(OnebitOptimizerBase):
             for p, _ in pairs:
                 self.state[p]["sync_params"].copy_(p)
         masks = self.auto_masks()
-        for (p, g), dead in zip(pairs, masks, strict=True):
+        reference = self._reference_maths()
+        for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state = self.state[p]
             m = mask_(fold_(state["exp_avg"], p.grad, g["betas"][0]), dead, None)
-            p.add_(direction(p, m, state["exp_avg_sq"], g["eps"], g["weight_decay"]), alpha=-g["lr"])
+            if reference:
+                update = direction(p, m, state["exp_avg_sq"], g["eps"], g["weight_decay"])
+            else:
+                update = stale_direction(p, m, self.stale_denominator(k, p, g), g["weight_decay"],
+                                         self.update_clip)
+            p.add_(update, alpha=-g["lr"])
         for i, g in enumerate(self.param_groups):
             self.lrs[i] += g["lr"]
         if t % self.local_step_interval == 0:
-            index = {id(g): i for i, g in enumerate(self.param_groups)}
-            for k, (p, g) in enumerate(pairs):
-                u, state = reducer.views[k], self.state[p]
-                torch.sub(p, state["sync_params"], out=u)  # the local steps' accumulated update
-                u.mul_(state["exp_avg_sq"].sqrt() + g["eps"])
-            reducer.compressed_mean_()
-            for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
-                state, u = self.state[p], mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
-                state["exp_avg"].copy_(u).div_(-self.lrs[index[id(g)]])
-                sync = state["sync_params"]
-                sync.add_(u / (state["exp_avg_sq"].sqrt() + g["eps"]))
-                p.copy_(sync)
-                u.zero_()
-            self.lrs = [0.0] * len(self.param_groups)
-            self.last_sync = t
+            self._sync(reducer, pairs, masks, t)
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
 
+    def _sync(self, reducer, pairs, masks, t: int) -> None:
+        """Phase 2's synchronisation: the replicas average their accumulated updates ``u``
+        (momentum: in momentum space, ``u * denom``; preconditioned: as they are) and set the
+        momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical."""
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        denoms = []
+        for k, (p, g) in enumerate(pairs):
+            u, state = reducer.views[k], self.state[p]
+            torch.sub(p, state["sync_params"], out=u)  # the local steps' accumulated update
+            if self._reference_maths():
+                denoms.append(state["exp_avg_sq"].sqrt() + g["eps"])
+            else:
+                denoms.append(self.stale_denominator(k, p, g))
+            if not self.preconditioned:
+                u.mul_(denoms[k])
+        reducer.compressed_mean_()
+        for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
+            state, u = self.state[p], mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
+            sync = state["sync_params"]
+            if self.preconditioned:
+                torch.mul(u, denoms[k], out=state["exp_avg"]).div_(-self.lrs[index[id(g)]])
+                sync.add_(u)
+            else:
+                state["exp_avg"].copy_(u).div_(-self.lrs[index[id(g)]])
+                sync.add_(u / denoms[k])
+            p.copy_(sync)
+            u.zero_()
+        self.lrs = [0.0] * len(self.param_groups)
+        self.last_sync = t
 
-def _copy_grad(p: torch.Tensor, group: dict, view: torch.Tensor) -> None:
-    """Phase 1: the accumulator view carries this rank's gradient (zero where it has none)."""
-    if p.grad is None:
-        view.zero_()
-    else:
-        view.copy_(p.grad)
+    def _reference_maths(self) -> bool:
+        """compression="momentum" without floor or clip: the reference's update, bitwise."""
+        return not self.preconditioned and self.variance_floor is None and self.update_clip is None

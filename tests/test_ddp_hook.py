@@ -53,6 +53,7 @@ def _body(steps: int, optimizer: str):
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-3))
     state = OnebitHookState(start_iter=2)
+    assert state.block == 64  # the default: block scales (docs/ALGORITHMS.md section 7)
     record: list = []
     _train(model, opt, state, steps, record=record)
     # replay the recorded buckets through compressed_allreduce by hand, errors per bucket index
@@ -60,9 +61,9 @@ def _body(steps: int, optimizer: str):
     replay_equal, buckets = True, set()
     for index, grad, out in record:
         buckets.add(index)
-        N = padded_numel(grad.numel(), W)
+        N = padded_numel(grad.numel(), W, 64)
         we, se = errors.setdefault(index, (torch.zeros(N), torch.zeros(N // W)))
-        mine = compressed_allreduce(grad.clone(), we, se)
+        mine = compressed_allreduce(grad.clone(), we, se, block=64)
         replay_equal &= torch.equal(mine, out)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return flat, replay_equal, len(buckets), state.stats()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import HYPER, SHAPES, body_train, make_grads, make_params, set_grads
+from helpers import HYPER, REFERENCE, SHAPES, body_train, make_grads, make_params, set_grads
 from optim_reference import reference_onebit_adam, relative
 
 from onebit.optimizers import OnebitAdam
@@ -41,7 +41,7 @@ def test_freeze_inf_matches_adamw_two_ranks(ranks):
 @pytest.mark.parametrize("cap", [25.0, 0.0], ids=["one-bucket", "per-param"])
 def test_warmup_and_compression_match_float64_reference(ranks, W, cap):
     freeze, steps = 4, 12
-    kwargs = dict(freeze_step=freeze, **HYPER)
+    kwargs = dict(freeze_step=freeze, **HYPER, **REFERENCE)
     got = ranks(W).run(body_train, (0, steps), kwargs, cap)
     ref = reference_onebit_adam(
         make_params(), [[make_grads(t, r) for r in range(W)] for t in range(steps)],
@@ -60,7 +60,7 @@ def _body_mask(steps, freeze):
     params = make_params()
     mask = (torch.arange(SHAPES[0][0] * SHAPES[0][1]) % 3 != 0).float().view(SHAPES[0])
     groups = [{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}]
-    opt = OnebitAdam(groups, freeze_step=freeze, **HYPER)
+    opt = OnebitAdam(groups, freeze_step=freeze, **HYPER, **REFERENCE)
     for t in range(steps):
         set_grads(params, make_grads(t, r))
         opt.step()
@@ -91,7 +91,7 @@ def test_single_process_freeze_counts_real_updates():
 
 def test_eps_inside_sqrt_and_bias_correction_single_process():
     params = make_params()
-    opt = OnebitAdam(params, freeze_step=3, bias_correction=True, eps_inside_sqrt=True, **HYPER)
+    opt = OnebitAdam(params, freeze_step=3, bias_correction=True, eps_inside_sqrt=True, **HYPER, **REFERENCE)
     grads = []
     for t in range(8):
         grads.append([make_grads(t, 0)])
@@ -108,7 +108,7 @@ def _body_groups_and_missing_grads(steps, missing):
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     params = make_params()
     groups = [{"params": params[:2], "non_freeze": True}, {"params": params[2:]}]
-    opt = OnebitAdam(groups, freeze_step=3, group=pair[r // 2], **HYPER)
+    opt = OnebitAdam(groups, freeze_step=3, group=pair[r // 2], **HYPER, **REFERENCE)
     for t in range(steps):
         set_grads(params, make_grads(t, r))
         for step, rank, i in missing:

@@ -16,7 +16,7 @@ def _body_lamb(steps, freeze, wd, zero_param, auto_mask=None):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LAMB_SHAPES]
     opt = OnebitLamb(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=wd, freeze_step=freeze,
-                     auto_mask=auto_mask)
+                     compression="momentum", variance_floor=None, auto_mask=auto_mask)
     for t in range(steps):
         grads = make_grads(t, r, LAMB_SHAPES)
         if zero_param:
@@ -30,9 +30,9 @@ def _body_lamb(steps, freeze, wd, zero_param, auto_mask=None):
     (0.0, False, 0.1), (0.01, False, 0.1), (0.01, True, None), (0.01, True, 0.1)],
     ids=["no-wd", "wd", "wd-zero-momentum-reference", "wd-zero-momentum-masked"])
 def test_onebit_lamb_matches_float64_reference(ranks, W, wd, zero_param, auto_mask):
-    """Random inputs (no zero variance): the default (auto_mask on) is bitwise the reference's
-    maths. A parameter with zero gradient: auto_mask=None is the reference's m/eps update,
-    the default masks it (its momentum stays zero after decompression)."""
+    """The reference mode (compression="momentum", variance_floor=None). Random inputs (no zero
+    variance): auto_mask on is bitwise the reference's maths. A parameter with zero gradient:
+    auto_mask=None is the reference's m/eps update, the mask keeps its momentum zero."""
 
     freeze, steps = 4, 10
     got = ranks(W).run(_body_lamb, steps, freeze, wd, zero_param, auto_mask)
@@ -68,7 +68,7 @@ def _body_lamb_mask(steps):
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LAMB_SHAPES]
     mask = (torch.arange(35) % 4 != 0).float().view(LAMB_SHAPES[0])
     opt = OnebitLamb([{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}], lr=1e-2,
-                     betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, freeze_step=3)
+                     betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, freeze_step=3, compression="momentum")
     for t in range(steps):
         set_grads(params, make_grads(t, r, LAMB_SHAPES))
         opt.step()

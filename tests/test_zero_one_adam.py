@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import HYPER, SHAPES, ZO, make_grads, make_params, set_grads
+from helpers import HYPER, REFERENCE, SHAPES, ZO, make_grads, make_params, set_grads
 from optim_reference import reference_zero_one_adam, relative
 
 from onebit.optimizers import ZeroOneAdam
@@ -18,7 +18,7 @@ def _body_zero_one(steps, masked, sync_steps=()):
     if masked:
         mask = (torch.arange(35) % 3 != 0).float().view(SHAPES[0])
         groups = [{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}]
-    opt = ZeroOneAdam(groups, **HYPER, **ZO)
+    opt = ZeroOneAdam(groups, **HYPER, **ZO, **REFERENCE)
     at_sync = {}
     for t in range(steps):
         set_grads(params, make_grads(t, r))
