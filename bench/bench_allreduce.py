@@ -47,22 +47,26 @@ def child(args) -> None:
     rank, W = dist.get_rank(), dist.get_world_size()
     rows = []
     rate = LINKS[args.link]
+    block = None if args.block == "none" else int(args.block)
     for k in args.log2:
         n = 1 << k
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         N = padded_numel(n, W)
         we, se = torch.zeros(N), torch.zeros(N // W)
+        Nb = padded_numel(n, W, block)
+        web, seb = torch.zeros(Nb), torch.zeros(Nb // W)
         ops = {
             "onebit": lambda t, we=we, se=se: compressed_allreduce(t, we, se),
+            "onebit_block": lambda t, we=web, se=seb: compressed_allreduce(t, we, se, block=block),
             "allreduce_fp32": lambda t: dist.all_reduce(t),
             "allreduce_bf16": lambda t: dist.all_reduce(t),
         }
-        for op in OPS:
+        for op in OPS + (("onebit_block",) if block else ()):
             dtype = torch.bfloat16 if op.endswith("bf16") else torch.float32
             wire = ring_allreduce_bytes(n, W, 2 if op.endswith("bf16") else 4)
-            if op == "onebit":
+            if op.startswith("onebit"):
                 traffic.reset()
-                compressed_allreduce(x.clone(), torch.zeros(N), torch.zeros(N // W))
+                ops[op](x.clone())
                 wire = traffic.compressed
             # all ranks share one shaped device: W ranks' bytes cross it
             expected = W * wire * 8 / rate if rate else 0.0
@@ -134,6 +138,8 @@ def main() -> None:
     p.add_argument("--links", nargs="+", default=DEFAULT_LINKS, choices=list(LINKS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-seconds", type=float, default=30.0)
+    p.add_argument("--block", default="none", help="also time compressed_allreduce(block=B) (row "
+                   "onebit_block): the hooks' default is 64")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "allreduce.csv"))
     p.add_argument("--plot", default=None, help="PNG path (default: next to the CSV)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -161,6 +167,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                        str(W), os.path.abspath(__file__), "--child", "--link", link, "--out", out,
                        "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
+                       "--block", args.block,
                        "--log2", *map(str, args.log2)]
                 env_cmd = (ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd]
                 t0 = time.perf_counter()
@@ -187,7 +194,7 @@ def write(rows, args, meta) -> None:
     speedups = {}
     order = sorted(index.items(), key=lambda kv: (list(LINKS).index(kv[0][0]), *kv[0][1:]))
     for (link, W, k, op), r in order:
-        if op != "onebit":
+        if not op.startswith("onebit"):
             continue
         f32, b16 = index[(link, W, k, "allreduce_fp32")], index[(link, W, k, "allreduce_bf16")]
 
@@ -200,11 +207,13 @@ def write(rows, args, meta) -> None:
             return None
 
         s32, s16 = ratio(r, f32), ratio(r, b16)
-        speedups[(link, W, k)] = s32
+        if op == "onebit":
+            speedups[(link, W, k)] = s32
         algbw = f"{r['algbw_gbps']:.3f}" if r["status"] == "ok" else "-"
         x32 = "-" if s32 is None else f"{s32:.1f}x"
         x16 = "-" if s16 is None else f"{s16:.1f}x"
-        print(f"| {link} | {W} | 2^{k} | {sec(r)} | {sec(f32)} | {sec(b16)} | {x32} | {x16} | {algbw} | "
+        size = f"2^{k}" + ("" if op == "onebit" else f", block {args.block}")
+        print(f"| {link} | {W} | {size} | {sec(r)} | {sec(f32)} | {sec(b16)} | {x32} | {x16} | {algbw} | "
               f"{r['wire_bytes_per_rank'] / 1e6:.2f} / {f32['wire_bytes_per_rank'] / 1e6:.2f} |")
     plot(speedups, args)
 

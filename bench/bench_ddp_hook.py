@@ -141,6 +141,7 @@ def main() -> None:
     p.add_argument("--task", choices=["lm", "mlp"], default="lm")
     p.add_argument("--block", default="64", help="the hook's block (elements per scale), or 'none'")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--optimizers", nargs="+", choices=["sgd", "adamw"], default=["sgd", "adamw"])
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="default: bench/out/ddp_hook[-mlp]")
     p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
@@ -156,9 +157,10 @@ def main() -> None:
     if args.out is None:
         args.out = os.path.join(HERE, "out", "ddp_hook" + ("" if args.task == "lm" else f"-{args.task}"))
     os.makedirs(args.out, exist_ok=True)
+    pairs = [(o, lr) for o, lr in PAIRS if o in args.optimizers]
     logs = {}
     for seed in args.seeds:
-        for optimizer, lr in PAIRS:
+        for optimizer, lr in pairs:
             for hook in HOOKS:
                 tag = f"-block{args.block}" if hook == "onebit" else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
@@ -169,7 +171,7 @@ def main() -> None:
     print("| optimizer (lr) | seed | plain DDP final val loss | onebit_hook final val loss | ratio | "
           "onebit_hook: last finite step | bytes sent per rank, compressed iterations |")
     print("|---|---|---|---|---|---|---|")
-    for optimizer, lr in PAIRS:
+    for optimizer, lr in pairs:
         for seed in args.seeds:
             base, mine = (_final_val(logs[(seed, optimizer, lr, hook)]) for hook in HOOKS)
             finite = _last_finite_step(logs[(seed, optimizer, lr, "onebit")])
@@ -185,8 +187,8 @@ def main() -> None:
     logs = {k[1:]: v for k, v in logs.items() if k[0] == args.seeds[0]}  # the plot: the first seed
     plt = pyplot()
     if plt is not None:
-        fig, axes = plt.subplots(1, len(PAIRS), figsize=(5 * len(PAIRS), 4))
-        for ax, (optimizer, lr) in zip(axes, PAIRS, strict=True):
+        fig, axes = plt.subplots(1, len(pairs), figsize=(5 * len(pairs), 4), squeeze=False)
+        for ax, (optimizer, lr) in zip(axes[0], pairs, strict=True):
             for hook in HOOKS:
                 rows = [r for r in logs[(optimizer, lr, hook)] if r.get("val_loss") is not None]
                 ax.plot([r["step"] for r in rows], [r["val_loss"] for r in rows], marker="o",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -79,3 +80,13 @@ def gather_json(obj, group, operation: str) -> list:
         all_gather_single(rows, mine.to(device), group)
     rows = rows.view(W, width).cpu()
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(W)]
+
+
+def warn_collective(message: str, category: type[Warning], group, stacklevel: int = 2) -> None:
+    """A warning about a condition every rank of ``group`` sees alike (a step skipped on every
+    rank, masked coordinates, a bucket layout that changed): raised on group rank 0 only, so a
+    run prints it once instead of once per rank. ``stacklevel`` as for warnings.warn, counted
+    from the caller."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank(group) > 0:
+        return
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

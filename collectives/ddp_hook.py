@@ -32,13 +32,13 @@ momentum instead, as their papers do.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from ..kernels._checks import check_group, check_int
 from ..kernels.layout import check_block, padded_numel
+from ._group import warn_collective
 from .allreduce import compressed_allreduce
 from .wire import compressed_bytes, ring_allreduce_bytes
 
@@ -126,10 +126,10 @@ class OnebitHookState:
                 self.resets += 1
                 if not self._warned:
                     self._warned = True
-                    warnings.warn(f"onebit_hook: bucket {index} matches no bucket the state remembers "
-                                  "(the model or DDP's bucketing changed); its error feedback "
-                                  "starts from zero (counted in stats()['resets'])",
-                                  RuntimeWarning, stacklevel=3)
+                    warn_collective(f"onebit_hook: bucket {index} matches no bucket the state remembers "
+                                    "(the model or DDP's bucketing changed); its error feedback "
+                                    "starts from zero (counted in stats()['resets'])",
+                                    RuntimeWarning, self.process_group, stacklevel=3)
             device = buffer.device
             found = (torch.zeros(N, device=device), torch.zeros(N // self.world_size, device=device))
             self.errors[index] = found

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives._failure import guard
-from ..collectives._group import comm_device, gather_json, group_size
+from ..collectives._group import comm_device, gather_json, group_size, warn_collective
 from ..collectives.bucket import BucketedReducer
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ..kernels.layout import check_block
@@ -264,7 +264,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if self.nonfinite == "raise":
             raise FloatingPointError(f"step: {what}; no parameter or state was changed on any rank")
         self.skipped_steps += 1
-        warnings.warn(f"onebit: step skipped on every rank: {what}", RuntimeWarning, stacklevel=5)
+        warn_collective(f"onebit: step skipped on every rank: {what}", RuntimeWarning, self.process_group,
+                        stacklevel=5)
         return False
 
     def _communicate_average(self) -> bool:
@@ -302,13 +303,13 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             if self.masked_coordinates and not self._mask_warned:
                 self._mask_warned = True
                 total = sum(p.numel() for p, _ in pairs)
-                warnings.warn(
+                warn_collective(
                     f"onebit: {type(self).__name__} masks the compressed momentum of "
                     f"{self.masked_coordinates:,} of {total:,} coordinates whose variance is at most "
                     f"{self.auto_mask:g} x their tensor's mean (they had (almost) no gradient: "
                     f"always-zero features, dead units, unused embedding rows); Adam gives them "
                     f"(almost) no update either. opt.stats() counts them; auto_mask=None restores "
-                    f"the reference's behaviour", RuntimeWarning, stacklevel=4,
+                    f"the reference's behaviour", RuntimeWarning, self.process_group, stacklevel=4,
                 )
         return self._masks
 

@@ -81,7 +81,12 @@ class OnebitAdam(WarmupThenCompress):
         return not self.preconditioned and self.variance_floor is None and self.update_clip is None
 
     def _stale_bc2(self, g: dict) -> float:
-        return 1.0 - g["betas"][1] ** self.frozen_at if g["bias_correction"] else 1.0
+        """The frozen variance's bias correction: always when preconditioned (the frozen v must
+        estimate E[g^2], as the baseline's v does by the end of the run; docs/ALGORITHMS.md
+        6.2), only with ``bias_correction`` in momentum mode (the reference's)."""
+        if g["bias_correction"] or self.preconditioned:
+            return 1.0 - g["betas"][1] ** self.frozen_at
+        return 1.0
 
     def _fold_one(self, k: int, p, g: dict, view) -> None:
         """Fold p's local gradient into its compressed momentum (preconditioned: into m/denom)."""

@@ -30,7 +30,8 @@ FREEZE, STEPS = 10, 24
 
 
 def _make(name, params, auto_mask):
-    kw = dict(lr=1e-2, auto_mask=auto_mask)
+    # the mask on top of the reference's maths (momentum compression, no floor)
+    kw = dict(lr=1e-2, auto_mask=auto_mask, compression="momentum", variance_floor=None)
     if name == "adam":
         return OnebitAdam(params, freeze_step=FREEZE, **kw)
     if name == "lamb":

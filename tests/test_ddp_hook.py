@@ -138,10 +138,13 @@ def _body_other_model():
 
 def test_hook_state_on_another_model_restarts_error_with_one_warning(ranks):
     got = ranks(2).run(_body_other_model)
-    for flat, resets, messages in got:
+    for r, (flat, resets, messages) in enumerate(got):
         assert torch.equal(flat, got[0][0]) and torch.isfinite(flat).all()
         assert resets >= 1
-        assert len(messages) == 1 and "matches no bucket the state remembers" in messages[0]
+        if r == 0:  # every rank resets alike; the warning is printed once, on rank 0
+            assert len(messages) == 1 and "matches no bucket the state remembers" in messages[0]
+        else:
+            assert not messages
 
 
 def test_hook_state_arguments():

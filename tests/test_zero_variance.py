@@ -94,7 +94,7 @@ def _train(name: str, kw: dict) -> dict:
         val = F.cross_entropy(model(xv, idsv), yv).item()
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     mask_warnings = [str(w.message) for w in caught if "masks the compressed momentum" in str(w.message)]
-    return {"val": val, "finite": finite, "stats": opt.stats(), "mask_warnings": mask_warnings,
+    return {"val": val, "finite": finite, "stats": opt.stats(), "mask_warnings": mask_warnings, "rank": rank,
             "movement": meter.report()}
 
 
@@ -146,7 +146,7 @@ def test_auto_mask_trains_but_stops_the_masked_coordinates(ranks, baselines, nam
         assert r["finite"] and math.isfinite(r["val"]), r
         assert r["stats"]["skipped_steps"] == 0, r["stats"]
         assert r["stats"]["masked_coordinates"] >= ZERO_VARIANCE, r["stats"]
-        assert len(r["mask_warnings"]) == 1, r["mask_warnings"]
+        assert len(r["mask_warnings"]) == (1 if r["rank"] == 0 else 0), r["mask_warnings"]  # once per run
         assert r["movement"]["stalled"] > base["movement"]["stalled"], (r["movement"], base["movement"])
     assert all(r["val"] == out[0]["val"] for r in out)  # replicas identical
     assert out[0]["val"] < 1.1 * base["val"], (out[0]["val"], base["val"])
