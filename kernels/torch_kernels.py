@@ -242,13 +242,8 @@ def server_reduce_blocks(received: torch.Tensor, e: torch.Tensor, layout: Layout
         _minus_sgn_scaled(m, _spread(out_scales[a // B : b // B], B), e[a:b])
 
 
-def decompress_blocks(
-    gathered: torch.Tensor,
-    layout: Layout,
-    out: torch.Tensor,
-    worker_error: torch.Tensor | None,
-    worker_message: torch.Tensor | None,
-) -> None:
+def decompress_blocks(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
+                      worker_error: torch.Tensor | None, worker_message: torch.Tensor | None) -> None:
     """decompress with a scale per block (chunk j's scales from segment j of ``gathered``; the
     deferred worker error update takes segment j's scales from ``worker_message``)."""
     scales = message_scales(gathered, layout)
