@@ -114,7 +114,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _stale_bc2(self, g: dict) -> float:
         """Preconditioned: the variance holds ``var_updates`` updates, so it estimates
         ``(1 - b2^var_updates) E[g^2]``; divide that out (docs/ALGORITHMS.md 6.4)."""
-        return 1.0 - g["betas"][1] ** self.var_updates if self.preconditioned else 1.0
+        if not self.preconditioned or self.var_updates == 0:  # (no stale step comes before the first)
+            return 1.0
+        return 1.0 - g["betas"][1] ** self.var_updates
 
     def _load_grad(self, k: int, p: torch.Tensor, g: dict, view: torch.Tensor) -> None:
         """Phase 1's compressed steps: the accumulator view carries this rank's gradient (zero
