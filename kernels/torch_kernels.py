@@ -189,14 +189,25 @@ def _pieces(layout: Layout) -> Iterator[tuple[int, int, int]]:
 
 
 def _block_rms(z: torch.Tensor, block: int) -> torch.Tensor:
-    """float32 RMS of each ``block`` consecutive elements of ``z`` (sums in float64)."""
-    zd = z.to(torch.float64).view(-1, block)
-    return torch.sqrt((zd * zd).sum(1) / block).to(torch.float32)
+    """float32 RMS of each ``block`` consecutive elements of ``z`` (``sqrt(sum z^2 / block)``
+    from a float64 norm: one pass, no float64 copy of ``z``)."""
+    norms = torch.linalg.vector_norm(z.view(-1, block), dim=1, dtype=torch.float64)
+    return torch.sqrt(norms.square_().div_(block)).to(torch.float32)
 
 
-def _spread(scales: torch.Tensor, block: int) -> torch.Tensor:
-    """One scale per element: each of ``scales`` repeated ``block`` times."""
-    return scales.repeat_interleave(block)
+def _minus_sgn_scaled_blocks(z: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """_minus_sgn_scaled with one scale per row of ``z.view(len(scales), -1)`` (broadcast)."""
+    zv = z.view(scales.numel(), -1)
+    signed = zv + 0.0  # -0.0 -> +0.0, as _minus_sgn_scaled
+    torch.copysign(scales.view(-1, 1), signed, out=signed)
+    torch.sub(zv, signed, out=out.view_as(zv))
+
+
+def _unpack_blocks(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``scale_b * sgn`` of packed ``bits``, one scale per row of ``len(scales)`` rows."""
+    signs = unpack_signs(bits, out=out)
+    signs.view(scales.numel(), -1).mul_(scales.view(-1, 1))  # products with +-1: exact
+    return signs
 
 
 def worker_compress_blocks(
@@ -211,11 +222,12 @@ def worker_compress_blocks(
         bits[j, a // 8 : b // 8] = pack_signs(z)
     # one non-finite block poisons every scale of the message, so that every server (not only
     # the one serving that block) sees it and leaves its error alone (no host synchronisation)
-    scales.copy_(torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan"))))
-    if update_error and bool(torch.isfinite(scales).all()):
+    finite = torch.isfinite(scales).all()
+    scales.masked_fill_(~finite, float("nan"))  # a 0-d mask: no host synchronisation
+    if update_error and bool(finite):
         for j, lo, hi in _pieces(layout):
             a, b = lo - j * C, hi - j * C
-            _minus_sgn_scaled(_z(x, e, lo, hi), _spread(scales[j, a // B : b // B], B), e[lo:hi])
+            _minus_sgn_scaled_blocks(_z(x, e, lo, hi), scales[j, a // B : b // B], e[lo:hi])
 
 
 def server_reduce_blocks(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
@@ -226,11 +238,14 @@ def server_reduce_blocks(received: torch.Tensor, e: torch.Tensor, layout: Layout
     weights = rscales * (1.0 / layout.W)  # [W, blocks]: 1/W multiplied, as the spec
     step = max(B, _BLOCK // B * B)
     sums = []
+    term = None
     for a in range(0, layout.C, step):
         b = min(a + step, layout.C)
-        m = unpack_signs(rbits[0, a // 8 : b // 8]) * _spread(weights[0, a // B : b // B], B)
-        for r in range(1, layout.W):
-            m += unpack_signs(rbits[r, a // 8 : b // 8]) * _spread(weights[r, a // B : b // B], B)
+        m = _unpack_blocks(rbits[0, a // 8 : b // 8], weights[0, a // B : b // B])
+        if term is None or term.numel() != m.numel():
+            term = torch.empty_like(m)
+        for r in range(1, layout.W):  # rank order, as the spec
+            m += _unpack_blocks(rbits[r, a // 8 : b // 8], weights[r, a // B : b // B], out=term)
         m += e[a:b]
         out_scales[a // B : b // B] = _block_rms(m, B)
         bits[a // 8 : b // 8] = pack_signs(m)
@@ -239,7 +254,7 @@ def server_reduce_blocks(received: torch.Tensor, e: torch.Tensor, layout: Layout
         out_scales.fill_(float("nan"))
         return
     for a, b, m in sums:
-        _minus_sgn_scaled(m, _spread(out_scales[a // B : b // B], B), e[a:b])
+        _minus_sgn_scaled_blocks(m, out_scales[a // B : b // B], e[a:b])
 
 
 def decompress_blocks(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
@@ -253,10 +268,12 @@ def decompress_blocks(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
     for j, lo, hi in _pieces(layout):
         a, b = lo - j * C, hi - j * C
         if update:
-            _minus_sgn_scaled(_z(out, worker_error, lo, hi), _spread(s_w[j, a // B : b // B], B),
-                              worker_error[lo:hi])
+            z = _z(out, worker_error, lo, hi)
+            _minus_sgn_scaled_blocks(z, s_w[j, a // B : b // B], worker_error[lo:hi])
         if lo >= n:
             continue
-        values = unpack_signs(bits[j, a // 8 : b // 8]) * _spread(scales[j, a // B : b // B], B)
-        end = min(hi, n)
-        out[lo:end] = values[: end - lo].to(out.dtype)
+        src, piece_scales = bits[j, a // 8 : b // 8], scales[j, a // B : b // B]
+        if hi <= n and out.dtype == torch.float32:
+            _unpack_blocks(src, piece_scales, out=out[lo:hi])
+        else:
+            out[lo:min(hi, n)] = _unpack_blocks(src, piece_scales)[: min(hi, n) - lo].to(out.dtype)
