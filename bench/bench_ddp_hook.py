@@ -95,12 +95,13 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     model, next_batch, val_loss, logits = (_lm_task if args.task == "lm" else _mlp_task)(args)
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-    state = None
-    if args.hook == "onebit":
-        state = OnebitHookState(start_iter=args.start_iter, block=_block(args.block))
-        ddp.register_comm_hook(state, onebit_hook)
     opt = (torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
+    state = None
+    if args.hook == "onebit":
+        state = OnebitHookState(start_iter=args.start_iter, block=_block(args.block),
+                                optimizer=opt if args.precondition and args.optimizer == "adamw" else None)
+        ddp.register_comm_hook(state, onebit_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
     t0 = time.perf_counter()
@@ -142,6 +143,8 @@ def main() -> None:
     p.add_argument("--block", default="64", help="the hook's block (elements per scale), or 'none'")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--optimizers", nargs="+", choices=["sgd", "adamw"], default=["sgd", "adamw"])
+    p.add_argument("--precondition", action="store_true", help="AdamW: give the hook the optimizer "
+                   "(OnebitHookState(optimizer=...): compress g / d in Adam's preconditioned space)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="default: bench/out/ddp_hook[-mlp]")
     p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
@@ -163,6 +166,7 @@ def main() -> None:
         for optimizer, lr in pairs:
             for hook in HOOKS:
                 tag = f"-block{args.block}" if hook == "onebit" else ""
+                tag += "-pre" if hook == "onebit" and args.precondition and optimizer == "adamw" else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
                 path = os.path.join(args.out, f"{name}.jsonl")
                 logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
@@ -219,7 +223,7 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--hook", hook, "--lr", str(lr), "--log-jsonl", path, "--task", args.task, "--block", args.block,
            "--steps", str(args.steps), "--eval-every", str(args.eval_every),
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
-           "--seed", str(seed)]
+           "--seed", str(seed)] + (["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
         raise RuntimeError(f"{optimizer} {lr:g} {hook} failed:\n{out.stderr[-3000:]}")

@@ -36,8 +36,9 @@ momentum instead, as their papers do.
 import torch
 import torch.distributed as dist
 
-from ..kernels._checks import check_group, check_int
+from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block, padded_numel
+from ..optimizers._functional import sqrt_v_floors, stale_denominator
 from ._group import warn_collective
 from .allreduce import compressed_allreduce
 from .wire import compressed_bytes, ring_allreduce_bytes
@@ -58,11 +59,25 @@ class OnebitHookState:
         block: elements per scale of the compressed all-reduce (``compressed_allreduce``'s
             ``block``); default ``HOOK_BLOCK`` (64: 1.5 bits per element; bench/RESULTS.md
             "DDP hook" measures why), ``None`` for one scale per chunk.
+        optimizer: an Adam-type optimizer stepping this model (its state holds ``exp_avg_sq``
+            and ``step``: torch.optim.Adam, AdamW, ...). Then each bucket is compressed in
+            the optimizer's own preconditioned space, ``u = g / d`` with ``d = max(sqrt(v /
+            (1 - b2^t)), floor) + eps`` from the state before this step (identical on every
+            rank), and the average is multiplied back by ``d`` (docs/ALGORITHMS.md section
+            8): the compression noise then lands on Adam's update evenly instead of being
+            amplified on every low-variance coordinate. Not saved with the state (pass it
+            again); parameters the optimizer has no ``exp_avg_sq`` for use ``d = 1``.
+        variance_floor: with ``optimizer``, ``floor`` is this times the mean nonzero
+            ``sqrt(v / (1 - b2^t))`` of each parameter (as the 1-bit optimizers' floor).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
-                 block: int | None = HOOK_BLOCK) -> None:
+                 block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
+                 variance_floor: float = 0.1) -> None:
         self.process_group = process_group
+        self.optimizer = None if optimizer is None else check_instance(
+            "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+        self.variance_floor = check_number("variance_floor", variance_floor, low=0.0)
         self.world_size = check_group(process_group)
         self.start_iter = check_int("start_iter", start_iter, low=1)
         self.block = check_block(block)
@@ -84,15 +99,19 @@ class OnebitHookState:
                 "bytes_compressed": self.bytes_compressed}
 
     def __getstate__(self) -> dict:
-        state = {k: v for k, v in self.__dict__.items() if k != "process_group" and not k.startswith("_")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("process_group", "optimizer") and not k.startswith("_")}
         state["errors"] = {k: (w.clone(), s.clone()) for k, (w, s) in self.errors.items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
-        local = {k: v for k, v in self.__dict__.items() if k == "process_group" or k.startswith("_")}
+        local = {k: v for k, v in self.__dict__.items()
+                 if k in ("process_group", "optimizer") or k.startswith("_")}
         self.__dict__.update(state)
         self.__dict__.update(local)
         self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("optimizer", None)
+        self.__dict__.setdefault("variance_floor", 0.1)
         self.__dict__.setdefault("_names", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
@@ -135,6 +154,31 @@ class OnebitHookState:
             self.errors[index] = found
             self.layouts[index] = layout
         return found
+
+
+def _denominator(state: OnebitHookState, bucket: dist.GradBucket) -> torch.Tensor | None:
+    """The flat preconditioner ``d`` of the bucket's gradients (bucket order), or None when
+    ``state.optimizer`` is None or holds no ``exp_avg_sq`` for any of the bucket's parameters."""
+    opt = state.optimizer
+    if opt is None:
+        return None
+    groups = {id(p): group for group in opt.param_groups for p in group["params"]}
+    found = []  # (position, v, bc2, eps)
+    grads = bucket.gradients()
+    for i, p in enumerate(bucket.parameters()):
+        entry, group = opt.state.get(p, {}), groups.get(id(p))
+        v = entry.get("exp_avg_sq")
+        if v is not None and group is not None and v.shape == grads[i].shape:
+            steps = float(entry.get("step", 0))
+            found.append((i, v.detach().float(), 1.0 - group["betas"][1] ** steps if steps else 1.0,
+                          group.get("eps", 1e-8)))
+    if not found:
+        return None
+    parts = [torch.ones(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
+    floors = sqrt_v_floors([v for _, v, _, _ in found], state.variance_floor)
+    for (i, v, bc2, eps), floor in zip(found, floors, strict=True):
+        parts[i] = stale_denominator(v, floor, eps, bc2).reshape(-1)
+    return torch.cat(parts)
 
 
 def _allreduce_parts(state: OnebitHookState, bucket: dist.GradBucket, layout, parts: list[int]):
@@ -185,11 +229,19 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.future
         work = dist.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     index = bucket.index()
+    d = _denominator(state, bucket)
+    if d is not None:
+        buffer.div_(d)  # compress u = g / d (every rank has the same d)
+    fut = _compressed(state, bucket, buffer, layout, index)
+    return fut if d is None else fut.then(lambda done: done.value().mul_(d))
+
+
+def _compressed(state: OnebitHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout, index: int):
     if state.layouts.get(index) != layout:
         parts = state._cover(layout)
         if parts is not None:
             return _allreduce_parts(state, bucket, layout, parts)
     worker_error, server_error = state._buffers(index, buffer, layout)
-    state.bytes_compressed += compressed_bytes(worker_error.numel(), W, state.block)
+    state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size, state.block)
     return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True,
                                 block=state.block)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -150,3 +152,89 @@ def test_hook_state_on_another_model_restarts_error_with_one_warning(ranks):
 def test_hook_state_arguments():
     with pytest.raises(ValueError, match=r"^start_iter"):
         OnebitHookState(start_iter=0)
+
+
+def _expected_denominator(opt, params, floor_ratio=0.1):
+    """d of the preconditioned hook, written out from docs/ALGORITHMS.md section 8 (same float
+    operations as the library, so the replay below is bitwise)."""
+    parts = []
+    for p in params:
+        entry, group = opt.state[p], opt.param_groups[0]
+        v = entry["exp_avg_sq"]
+        s = v.sqrt()
+        floor = (0.1 * (s.sum(dtype=torch.float64) / torch.count_nonzero(s).clamp(min=1)).float())
+        assert floor > 0  # every parameter of _dead_model has some gradient
+        bc2 = 1.0 - group["betas"][1] ** float(entry["step"])
+        parts.append((torch.maximum(s, floor) / math.sqrt(bc2) + group["eps"]).reshape(-1))
+    return torch.cat(parts)
+
+
+def _dead_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    return model
+
+
+def _body_preconditioned(steps: int):
+    W = dist.get_world_size()
+    model = _dead_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = OnebitHookState(start_iter=2, optimizer=opt)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    record, errors, replay_equal, dead = [], {}, True, []
+
+    def hook(st, bucket):
+        compressed = st.iter >= st.start_iter
+        grad = bucket.buffer().clone()
+        d = _expected_denominator(opt, bucket.parameters()) if compressed else None
+        fut = onebit_hook(st, bucket)
+        if not compressed:
+            return fut
+
+        def keep(f):
+            record.append((bucket.index(), grad, d, f.value().clone()))
+            offset = 0
+            for p in bucket.parameters():
+                if p is model[0].weight and len(dead) == 0:  # its first compressed step
+                    dead.append(d[offset:offset + p.numel()].view_as(p)[:, :5])
+                offset += p.numel()
+            return f.value()
+
+        return fut.then(keep)
+
+    ddp.register_comm_hook(state, hook)
+    for step in range(steps):
+        x, y = _batch(step, dist.get_rank())
+        x[:, :5] = 0.0  # five always-zero inputs: their weights' v stays exactly 0 (floored)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    for index, grad, d, out in record:
+        N = padded_numel(grad.numel(), W, 64)
+        we, se = errors.setdefault(index, (torch.zeros(N), torch.zeros(N // W)))
+        mine = compressed_allreduce(grad / d, we, se, block=64) * d
+        replay_equal &= torch.equal(mine, out)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # the weights of the always-zero inputs had v = 0 at the first compressed step: all at the floor
+    dead_floored = bool((dead[0] == dead[0][0, 0]).all() and dead[0][0, 0] > 1e3 * opt.param_groups[0]["eps"])
+    return flat, replay_equal, len(record), dead_floored, bool(torch.isfinite(flat).all())
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_preconditioned_hook_compresses_g_over_adams_denominator(ranks, W):
+    # onebit_hook with OnebitHookState(optimizer=AdamW): every compressed bucket is
+    # d * compressed_allreduce(g / d) with d from the optimizer's state before the step, floored
+    # per parameter (always-zero inputs keep v = 0 on their weights: floored, not divided by eps)
+    got = ranks(W).run(_body_preconditioned, 6)
+    for flat, replay_equal, compressed, dead_floored, finite in got:
+        assert torch.equal(flat, got[0][0])
+        assert replay_equal and compressed >= 4
+        assert dead_floored and finite
+
+
+def test_preconditioned_hook_arguments():
+    model = _model()
+    with pytest.raises(TypeError, match=r"^optimizer"):
+        OnebitHookState(optimizer=model)
+    with pytest.raises(ValueError, match=r"^variance_floor"):
+        OnebitHookState(optimizer=torch.optim.AdamW(model.parameters()), variance_floor=-1.0)
