@@ -67,10 +67,14 @@ def _blocks(layout: Layout) -> Iterator[tuple[int, int, int]]:
 
 def _z(x: torch.Tensor, e: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """``pad(x) + e`` on elements ``[lo, hi)``, in float32."""
-    z = e[lo:hi].clone()
     end = min(hi, x.numel())
-    if end > lo:
-        z[: end - lo] += x[lo:end]
+    if end <= lo:
+        return e[lo:hi].clone()
+    if end == hi:
+        return torch.add(x[lo:hi], e[lo:hi])  # one pass; x + e == e + x bitwise
+    z = torch.empty(hi - lo, dtype=torch.float32, device=e.device)
+    torch.add(x[lo:end], e[lo:end], out=z[: end - lo])
+    z[end - lo :] = e[end:hi]
     return z
 
 
