@@ -94,6 +94,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             update_clip = self.UPDATE_CLIP if compression == "preconditioned" else None
         self.update_clip = check_number("update_clip", update_clip, low_open=True, optional=True)
         self._floors: list[torch.Tensor | None] | None = None  # per compressed param; from v
+        self._denominators: dict[int, tuple[tuple, torch.Tensor]] = {}  # k -> (eps, bc2, ...), d
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False
@@ -316,6 +317,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     def _variance_changed(self) -> None:
         self._masks = None
         self._floors = None
+        self._denominators.clear()
 
     # -- preconditioned compression: variance floor, stale denominators ---------------------
     @property
@@ -346,10 +348,15 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         return 1.0
 
     def stale_denominator(self, k: int, p: torch.Tensor, g: dict) -> torch.Tensor:
-        """Compressed parameter k (``p`` in group ``g``): ``max(sqrt(v), floor) / sqrt(bc2) + eps``
-        (a new tensor)."""
-        return stale_denominator(self.state[p][self.VARIANCE_STATE], self.sqrt_v_floors()[k], g["eps"],
-                                 self._stale_bc2(g), g.get("eps_inside_sqrt", False))
+        """Compressed parameter k (``p`` in group ``g``): ``max(sqrt(v), floor) / sqrt(bc2) + eps``.
+        Cached until the variance changes (one model-sized float32 buffer: the stale steps then
+        read it instead of recomputing it); callers must not modify it."""
+        key = (g["eps"], self._stale_bc2(g), g.get("eps_inside_sqrt", False))
+        found = self._denominators.get(k)
+        if found is None or found[0] != key:
+            d = stale_denominator(self.state[p][self.VARIANCE_STATE], self.sqrt_v_floors()[k], *key)
+            found = self._denominators[k] = (key, d)
+        return found[1]
 
     def floored_coordinates(self) -> int:
         """How many coordinates have their ``sqrt(v)`` raised to the floor now (0 before the
