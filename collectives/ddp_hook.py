@@ -23,12 +23,13 @@ buffers, exactly as before the checkpoint; a bucket that matches nothing remembe
 from zero error (counted in ``stats()["resets"]``, with one warning).
 
 Error feedback makes the average of the compressed gradients unbiased over time, not per
-step. Measured on the demo's LM (bench/RESULTS.md "DDP hook"): SGD with momentum at lr 0.03
-ends 3.5% above plain DDP; at lr 0.1 it diverges, because sign compression of sparse gradients
-(an output head over rare classes, embedding rows that never occur) leaves an error larger than
-the gradient, so lower the learning rate of a tuned SGD run. AdamW ends 24% above plain DDP:
-with Adam-type optimizers use the 1-bit optimizers (onebit.optimizers), which compress
-momentum instead, as their papers do.
+step. Block scales (one per ``block = 64`` elements, docs/ALGORITHMS.md section 7) keep sparse
+and heavy-tailed gradients (an output head over rare classes, embedding rows that never occur)
+from growing the error without bound: with one scale per chunk SGD with momentum at lr 0.1
+diverged on the demo's LM. With an Adam-type optimizer pass it as ``optimizer=``: the hook then
+compresses in Adam's preconditioned space (section 8), where the compression noise lands on
+the update evenly instead of being divided by a tiny ``sqrt(v)``. Measured costs behind the
+hook: bench/RESULTS.md "DDP hook".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
