@@ -12,7 +12,8 @@ import torch
 
 __all__ = [
     "MIN_SAMPLES", "adam_update", "clip_", "direction", "fold_", "fold_preconditioned_",
-    "lamb_compressed_update", "lamb_live_update", "lamb_warmup_update", "mask_", "moments_",
+    "TRUST_SKETCH", "count_sketch", "count_sketch_index", "lamb_compressed_update", "lamb_sketched_update",
+    "lamb_warmup_update", "mask_", "moments_",
     "sqrt_v_floors", "stale_denominator", "stale_direction", "tiny_variance_mask",
 ]
 
@@ -204,18 +205,40 @@ def lamb_warmup_update(
     return c
 
 
-def lamb_live_update(
-    p: torch.Tensor, u: torch.Tensor, *, lr: float, weight_decay: float, min_coeff: float,
-    max_coeff: float, clip: float | None,
+TRUST_SKETCH = 256  # count-sketch size per tensor for OnebitLamb's trust ratio (section 6.3)
+
+
+def count_sketch_index(numel: int, size: int, seed: int, device: torch.device) -> torch.Tensor | None:
+    """The hash of a count sketch of ``numel`` elements into ``size`` buckets, as one int32
+    per element: ``h(i) + size * [s_i < 0]`` (bucket and sign), drawn from a generator seeded
+    by ``seed`` (the same on every rank and after a restart). None when ``numel <= size``:
+    such a tensor is not hashed (its sketch is itself)."""
+    if numel <= size:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2 * size, (numel,), generator=g, dtype=torch.int32).to(device)
+
+
+def count_sketch(x: torch.Tensor, index: torch.Tensor | None, size: int) -> torch.Tensor:
+    """``S x`` (float32): ``x`` itself if ``index`` is None, else ``size`` signed bucket sums
+    (``E ||S x||^2 = ||x||^2``)."""
+    flat = x.reshape(-1).to(torch.float32)
+    if index is None:
+        return flat.clone()
+    sums = torch.zeros(2 * size, dtype=torch.float32, device=x.device).index_add_(0, index, flat)
+    return sums[:size] - sums[size:]
+
+
+def lamb_sketched_update(
+    p: torch.Tensor, u: torch.Tensor, norm_estimate: torch.Tensor, *, lr: float, weight_decay: float,
+    min_coeff: float, max_coeff: float,
 ) -> torch.Tensor:
-    """The preconditioned compression stage's LAMB step (docs/ALGORITHMS.md section 6.3): the
-    trust ratio is computed live from the averaged preconditioned momentum ``u`` (identical on
-    every rank): ``upd = clip(u) + wd*p``, ``c = clip(||p|| / ||upd||, min_coeff, max_coeff)``
-    (1 if a norm is 0), ``p -= lr * c * upd``. Returns ``c`` (0-dim float64)."""
-    upd = u.clamp(-clip, clip) if clip is not None else u.clone()
-    if weight_decay > 0:
-        upd.add_(p, alpha=weight_decay)
-    w, n = _norm(p), _norm(upd)
+    """OnebitLamb's compressed-stage step (docs/ALGORITHMS.md section 6.3): ``p -= lr * c * (u +
+    wd*p)`` with ``c = clip(||p|| / norm_estimate, min_coeff, max_coeff)`` (1 if a norm is 0);
+    ``norm_estimate`` is the sketched ``||m* + wd*p||``, not the norm of the noisy ``u``.
+    Returns ``c`` (0-dim float64)."""
+    upd = u.add(p, alpha=weight_decay) if weight_decay > 0 else u
+    w, n = _norm(p), norm_estimate.to(torch.float64)
     c = torch.where((w == 0) | (n == 0), 1.0, (w / n).clamp(min_coeff, max_coeff))
     p.addcmul_(upd, (-lr * c).to(p.dtype))
     return c

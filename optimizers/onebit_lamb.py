@@ -5,16 +5,19 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from ..kernels._checks import check_fraction, check_number, check_order
 from ._base import MODE_DEFAULT, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import (
+    TRUST_SKETCH,
     clip_,
+    count_sketch,
+    count_sketch_index,
     fold_,
-    fold_preconditioned_,
     lamb_compressed_update,
-    lamb_live_update,
+    lamb_sketched_update,
     lamb_warmup_update,
     mask_,
     moments_,
@@ -22,10 +25,11 @@ from ._functional import (
 
 __all__ = ["OnebitLamb"]
 
-# OnebitLamb keeps the reference's momentum compression and the automatic mask by default for
-# now: its preconditioned mode (a live trust ratio, docs/ALGORITHMS.md 6.3) trains without
-# stopping coordinates but ends 40-50% above LAMB on the digits MLPs (bench/RESULTS.md).
-LAMB_AUTO_MASK = 0.5
+# OnebitLamb's variance floor: LAMB normalises each tensor's step, so the coordinates with the
+# largest m / d take its largest share; at 0.1 (the Adams' floor) the frozen-variance stage
+# ends 9% above LAMB on the 64-128-128-10 MLP even with an exact average (ALGORITHMS.md 6.3).
+LAMB_VARIANCE_FLOOR = 0.5
+_SKETCH_SEED = 0x1B17  # the sketch hash of compressed parameter k is drawn with seed _SKETCH_SEED + k
 
 
 def _rms(t: torch.Tensor) -> torch.Tensor:
@@ -44,17 +48,22 @@ class OnebitLamb(WarmupThenCompress):
     output, like the reference); the update uses the frozen variance, the frozen trust
     ratio and a bounded correction factor from the fresh variance.
 
-    Defaults: ``compression="momentum"`` with ``auto_mask=0.5`` (coordinates whose frozen
-    ``sqrt(v)`` is at most half their tensor's mean are masked after the freeze and stop moving;
-    ``stats()`` counts them). ``compression="preconditioned"`` (with ``variance_floor=0.1``)
-    stops nothing: the momentum is compressed as ``m / denom`` and the trust ratio is computed
-    live from the averaged update (docs/ALGORITHMS.md 6.3); on our suite it does not yet train
-    as well as LAMB, which is why it is not the default.
+    Defaults: ``compression="preconditioned"``, ``variance_floor=0.5``, no update clip, no
+    mask (docs/ALGORITHMS.md 6.3): from the freeze on the momentum is compressed as
+    ``u = m / d`` (``d`` the floored frozen denominator) and the trust ratio is
+    ``||p|| / ||m* + wd*p||``, ``m*`` the momentum of the exact averaged gradients, whose norm
+    comes from a count sketch (``TRUST_SKETCH = 256`` floats per tensor, all-reduced in full
+    precision with one more of ``p``'s sketch each step). The reference's maths (frozen
+    ratio, fresh-variance factor, equalised momentum scales) is
+    ``compression="momentum", variance_floor=None, auto_mask=None``; its masked variant adds
+    ``auto_mask=0.5``.
 
-    Optimizer state per parameter: ``exp_avg``, ``exp_avg_sq``, ``exp_avg_sq_fresh``
-    (float32, 12 bytes per element) and three float64 scalars; plus the error buffers
-    (about 4 + 4/W bytes per element) and, from the first compressed step, a float32 copy
-    of the previous momentum (4 bytes per element).
+    Optimizer state per parameter: ``exp_avg`` (``u`` after the freeze), ``exp_avg_sq``
+    (float32, 8 bytes per element), ``lamb_sketch`` (at most 256 floats) and three float64
+    scalars; plus the error buffers (about 4 + 4/W bytes per element) and an int32 sketch
+    hash (4 bytes per element). With ``compression="momentum"`` also ``exp_avg_sq_fresh``
+    and, from the first compressed step, a copy of the previous momentum (8 bytes per
+    element).
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
     """
@@ -83,9 +92,9 @@ class OnebitLamb(WarmupThenCompress):
         factor_threshold: float = 0.1,
         group=None,
         nonfinite: str | None = "skip",
-        auto_mask: float | None = LAMB_AUTO_MASK,
-        compression: str = "momentum",
-        variance_floor: float | None = None,
+        auto_mask: float | None = None,
+        compression: str = "preconditioned",
+        variance_floor: float | None = LAMB_VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
     ) -> None:
@@ -109,6 +118,9 @@ class OnebitLamb(WarmupThenCompress):
         self.updates = 0
         self._coeffs: list[torch.Tensor] = []
         self._m_last: torch.Tensor | None = None
+        self._sketch_index: list[torch.Tensor | None] | None = None
+        if self.preconditioned:  # no fresh variance in this mode
+            self.DENSE_STATE = ("exp_avg_sq",)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The per-parameter coefficients of the last step (a copy; reads them to the host)."""
@@ -141,18 +153,60 @@ class OnebitLamb(WarmupThenCompress):
             coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], **self._lamb_kwargs(g)))
         return coeffs
 
+    # -- preconditioned stage (docs/ALGORITHMS.md 6.3) --------------------------------------
+    def _sketch_indices(self, pairs) -> list[torch.Tensor | None]:
+        if self._sketch_index is None:
+            self._sketch_index = [count_sketch_index(p.numel(), TRUST_SKETCH, _SKETCH_SEED + k, p.device)
+                                  for k, (p, _) in enumerate(pairs)]
+        return self._sketch_index
+
+    def _mean_over_ranks(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1 and flat.numel():
+            dist.all_reduce(flat, group=self.process_group)
+            flat.div_(self.world_size)
+        return flat
+
+    def _enter_compression(self) -> None:
+        super()._enter_compression()
+        if not self.preconditioned:
+            return
+        pairs, views = self.compressed_params(), self.reducer().views
+        index = self._sketch_indices(pairs)
+        # y = S(m / d): the buffers are equal on every rank here; averaging the sketches makes
+        # them bitwise equal even where index_add_ adds in no fixed order (CUDA)
+        flat = self._mean_over_ranks(torch.cat([count_sketch(views[k], index[k], TRUST_SKETCH)
+                                                for k in range(len(pairs))] or [torch.zeros(0)]))
+        offset = 0
+        for p, _ in pairs:
+            size = min(p.numel(), TRUST_SKETCH)
+            self.state[p]["lamb_sketch"] = flat[offset : offset + size].clone()
+            offset += size
+
     def _preconditioned_step(self, reducer, pairs) -> list[torch.Tensor]:
-        """The buffer holds u = m / denom (from the freeze on): fold, one compressed all-reduce
-        for the whole model, then LAMB with a live trust ratio (docs/ALGORITHMS.md 6.3)."""
-        views = reducer.views
+        """Fold ``g / d`` into ``u`` and sketch it; one full-precision all-reduce of the sketches
+        (and of ``p``'s), one compressed all-reduce of ``u``; LAMB's step with the trust ratio
+        from the sketched norm of the exact momentum."""
+        views, index = reducer.views, self._sketch_indices(pairs)
+        sketches = []
         for k, (p, g) in enumerate(pairs):
-            fold_preconditioned_(views[k], p.grad, self.stale_denominator(k, p, g), g["betas"][0])
+            b1, d = g["betas"][0], self.stale_denominator(k, p, g)
+            gd = p.grad / d if p.grad is not None else torch.zeros_like(views[k])
+            views[k].mul_(b1).add_(gd, alpha=1.0 - b1)
+            sketches.append(count_sketch(gd, index[k], TRUST_SKETCH))
+        sketches += [count_sketch(p.detach(), index[k], TRUST_SKETCH) for k, (p, _) in enumerate(pairs)]
+        means = self._mean_over_ranks(torch.cat(sketches)) if sketches else None
         reducer.compressed_mean_()
-        coeffs = []
+        coeffs, offset, half = [], 0, means.numel() // 2 if means is not None else 0
         for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
+            size = min(p.numel(), TRUST_SKETCH)
+            y = self.state[p]["lamb_sketch"]
+            y.mul_(g["betas"][0]).add_(means[offset : offset + size], alpha=1.0 - g["betas"][0])
+            sketch_p = means[half + offset : half + offset + size]
+            estimate = torch.linalg.vector_norm(y + g["weight_decay"] * sketch_p)
+            offset += size
             u = clip_(mask_(views[k], dead, g.get("exp_avg_mask")), self.update_clip)
-            coeffs.append(lamb_live_update(p, u, lr=g["lr"], weight_decay=g["weight_decay"],
-                                           min_coeff=self.min_coeff, max_coeff=self.max_coeff, clip=None))
+            coeffs.append(lamb_sketched_update(p, u, estimate, lr=g["lr"], weight_decay=g["weight_decay"],
+                                               min_coeff=self.min_coeff, max_coeff=self.max_coeff))
         return coeffs
 
     def _compressed_step(self, reducer, pairs, first: bool) -> list[torch.Tensor]:

@@ -10,11 +10,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam, register_ddp_hook
+from onebit.optimizers._functional import TRUST_SKETCH
 
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    # 401 parameters, one tensor above TRUST_SKETCH: OnebitLamb's sketches (337 and 674 floats)
+    # differ in size from every gradient all-reduce, which the counter below relies on
+    return torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1))
 
 
 def _make(name, params):
@@ -34,10 +37,16 @@ def _body(name, use_ddp, steps, accumulate=1):
         forward = DistributedDataParallel(model)
         register_ddp_hook(forward, opt)
     real = dist.all_reduce
-    counter = {"n": 0}
+    counter = {"n": 0, "step": False}
+    # OnebitLamb all-reduces its trust-ratio sketches (S m at the freeze, [S(g/d), S p] on each
+    # compressed step; at most TRUST_SKETCH floats per tensor, docs/ALGORITHMS.md 6.3): not an
+    # average of gradients
+    sketch = sum(min(p.numel(), TRUST_SKETCH) for p in model.parameters()) if name == "lamb" else -1
 
     def counting(tensor, *args, **kwargs):
-        counter["n"] += tensor.numel() > 1  # not the optimizer's one-element non-finite check
+        # not the optimizer's one-element non-finite check, nor OnebitLamb's sketches
+        sketching = counter["step"] and tensor.numel() in (sketch, 2 * sketch)
+        counter["n"] += tensor.numel() > 1 and not sketching
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counting
@@ -54,8 +63,9 @@ def _body(name, use_ddp, steps, accumulate=1):
                     loss = torch.nn.functional.mse_loss(forward(x), x.sum(1, keepdim=True))
                     loss.backward()
             in_backward = counter["n"]
-            counter["n"] = 0
+            counter["n"], counter["step"] = 0, True
             opt.step()
+            counter["step"] = False
             opt.zero_grad()
             counts.append((wants, in_backward, counter["n"]))
     finally:
