@@ -20,13 +20,18 @@ _BACKENDS = (None, "torch", "triton")
 
 def _backend(device: torch.device, backend: str | None, block: int | None = None) -> ModuleType:
     check_choice("backend", backend, _BACKENDS)
-    if block is not None:
-        if backend == "triton":
-            raise ValueError("backend: block scales have no Triton kernels yet; expected None or 'torch'")
-        return torch_kernels  # plain torch runs on CUDA tensors too (see docs/ALGORITHMS.md 7)
     if backend == "torch" or (backend is None and device.type != "cuda"):
         return torch_kernels
-    from . import triton_kernels  # imported on first use: CPU-only users never need triton
+    if block is not None:
+        from . import triton_blocks  # imported on first use: CPU-only users never need triton
+
+        if triton_blocks.supported(block):
+            return triton_blocks
+        if backend == "triton":
+            raise ValueError(f"backend: the Triton kernels take block sizes that are powers of two from 8 "
+                             f"to 4096, got block={block}; expected None or 'torch'")
+        return torch_kernels  # any other multiple of 8: plain torch, on CUDA tensors too
+    from . import triton_kernels
 
     return triton_kernels
 

@@ -42,6 +42,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
+from onebit.kernels import triton_blocks as tb  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
 from onebit.kernels.layout import Layout  # noqa: E402
 
@@ -67,6 +68,28 @@ def launches(N: int = 2**26, W: int = 4):
         for launch in tk.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(f64), T(i32),
                                                 Layout(size, W)):
             yield from _with_paths(align, launch, split=bool(align))
+    yield from block_launches(N, W)
+
+
+def block_launches(N: int, W: int):
+    """The block-scale kernels (onebit.kernels.triton_blocks) at the hooks' default block (64)
+    and at the smallest and largest block they take, n a multiple of the tile and not."""
+    T, f32, u8, i32 = MockTensor, torch.float32, torch.uint8, torch.int32
+    for block in (64, 8, 4096):
+        layout = Layout(N, W, block)
+        for n, align in ((N, ""), (N - 8 * 3, ", n % 4096 != 0")):
+            dtypes = DTYPES.items() if block == 64 else [("fp32", f32)]
+            for dname, d in dtypes:
+                tag = f"block {block}, x {dname}{align}"
+                out, words = T(d), T(f32)
+                made = [*tb.worker_compress_launches(T(d), T(f32), T(u8), T(f32), T(i32), T(i32), n, layout,
+                                                     True),
+                        *tb.decompress_launches(T(u8), T(f32), T(d), T(f32), T(f32), n, layout, True),
+                        *tb.decompress_launches(T(u8), words, out, out, words, n, layout, False)]
+                for launch in made:  # the error-update kernel has one (masked) path only
+                    yield from _with_paths(tag, launch, split=bool(align) and "PATHS" in launch.constexprs)
+        for launch in tb.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(i32), T(i32), layout):
+            yield f"block {block}", launch
 
 
 def _with_paths(tag: str, launch, split: bool):

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from helpers import assert_rel, simulate_allreduce
 
+from onebit.collectives import local_compressed_allreduce
 from onebit.kernels import Layout, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels.reference import reference_allreduce
 
@@ -45,6 +46,28 @@ def test_triton_matches_torch_path_on_cuda(n, W, dtype):
     for a, b in zip(m_a, m_b, strict=True):
         assert torch.equal(message_bits(a, layout), message_bits(b, layout))
         torch.testing.assert_close(message_scales(a, layout), message_scales(b, layout))
+    for a, b in zip(o_a + we_a + se_a, o_b + we_b + se_b, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("W", [1, 4, 5])
+@pytest.mark.parametrize("block", [8, 64, 4096])
+@pytest.mark.parametrize("n", [1000, (1 << 20) + 3, 1 << 24])
+def test_triton_blocks_match_torch_path_on_cuda(n, block, W, dtype):
+    N = padded_numel(n, W, block)
+    layout = Layout(N, W, block)
+    runs = {}
+    for backend in ("triton", "torch"):
+        xs, we, se = _inputs(W, n, N, dtype, 1, "cuda")
+        msgs = [worker_compress(x, e.clone(), W, backend=backend, block=block)
+                for x, e in zip(xs, we, strict=True)]
+        outs = local_compressed_allreduce([x.clone() for x in xs], we, se, backend=backend, block=block)
+        runs[backend] = (msgs, outs, we, se)
+    (m_a, o_a, we_a, se_a), (m_b, o_b, we_b, se_b) = runs["triton"], runs["torch"]
+    for a, b in zip(m_a, m_b, strict=True):
+        assert torch.equal(message_bits(a, layout), message_bits(b, layout))
+        torch.testing.assert_close(message_scales(a, layout), message_scales(b, layout), rtol=2e-7, atol=0)
     for a, b in zip(o_a + we_a + se_a, o_b + we_b + se_b, strict=True):
         torch.testing.assert_close(a, b)
 
