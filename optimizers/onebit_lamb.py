@@ -7,6 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..collectives._failure import guard
 from ..kernels._checks import check_fraction, check_number, check_order
 from ._base import MODE_DEFAULT, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
@@ -162,7 +163,8 @@ class OnebitLamb(WarmupThenCompress):
 
     def _mean_over_ranks(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1 and flat.numel():
-            dist.all_reduce(flat, group=self.process_group)
+            with guard("OnebitLamb trust-ratio sketch all_reduce", self.process_group):
+                dist.all_reduce(flat, group=self.process_group)
             flat.div_(self.world_size)
         return flat
 

@@ -84,37 +84,42 @@ def test_hook_matches_compressed_allreduce_by_hand_and_ranks_agree(ranks, W):
     assert torch.isfinite(flat0).all()
 
 
-def _body_resume(steps: int, cut: int, path: str):
+def _body_resume(steps: int, cut: int, path: str, adam: bool = False):
     r = dist.get_rank()
+
+    def make(model):  # with adam, the hook compresses in AdamW's preconditioned space
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if adam
+               else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        return opt, OnebitHookState(start_iter=2, optimizer=opt if adam else None)
+
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    state = OnebitHookState(start_iter=2)
+    opt, state = make(model)
     _train(model, opt, state, steps)
     straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    state = OnebitHookState(start_iter=2)
+    opt, state = make(model)
     _train(model, opt, state, cut)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.__getstate__()},
                f"{path}.{r}")
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt, _ = make(model)
     saved = torch.load(f"{path}.{r}", weights_only=True)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
-    state = OnebitHookState(start_iter=7)  # overwritten by the saved state
+    state = OnebitHookState(start_iter=7, optimizer=opt if adam else None)  # overwritten by the saved state
     state.__setstate__(saved["hook"])
     _train(model, opt, state, steps - cut, start=cut)
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return torch.equal(straight, resumed), state.iter, state.stats()["resets"]
 
 
-@pytest.mark.parametrize("W", [2, 3])
-def test_hook_state_resumes_exactly(ranks, tmp_path, W):
+@pytest.mark.parametrize("W,adam", [(2, False), (3, False), (2, True)], ids=["sgd-2", "sgd-3", "adamw-2"])
+def test_hook_state_resumes_exactly(ranks, tmp_path, W, adam):
     # the resumed DDP's first iteration has one bucket where the saved state has several: the hook
-    # compresses it as the saved buckets (a reset or a merged compression would not be bitwise)
-    assert ranks(W).run(_body_resume, 7, 4, str(tmp_path / "ckpt")) == [(True, 7, 0)] * W
+    # compresses it as the saved buckets (a reset or a merged compression would not be bitwise);
+    # with optimizer=, d comes from the restored optimizer state
+    assert ranks(W).run(_body_resume, 7, 4, str(tmp_path / "ckpt"), adam) == [(True, 7, 0)] * W
 
 
 def _body_other_model():
