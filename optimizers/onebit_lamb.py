@@ -41,13 +41,14 @@ class OnebitLamb(WarmupThenCompress):
     """1-bit LAMB: LAMB for ``freeze_step`` updates, then one compressed flat momentum buffer.
 
     Warm-up: gradients averaged over ``group`` in full precision; LAMB without bias
-    correction, whose layer-wise trust ratio is tracked as an EMA (``coeff_freeze``). At the
-    last warm-up update a fresh copy of the variance starts. Compression stage: the local
-    momentum of every parameter, scaled to a common RMS (coefficients fixed at the first
-    compressed update; 1 for a parameter whose momentum is all zero), goes through ONE
-    ``compressed_allreduce`` for the whole model (its padded tail keeps the previous
-    output, like the reference); the update uses the frozen variance, the frozen trust
-    ratio and a bounded correction factor from the fresh variance.
+    correction, whose layer-wise trust ratio is tracked as an EMA (``coeff_freeze``).
+    Compression stage: every rank's local momentum goes through ONE ``compressed_allreduce``
+    for the whole model (its padded tail keeps the previous output, like the reference).
+    With ``compression="momentum"`` (the reference): at the last warm-up update a fresh copy
+    of the variance starts, the momenta are scaled to a common RMS (coefficients fixed at the
+    first compressed update; 1 for a parameter whose momentum is all zero), and the update
+    uses the frozen variance, the frozen trust ratio and a bounded correction factor from the
+    fresh variance.
 
     Defaults: ``compression="preconditioned"``, ``variance_floor=0.5``, no update clip, no
     mask (docs/ALGORITHMS.md 6.3): from the freeze on the momentum is compressed as
@@ -74,7 +75,7 @@ class OnebitLamb(WarmupThenCompress):
     SCALAR_STATE = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}
     COUNTERS = ("updates", "freeze_state")
     FLAT_PADDING = True
-    UPDATE_CLIP = None  # the live trust ratio bounds the step (ALGORITHMS.md section 6.3)
+    UPDATE_CLIP = None  # the trust ratio bounds the step; a clip would break the linear step (6.3)
 
     def __init__(
         self,
