@@ -1,6 +1,7 @@
 """OnebitLamb's compressed stage, variant by variant, in one process (docs/ALGORITHMS.md 6.3).
 
-W ranks simulated on bench/train_task.py's 64-128-128-10 MLP on digits (each rank its own
+W ranks simulated on bench/train_task.py's 64-128-128-10 MLP on digits (``--task digits``: the
+suite's 64-256-256-10 MLP with dropout) (each rank its own
 batch of 32, the same generators as the suite), LAMB in full precision until the freeze, then
 the preconditioned momentum ``u = m / d`` (``d`` the floored frozen denominator) with:
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from train_task import digits_data, evaluate, mlp_model  # noqa: E402
+from train_task import digits_data, digits_model, evaluate, mlp_model  # noqa: E402
 
 from onebit.collectives.local import local_compressed_allreduce  # noqa: E402
 from onebit.kernels.layout import padded_numel  # noqa: E402
@@ -86,7 +87,7 @@ def _compressed_update(params, u_local, mstar, state, grads, variant, args, step
 def run(variant: str, seed: int, args) -> float:
     (xt, yt), valid = digits_data()
     torch.manual_seed(seed)
-    model = mlp_model()
+    model = mlp_model() if args.task == "mlp" else digits_model()
     params = list(model.parameters())
     W, (b1, b2), eps, wd = args.ranks, args.betas, 1e-8, args.weight_decay
     gens = [torch.Generator().manual_seed(1000 * seed + r + 1) for r in range(W)]
@@ -133,6 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=["lamb", "exact-live", "comp-live", "comp-frozen",
                                                      "comp-mstar", "comp-sketch"])
+    p.add_argument("--task", choices=["mlp", "digits"], default="mlp",
+                   help="digits: the suite's 64-256-256-10 MLP with dropout (run it with --lr 5e-3)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--freeze", type=int, default=120)
     p.add_argument("--steps", type=int, default=600)
