@@ -19,7 +19,17 @@ import triton
 import triton.language as tl
 
 from .layout import Layout
-from .triton_kernels import _INF, _NAN, BOTH_PATHS, Launch, _pack_byte, _settings, ticket
+from .triton_kernels import (
+    _INF,
+    _NAN,
+    BOTH_PATHS,
+    Launch,
+    _segments_finite,
+    _settings,
+    _store_decompressed,
+    _store_packed,
+    ticket,
+)
 
 _FULL_PATH, _MASKED_PATH = tl.constexpr(1), tl.constexpr(2)
 
@@ -94,11 +104,7 @@ def _worker_tile(
     bad = tl.sum(tl.where(ok & ~(tl.abs(s) < _INF), 1, 0), axis=0)
     if bad > 0:
         tl.atomic_or(flag_ptr, 1)
-    dst = (g // chunk_bytes) * seg_bytes + g % chunk_bytes
-    if FULL:
-        tl.store(msg_ptr + dst, _pack_byte(z, i))
-    else:
-        tl.store(msg_ptr + dst, _pack_byte(z, i), mask=g < total_bytes)
+    _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, FULL)
 
 
 @triton.jit
@@ -324,10 +330,7 @@ def _server_tile(
         tl.store(out_words_ptr + scale_word + row, s, mask=ok)
         if tl.sum(tl.where(ok & ~(tl.abs(s) < _INF), 1, 0), axis=0) > 0:
             tl.atomic_or(flag_ptr, 1)
-        if FULL:
-            tl.store(out_ptr + g, _pack_byte(m, i))
-        else:
-            tl.store(out_ptr + g, _pack_byte(m, i), mask=live)
+        _store_packed(out_ptr, m, i, g, chunk_bytes, chunk_bytes, seg_bytes, FULL)  # one segment
 
 
 @triton.jit
@@ -470,24 +473,13 @@ def _decompress_tile(
     bit = (byte[:, None] >> (7 - i)[None, :]) & 1
     val = tl.where(bit == 1, s[:, None], -s[:, None]).to(out_ptr.dtype.element_ty)
     in_x = live[:, None] & (idx < n)
-    if HAS_ERROR:  # out still holds x
+    if HAS_ERROR:  # the worker scale of each byte's block
         sw = tl.load(
             w_words_ptr + j * seg_words + scale_word + (g % chunk_bytes) * 8 // B, mask=live, other=0.0
         )[:, None]
-        if FULL:
-            z = tl.load(out_ptr + idx).to(tl.float32) + tl.load(e_ptr + idx)
-        else:
-            z = tl.load(out_ptr + idx, mask=in_x, other=0.0).to(tl.float32)
-            z += tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
-        if ok:
-            if FULL:
-                tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw))
-            else:
-                tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw), mask=live[:, None])
-    if FULL:
-        tl.store(out_ptr + idx, val)
     else:
-        tl.store(out_ptr + idx, val, mask=in_x)
+        sw = 0.0
+    _store_decompressed(out_ptr, e_ptr, idx, live, in_x, val, sw, ok, HAS_ERROR, FULL)
 
 
 @triton.jit
@@ -515,13 +507,7 @@ def _decompress_blocks_kernel(
     pid = tl.program_id(0).to(tl.int64)
     ok = True
     if HAS_ERROR:
-        offs = tl.arange(0, GATE_BLOCK)
-        bad = tl.zeros([GATE_BLOCK], dtype=tl.int32)
-        for start in range(0, W, GATE_BLOCK):
-            o = (start + offs).to(tl.int64)
-            sg = tl.load(g_words_ptr + o * seg_words + scale_word, mask=o < W, other=0.0)
-            bad += tl.where(tl.abs(sg) < _INF, 0, 1)
-        ok = tl.sum(bad, axis=0) == 0
+        ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
     if PATHS == _FULL_PATH:
         _decompress_tile(
             g_ptr,

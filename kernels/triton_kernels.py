@@ -48,6 +48,16 @@ def _pack_byte(z, i):
 
 
 @triton.jit
+def _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, FULL: tl.constexpr):
+    # the packed signs of the byte rows g of z into their chunks' segments of the message
+    dst = (g // chunk_bytes) * seg_bytes + g % chunk_bytes
+    if FULL:
+        tl.store(msg_ptr + dst, _pack_byte(z, i))
+    else:
+        tl.store(msg_ptr + dst, _pack_byte(z, i), mask=g < total_bytes)
+
+
+@triton.jit
 def _finish_scale(
     partial_ptr, ticket_ptr, num_partials, length, words_ptr, num_slots, seg_words, scale_word,
     gate_ptr, gate_count, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr,
@@ -97,11 +107,7 @@ def _worker_block(
     z = x + e
     zd = z.to(tl.float64)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
-    dst = (g // chunk_bytes) * seg_bytes + g % chunk_bytes
-    if FULL:
-        tl.store(msg_ptr + dst, _pack_byte(z, i))
-    else:
-        tl.store(msg_ptr + dst, _pack_byte(z, i), mask=g < total_bytes)
+    _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, FULL)
 
 
 @triton.jit
@@ -193,10 +199,7 @@ def _server_block(
         else:
             md = tl.where(live[:, None], m, 0.0).to(tl.float64)  # dead rows summed -s_r above
         tl.store(partial_ptr + pid, tl.sum(tl.sum(md * md, axis=1), axis=0))
-        if FULL:
-            tl.store(out_ptr + g, _pack_byte(m, i))
-        else:
-            tl.store(out_ptr + g, _pack_byte(m, i), mask=live)
+        _store_packed(out_ptr, m, i, g, chunk_bytes, chunk_bytes, seg_bytes, FULL)  # one segment
 
 
 @triton.jit
@@ -245,8 +248,31 @@ def _decompress_block(
     bit = (byte[:, None] >> (7 - i)[None, :]) & 1
     val = tl.where(bit == 1, s[:, None], -s[:, None]).to(out_ptr.dtype.element_ty)
     in_x = live[:, None] & (idx < n)
-    if HAS_ERROR:  # out still holds x
+    if HAS_ERROR:
         sw = tl.load(w_words_ptr + scale_word)
+    else:
+        sw = 0.0
+    _store_decompressed(out_ptr, e_ptr, idx, live, in_x, val, sw, ok, HAS_ERROR, FULL)
+
+
+@triton.jit
+def _segments_finite(words_ptr, W, seg_words, scale_word, GATE_BLOCK: tl.constexpr):
+    # whether the (first) scale of each of the W segments is finite
+    offs = tl.arange(0, GATE_BLOCK)
+    bad = tl.zeros([GATE_BLOCK], dtype=tl.int32)
+    for start in range(0, W, GATE_BLOCK):
+        o = (start + offs).to(tl.int64)
+        sg = tl.load(words_ptr + o * seg_words + scale_word, mask=o < W, other=0.0)
+        bad += tl.where(tl.abs(sg) < _INF, 0, 1)
+    return tl.sum(bad, axis=0) == 0
+
+
+@triton.jit
+def _store_decompressed(out_ptr, e_ptr, idx, live, in_x, val, sw, ok, HAS_ERROR: tl.constexpr,
+                        FULL: tl.constexpr):
+    # with HAS_ERROR, first the deferred worker error update (out still holds x; sw: the
+    # worker scale, one or one per byte row), if ok; then out <- val
+    if HAS_ERROR:
         if FULL:
             z = tl.load(out_ptr + idx).to(tl.float32) + tl.load(e_ptr + idx)
         else:
@@ -274,13 +300,7 @@ def _decompress_kernel(
     pid = tl.program_id(0).to(tl.int64)
     ok = True
     if HAS_ERROR:
-        offs = tl.arange(0, GATE_BLOCK)
-        bad = tl.zeros([GATE_BLOCK], dtype=tl.int32)
-        for start in range(0, W, GATE_BLOCK):
-            o = (start + offs).to(tl.int64)
-            sg = tl.load(g_words_ptr + o * seg_words + scale_word, mask=o < W, other=0.0)
-            bad += tl.where(tl.abs(sg) < _INF, 0, 1)
-        ok = tl.sum(bad, axis=0) == 0
+        ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
     if PATHS == _FULL_PATH:
         _decompress_block(g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, pid, ok, n, total_bytes,
                           chunk_bytes, seg_bytes, seg_words, scale_word, HAS_ERROR, True, BLOCK_BYTES)

@@ -4,6 +4,7 @@ parameters, gradients and rank bodies of the optimizer tests."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import torch
@@ -127,3 +128,36 @@ def body_resume(k, end, kwargs, states, name="adam"):
         set_grads(params, make_grads(t, r))
         opt.step()
     return [p.detach().clone() for p in params]
+
+
+def assert_block_reference(got, worker_errors, server_errors, want, block: int) -> None:
+    """Block-scale outputs and errors of W ranks (``got``: outputs; errors updated in place)
+    against ``reference_allreduce(..., block=block)``: outputs to 1e-6 and equal on every rank,
+    errors to 1e-6 of what each rank compressed (``||z||``: errors cancel, e = z - s*sgn(z))."""
+    W = len(got)
+    for r in range(W):
+        assert_rel(got[r], want.output, 1e-6, f"output of rank {r}")
+        assert torch.equal(got[r], got[0])
+        compressed = float(torch.linalg.vector_norm(want.worker_scales[r].double()) * math.sqrt(block))
+        assert_rel(worker_errors[r], want.worker_errors[r], 1e-6, "worker_error", norm=compressed)
+        if W > 1:
+            served = float(torch.linalg.vector_norm(want.server_scales[r].double()) * math.sqrt(block))
+            assert_rel(server_errors[r], want.server_errors[r], 1e-6, "server_error", norm=served)
+
+
+def block_inputs(W: int, n: int, N: int, seed: int, kind: str):
+    """W inputs of n elements ("gauss"; "sparse": mostly exact zeros and a few large values, the
+    case block scales are for; "heavy": Student-t, 1.5 degrees of freedom) and small random
+    worker [N] and server [N / W] errors."""
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for _ in range(W):
+        x = torch.randn(n, generator=g)
+        if kind == "sparse":
+            x *= (torch.rand(n, generator=g) < 0.05) * 30.0
+        elif kind == "heavy":
+            x = torch.distributions.StudentT(1.5).sample((n,)).float()
+        xs.append(x)
+    we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
+    se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
+    return xs, we, se

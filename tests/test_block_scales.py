@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_rel
+from helpers import assert_block_reference, block_inputs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,21 +34,6 @@ def test_block_example():
     torch.testing.assert_close(e, x - s * sgn, rtol=0, atol=1e-6)
 
 
-def _inputs(W: int, n: int, N: int, seed: int, kind: str):
-    g = torch.Generator().manual_seed(seed)
-    xs = []
-    for _ in range(W):
-        x = torch.randn(n, generator=g)
-        if kind == "sparse":  # mostly exact zeros, a few large values: the case blocks are for
-            x *= (torch.rand(n, generator=g) < 0.05) * 30.0
-        elif kind == "heavy":
-            x = torch.distributions.StudentT(1.5).sample((n,)).float()
-        xs.append(x)
-    we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
-    se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
-    return xs, we, se
-
-
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("block", [8, 24, 64])
 @pytest.mark.parametrize("n,kind", [(1, "gauss"), (7, "gauss"), (9, "sparse"), (1000, "gauss"),
@@ -56,19 +41,11 @@ def _inputs(W: int, n: int, N: int, seed: int, kind: str):
 def test_local_matches_float64_reference(W, block, n, kind):
     N = padded_numel(n, W, block)
     assert N % (block * W) == 0 and N >= n
-    xs, we, se = _inputs(W, n, N, seed=W * 100 + block + n, kind=kind)
+    xs, we, se = block_inputs(W, n, N, seed=W * 100 + block + n, kind=kind)
     want = reference_allreduce(xs, we, se, compress_single_rank=True, block=block)
     we32, se32 = [e.clone() for e in we], [e.clone() for e in se]
     got = local_compressed_allreduce([x.clone() for x in xs], we32, se32, block=block)
-    for r in range(W):
-        assert_rel(got[r], want.output, 1e-6, f"output of rank {r}")
-        assert torch.equal(got[r], got[0])
-        # errors cancel (e = z - s*sgn(z)): measured against what was compressed, ||z||
-        compressed = float(torch.linalg.vector_norm(want.worker_scales[r].double()) * math.sqrt(block))
-        assert_rel(we32[r], want.worker_errors[r], 1e-6, "worker_error", norm=compressed)
-        if W > 1:
-            served = float(torch.linalg.vector_norm(want.server_scales[r].double()) * math.sqrt(block))
-            assert_rel(se32[r], want.server_errors[r], 1e-6, "server_error", norm=served)
+    assert_block_reference(got, we32, se32, want, block)
 
 
 @given(st.integers(1, 5), st.sampled_from([8, 16, 40]), st.integers(0, 600), st.integers(0, 2**31 - 1))

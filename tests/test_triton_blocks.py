@@ -5,11 +5,9 @@ block sizes they take. On a GPU the same tests run on CUDA tensors (tests/test_c
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from helpers import assert_rel
+from helpers import assert_block_reference, block_inputs
 
 from onebit.collectives import local_compressed_allreduce
 from onebit.kernels import (
@@ -24,39 +22,17 @@ from onebit.kernels import (
 from onebit.kernels.reference import reference_allreduce
 
 
-def _inputs(W: int, n: int, N: int, seed: int, kind: str):
-    g = torch.Generator().manual_seed(seed)
-    xs = []
-    for _ in range(W):
-        x = torch.randn(n, generator=g)
-        if kind == "sparse":  # mostly exact zeros, a few large values
-            x *= (torch.rand(n, generator=g) < 0.05) * 30.0
-        elif kind == "heavy":
-            x = torch.distributions.StudentT(1.5).sample((n,)).float()
-        xs.append(x)
-    we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
-    se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
-    return xs, we, se
-
-
 # n = 9000 at W = 2: full tiles of 4096 elements and a masked last one; 13 and 1237: masked only
 @pytest.mark.parametrize("W", [1, 2, 3, 5])
 @pytest.mark.parametrize("block", [8, 64, 4096])
 @pytest.mark.parametrize("n,kind", [(13, "gauss"), (1237, "sparse"), (9000, "heavy")])
 def test_triton_blocks_match_float64_reference(W, block, n, kind):
     N = padded_numel(n, W, block)
-    xs, we, se = _inputs(W, n, N, seed=W * 100 + block + n, kind=kind)
+    xs, we, se = block_inputs(W, n, N, seed=W * 100 + block + n, kind=kind)
     want = reference_allreduce(xs, we, se, compress_single_rank=True, block=block)
     we32, se32 = [e.clone() for e in we], [e.clone() for e in se]
     got = local_compressed_allreduce([x.clone() for x in xs], we32, se32, block=block, backend="triton")
-    for r in range(W):
-        assert_rel(got[r], want.output, 1e-6, f"output of rank {r}")
-        assert torch.equal(got[r], got[0])
-        compressed = float(torch.linalg.vector_norm(want.worker_scales[r].double()) * math.sqrt(block))
-        assert_rel(we32[r], want.worker_errors[r], 1e-6, "worker_error", norm=compressed)
-        if W > 1:
-            served = float(torch.linalg.vector_norm(want.server_scales[r].double()) * math.sqrt(block))
-            assert_rel(se32[r], want.server_errors[r], 1e-6, "server_error", norm=served)
+    assert_block_reference(got, we32, se32, want, block)
 
 
 @pytest.mark.parametrize("W,n,block", [(1, 100, 8), (3, 1001, 16), (2, 9000, 64), (4, 9000, 128),
