@@ -31,8 +31,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _common import provenance, pyplot, write_csv  # noqa: E402
 
-# (optimizer, learning rate): SGD at the plain-DDP rate (0.1) and a third of it, AdamW at the demo's
-PAIRS = [("sgd", 0.1), ("sgd", 0.03), ("adamw", 2e-3)]
+# (optimizer, learning rate): AdamW at the demo's; SGD's rates: --sgd-lrs
+PAIRS = [("adamw", 2e-3)]
 HOOKS = ("ddp", "onebit")
 
 
@@ -59,7 +59,7 @@ def _lm_task(args):
             losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
         return sum(losses) / len(losses)
 
-    return model, batch, val_loss, lambda out: out.flatten(0, 1)
+    return model, batch, val_loss, lambda out: out.flatten(0, 1), None
 
 
 def _mlp_task(args):
@@ -78,7 +78,10 @@ def _mlp_task(args):
     def val_loss() -> float:
         return F.cross_entropy(model(xv), yv).item()
 
-    return model, batch, val_loss, lambda out: out
+    def val_accuracy() -> float:
+        return (model(xv).argmax(1) == yv).float().mean().item()
+
+    return model, batch, val_loss, lambda out: out, val_accuracy
 
 
 def worker(args) -> None:
@@ -93,24 +96,24 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model, next_batch, val_loss, logits = (_lm_task if args.task == "lm" else _mlp_task)(args)
+    model, next_batch, val_loss, logits, val_accuracy = (_lm_task if args.task == "lm" else _mlp_task)(args)
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = (torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
     state = None
     if args.hook == "onebit":
         state = OnebitHookState(start_iter=args.start_iter, block=_block(args.block),
-                                optimizer=opt if args.precondition and args.optimizer == "adamw" else None)
+                                optimizer=opt if args.precondition else None)
         ddp.register_comm_hook(state, onebit_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
     t0 = time.perf_counter()
 
     @torch.no_grad()
-    def validate() -> float:
-        v = torch.tensor([val_loss()])
+    def validate() -> tuple[float, float | None]:
+        v = torch.tensor([val_loss(), val_accuracy() if val_accuracy is not None else 0.0])
         dist.all_reduce(v)
-        return v.item() / W
+        return v[0].item() / W, (v[1].item() / W if val_accuracy is not None else None)
 
     for step in range(1, args.steps + 1):
         x, y = next_batch(g)
@@ -118,10 +121,10 @@ def worker(args) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        val = validate() if step % args.eval_every == 0 or step == args.steps else None
+        val, acc = validate() if step % args.eval_every == 0 or step == args.steps else (None, None)
         if log is not None:
-            log.write(json.dumps({"step": step, "time": time.perf_counter() - t0, "train_loss": loss.item(),
-                                  "val_loss": val}) + "\n")
+            row = {"step": step, "time": time.perf_counter() - t0, "train_loss": loss.item(), "val_loss": val}
+            log.write(json.dumps(row if acc is None else {**row, "val_accuracy": acc}) + "\n")
     if log is not None:
         stats = state.stats() if state is not None else {}
         log.write(json.dumps({"final": True, "stats": stats, "buckets": stats.get("buckets")}) + "\n")
@@ -143,8 +146,11 @@ def main() -> None:
     p.add_argument("--block", default="64", help="the hook's block (elements per scale), or 'none'")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--optimizers", nargs="+", choices=["sgd", "adamw"], default=["sgd", "adamw"])
-    p.add_argument("--precondition", action="store_true", help="AdamW: give the hook the optimizer "
-                   "(OnebitHookState(optimizer=...): compress g / d in Adam's preconditioned space)")
+    p.add_argument("--precondition", "--pass-optimizer", dest="precondition", action="store_true",
+                   help="give the hook the optimizer (OnebitHookState(optimizer=...)): AdamW compresses "
+                   "g / d in Adam's preconditioned space, SGD compresses its momentum")
+    p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.1, 0.03],
+                   help="SGD learning rates (plain DDP on the LM trains best at 0.5 of 0.03-1.0)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="default: bench/out/ddp_hook[-mlp]")
     p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
@@ -160,33 +166,42 @@ def main() -> None:
     if args.out is None:
         args.out = os.path.join(HERE, "out", "ddp_hook" + ("" if args.task == "lm" else f"-{args.task}"))
     os.makedirs(args.out, exist_ok=True)
-    pairs = [(o, lr) for o, lr in PAIRS if o in args.optimizers]
+    pairs = [(o, lr) for o, lr in PAIRS if o in args.optimizers and o != "sgd"]
+    pairs = [("sgd", lr) for lr in args.sgd_lrs if "sgd" in args.optimizers] + pairs
     logs = {}
     for seed in args.seeds:
         for optimizer, lr in pairs:
             for hook in HOOKS:
                 tag = f"-block{args.block}" if hook == "onebit" else ""
                 tag += "-pre" if hook == "onebit" and args.precondition and optimizer == "adamw" else ""
+                tag += "-mom" if hook == "onebit" and args.precondition and optimizer == "sgd" else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
                 path = os.path.join(args.out, f"{name}.jsonl")
                 logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
     meta = provenance(None, task=args.task, block=args.block)
     table = []
     print("| optimizer (lr) | seed | plain DDP final val loss | onebit_hook final val loss | ratio | "
+          "train loss, last 10% of steps (plain / hook) | val accuracy (plain / hook) | "
           "onebit_hook: last finite step | bytes sent per rank, compressed iterations |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for optimizer, lr in pairs:
         for seed in args.seeds:
             base, mine = (_final_val(logs[(seed, optimizer, lr, hook)]) for hook in HOOKS)
             finite = _last_finite_step(logs[(seed, optimizer, lr, "onebit")])
             stats = logs[(seed, optimizer, lr, "onebit")][-1]["stats"]
+            tails = [_train_tail(logs[(seed, optimizer, lr, hook)]) for hook in HOOKS]
+            accs = [_final(logs[(seed, optimizer, lr, hook)], "val_accuracy") for hook in HOOKS]
             table.append({**meta, "optimizer": optimizer, "lr": lr, "seed": seed, "steps": args.steps,
                           "ranks": args.ranks, "ddp_val_loss": f"{base:.4f}",
                           "onebit_hook_val_loss": f"{mine:.4f}", "ratio": f"{mine / base:.4f}",
+                          "ddp_train_tail": f"{tails[0]:.4f}", "onebit_hook_train_tail": f"{tails[1]:.4f}",
+                          "ddp_val_accuracy": accs[0], "onebit_hook_val_accuracy": accs[1],
                           "onebit_last_finite_step": finite, "bytes_compressed": stats["bytes_compressed"],
                           "bytes_full": stats["bytes_full"], "buckets": stats["buckets"]})
+            acc = "-" if accs[0] is None else f"{accs[0]:.4f} / {accs[1]:.4f}"
             print(f"| {optimizer} ({lr:g}) | {seed} | {base:.4f} | {mine:.4f} | {mine / base:.4f} | "
-                  f"{finite} | {stats['bytes_compressed']:,} (+ {stats['bytes_full']:,} full precision) |")
+                  f"{tails[0]:.4f} / {tails[1]:.4f} | {acc} | {finite} | "
+                  f"{stats['bytes_compressed']:,} (+ {stats['bytes_full']:,} full precision) |")
     write_csv(os.path.join(args.out, "ddp_hook.csv"), table)
     logs = {k[1:]: v for k, v in logs.items() if k[0] == args.seeds[0]}  # the plot: the first seed
     plt = pyplot()
@@ -196,7 +211,8 @@ def main() -> None:
             for hook in HOOKS:
                 rows = [r for r in logs[(optimizer, lr, hook)] if r.get("val_loss") is not None]
                 ax.plot([r["step"] for r in rows], [r["val_loss"] for r in rows], marker="o",
-                        label="plain DDP" if hook == "ddp" else "onebit_hook")
+                        label="plain DDP" if hook == "ddp" else
+                        "onebit_hook" + (", optimizer=opt" if args.precondition else ""))
             ax.set_title(f"{optimizer} (lr {lr:g}), {args.ranks} gloo ranks")
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss")
@@ -232,6 +248,19 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
 
 def _final_val(rows: list[dict]) -> float:
     return [r for r in rows if r.get("val_loss") is not None][-1]["val_loss"]  # NaN stays NaN
+
+
+def _final(rows: list[dict], key: str) -> float | None:
+    """The last logged value of ``key`` (None in logs written before it was logged)."""
+    found = [r[key] for r in rows if r.get(key) is not None]
+    return found[-1] if found else None
+
+
+def _train_tail(rows: list[dict]) -> float:
+    """Mean training loss over the last 10% of the steps (how far the optimisation got)."""
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail)
 
 
 def _last_finite_step(rows: list[dict]) -> int:

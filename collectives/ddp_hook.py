@@ -26,10 +26,13 @@ Error feedback makes the average of the compressed gradients unbiased over time,
 step. Block scales (one per ``block = 64`` elements, docs/ALGORITHMS.md section 7) keep sparse
 and heavy-tailed gradients (an output head over rare classes, embedding rows that never occur)
 from growing the error without bound: with one scale per chunk SGD with momentum at lr 0.1
-diverged on the demo's LM. With an Adam-type optimizer pass it as ``optimizer=``: the hook then
-compresses in Adam's preconditioned space (section 8), where the compression noise lands on
-the update evenly instead of being divided by a tiny ``sqrt(v)``. Measured costs behind the
-hook: bench/RESULTS.md "DDP hook".
+diverged on the demo's LM. Pass the optimizer as ``optimizer=``: with SGD (momentum > 0) the
+hook then compresses each rank's momentum and hands SGD the gradient that rebuilds the
+averaged momentum (docs/ALGORITHMS.md section 8.1; without it SGD near its best learning rate
+trains far behind plain DDP); with an Adam-type optimizer it compresses in Adam's
+preconditioned space (section 8), where the compression noise lands on the update evenly
+instead of being divided by a tiny ``sqrt(v)``. Measured costs behind the hook:
+bench/RESULTS.md "DDP hook".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
@@ -60,14 +63,19 @@ class OnebitHookState:
         block: elements per scale of the compressed all-reduce (``compressed_allreduce``'s
             ``block``); default ``HOOK_BLOCK`` (64: 1.5 bits per element; bench/RESULTS.md
             "DDP hook" measures why), ``None`` for one scale per chunk.
-        optimizer: an Adam-type optimizer stepping this model (its state holds ``exp_avg_sq``
-            and ``step``: torch.optim.Adam, AdamW, ...). Then each bucket is compressed in
+        optimizer: the optimizer stepping this model. SGD-type (a group's ``momentum > 0``,
+            its state holds ``momentum_buffer``: torch.optim.SGD): each rank compresses its
+            own momentum, ``g + c`` with ``c = b / (1 - dampening) * momentum_buffer``
+            (negated under ``maximize``), and SGD gets ``average - c``, so its momentum
+            after the step is the compressed average of the ranks' momenta
+            (docs/ALGORITHMS.md section 8.1). Adam-type (its state holds ``exp_avg_sq`` and
+            ``step``: torch.optim.Adam, AdamW, ...): each bucket is compressed in
             the optimizer's own preconditioned space, ``u = g / d`` with ``d = max(sqrt(v /
             (1 - b2^t)), floor) + eps`` from the state before this step (identical on every
             rank), and the average is multiplied back by ``d`` (docs/ALGORITHMS.md section
             8): the compression noise then lands on Adam's update evenly instead of being
             amplified on every low-variance coordinate. Not saved with the state (pass it
-            again); parameters the optimizer has no ``exp_avg_sq`` for use ``d = 1``.
+            again); other parameters are compressed as gradients.
         variance_floor: with ``optimizer``, ``floor`` is this times the mean nonzero
             ``sqrt(v / (1 - b2^t))`` of each parameter (as the 1-bit optimizers' floor).
     """
@@ -157,29 +165,45 @@ class OnebitHookState:
         return found
 
 
-def _denominator(state: OnebitHookState, bucket: dist.GradBucket) -> torch.Tensor | None:
-    """The flat preconditioner ``d`` of the bucket's gradients (bucket order), or None when
-    ``state.optimizer`` is None or holds no ``exp_avg_sq`` for any of the bucket's parameters."""
+def _optimizer_terms(state: OnebitHookState, bucket: dist.GradBucket):
+    """``(d, c)``: the flat preconditioner and momentum term of the bucket's gradients (bucket
+    order), each None where no parameter of the bucket has one (docs/ALGORITHMS.md section 8).
+
+    ``d``: Adam's denominator from ``exp_avg_sq`` and ``step`` (1 elsewhere). ``c``:
+    ``s * momentum / (1 - dampening) * momentum_buffer`` of an SGD-type optimizer (0 elsewhere,
+    and where the buffer does not exist yet), ``s = -1`` under ``maximize``. The hook averages
+    ``(g + c) / d`` and hands the optimizer ``d * average - c``."""
     opt = state.optimizer
     if opt is None:
-        return None
+        return None, None
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
-    found = []  # (position, v, bc2, eps)
+    adam, sgd = [], []  # (position, v, bc2, eps) / (position, buffer, factor)
     grads = bucket.gradients()
     for i, p in enumerate(bucket.parameters()):
         entry, group = opt.state.get(p, {}), groups.get(id(p))
-        v = entry.get("exp_avg_sq")
-        if v is not None and group is not None and v.shape == grads[i].shape:
+        if group is None:
+            continue
+        v, buf = entry.get("exp_avg_sq"), entry.get("momentum_buffer")
+        if v is not None and v.shape == grads[i].shape:
             steps = float(entry.get("step", 0))
-            found.append((i, v.detach().float(), 1.0 - group["betas"][1] ** steps if steps else 1.0,
-                          group.get("eps", 1e-8)))
-    if not found:
-        return None
-    parts = [torch.ones(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
-    floors = sqrt_v_floors([v for _, v, _, _ in found], state.variance_floor)
-    for (i, v, bc2, eps), floor in zip(found, floors, strict=True):
-        parts[i] = stale_denominator(v, floor, eps, bc2).reshape(-1)
-    return torch.cat(parts)
+            adam.append((i, v.detach().float(), 1.0 - group["betas"][1] ** steps if steps else 1.0,
+                         group.get("eps", 1e-8)))
+        elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
+            factor = group["momentum"] / (1.0 - group.get("dampening", 0.0))
+            sgd.append((i, buf.detach(), -factor if group.get("maximize", False) else factor))
+    d = c = None
+    if adam:
+        parts = [torch.ones(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
+        floors = sqrt_v_floors([v for _, v, _, _ in adam], state.variance_floor)
+        for (i, v, bc2, eps), floor in zip(adam, floors, strict=True):
+            parts[i] = stale_denominator(v, floor, eps, bc2).reshape(-1)
+        d = torch.cat(parts)
+    if sgd:
+        parts = [torch.zeros(g.numel(), dtype=grads[i].dtype, device=g.device) for i, g in enumerate(grads)]
+        for i, buf, factor in sgd:
+            parts[i] = (buf * factor).reshape(-1).to(grads[i].dtype)
+        c = torch.cat(parts)
+    return d, c
 
 
 def _allreduce_parts(state: OnebitHookState, bucket: dist.GradBucket, layout, parts: list[int]):
@@ -230,11 +254,22 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.future
         work = dist.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     index = bucket.index()
-    d = _denominator(state, bucket)
+    d, c = _optimizer_terms(state, bucket)  # the same on every rank
+    if c is not None:
+        buffer.add_(c)  # SGD: compress this rank's momentum, b * m + g (scaled by 1 / (1 - dampening))
     if d is not None:
-        buffer.div_(d)  # compress u = g / d (every rank has the same d)
+        buffer.div_(d)  # Adam: compress u = g / d
     fut = _compressed(state, bucket, buffer, layout, index)
-    return fut if d is None else fut.then(lambda done: done.value().mul_(d))
+    if d is None and c is None:
+        return fut
+
+    def back(done) -> torch.Tensor:
+        out = done.value()
+        if d is not None:
+            out.mul_(d)
+        return out if c is None else out.sub_(c)
+
+    return fut.then(back)
 
 
 def _compressed(state: OnebitHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout, index: int):

@@ -12,12 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(script: str, *args: str) -> None:
+def _run(script: str, *args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, str(ROOT / "bench" / script), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def _rows(path: Path) -> list[dict]:
@@ -46,3 +47,17 @@ def test_bench_optimizer_appends_both_optimizers(tmp_path):
     assert [r["optimizer"] for r in rows] == ["adamw_fused", "onebit_adam"] * 2
     assert all(float(r["ms_median"]) > 0 for r in rows)
     assert {r["parameters"] for r in rows} == {str(12 * 64 * 64 + 4 * 64 + 4 * 64)}  # one block, d = 64
+
+
+def test_hook_sim_runs_every_variant():
+    import math
+    import re
+
+    for variant in ("exact", "gradient", "momentum", "adam-momentum"):
+        lr = "0.002" if variant == "adam-momentum" else "0.05"
+        text = _run("hook_sim.py", "--task", "mlp", "--steps", "30", "--start-iter", "4",
+                    "--eval-every", "30", "--variant", variant, "--lr", lr)
+        found = re.findall(r"step 30 train loss (\S+) val loss (\S+) val accuracy (\S+)", text)
+        assert len(found) == 1 and all(math.isfinite(float(v)) for v in found[0]), text
+        errors = re.findall(r"step 25 worker error / input (\S+)", text)
+        assert len(errors) == (0 if variant == "exact" else 1), text

@@ -243,3 +243,79 @@ def test_preconditioned_hook_arguments():
         OnebitHookState(optimizer=model)
     with pytest.raises(ValueError, match=r"^variance_floor"):
         OnebitHookState(optimizer=torch.optim.AdamW(model.parameters()), variance_floor=-1.0)
+
+
+def _body_momentum(steps: int):
+    W = dist.get_world_size()
+    model = _model()
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    opt = torch.optim.SGD([{"params": first, "momentum": 0.9, "weight_decay": 1e-3},
+                           {"params": rest, "momentum": 0.8, "dampening": 0.1, "nesterov": False,
+                            "maximize": True}], lr=0.01)
+    state = OnebitHookState(start_iter=2, optimizer=opt)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+    record, errors, replay_equal, momentum_close = [], {}, True, True
+
+    def hook(st, bucket):
+        compressed = st.iter >= st.start_iter
+        grad = bucket.buffer().clone()
+        c = None
+        if compressed:  # docs/ALGORITHMS.md section 8, written out: s * b / (1 - tau) * buffer
+            parts = []
+            for p in bucket.parameters():
+                g = groups[id(p)]
+                factor = g["momentum"] / (1.0 - g["dampening"]) * (-1.0 if g["maximize"] else 1.0)
+                parts.append((opt.state[p]["momentum_buffer"] * factor).reshape(-1))
+            c = torch.cat(parts)
+        fut = onebit_hook(st, bucket)
+        if not compressed:
+            return fut
+
+        def keep(f):
+            record.append((bucket.index(), grad, c, f.value().clone(), list(bucket.parameters()),
+                           [p.detach().clone() for p in bucket.parameters()]))
+            return f.value()
+
+        return fut.then(keep)
+
+    ddp.register_comm_hook(state, hook)
+    for step in range(steps):
+        x, y = _batch(step, dist.get_rank())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        record.sort(key=lambda r: r[0])  # the same order on every rank
+        for index, grad, c, out, params, before in record:
+            if index < 0:
+                continue
+            # the replay: every compressed bucket is compressed_allreduce(g + c) - c
+            N = padded_numel(grad.numel(), W, 64)
+            we, se = errors.setdefault(index, (torch.zeros(N), torch.zeros(N // W)))
+            average = compressed_allreduce(grad + c, we, se, block=64)
+            replay_equal &= torch.equal(average - c, out)
+            # what the optimizer's momentum now holds: the averaged momentum, (1 - tau) * s * (A + s * wd * p)
+            offset = 0
+            for p, p_before in zip(params, before, strict=True):
+                g = groups[id(p)]
+                s = -1.0 if g["maximize"] else 1.0
+                a = average[offset:offset + p.numel()].view_as(p)
+                want = (1.0 - g["dampening"]) * s * (a + s * g["weight_decay"] * p_before)
+                momentum_close &= torch.allclose(opt.state[p]["momentum_buffer"], want, rtol=1e-5, atol=1e-7)
+                offset += p.numel()
+        record[:] = [(-1, *r[1:]) for r in record]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    buffers = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    return flat, buffers, replay_equal, momentum_close, len(errors), bool(torch.isfinite(flat).all())
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_momentum_hook_compresses_sgds_momentum(ranks, W):
+    # onebit_hook with OnebitHookState(optimizer=SGD(momentum=...)): every compressed bucket is
+    # compressed_allreduce(g + c) - c with c = s * b / (1 - tau) * momentum_buffer, so SGD's
+    # momentum after the step is the average of the ranks' momenta (docs/ALGORITHMS.md
+    # section 8), with dampening, weight decay and maximize; replicas and buffers stay identical
+    got = ranks(W).run(_body_momentum, 6)
+    for flat, buffers, replay_equal, momentum_close, buckets, finite in got:
+        assert torch.equal(flat, got[0][0]) and torch.equal(buffers, got[0][1])
+        assert replay_equal and momentum_close and buckets >= 2 and finite
