@@ -131,3 +131,16 @@ def pyplot():
         print("matplotlib not installed (pip install '.[bench]'): no plots", file=sys.stderr)
         return None
     return plt
+
+
+def save_png(fig, path: str, dpi: int = 110) -> None:
+    """Save a figure as a 64-colour palette PNG: line plots look the same and the committed
+    plots stay a few kB each (matplotlib's RGBA PNGs are 3-4x larger)."""
+    fig.savefig(path, dpi=dpi)
+    try:
+        from PIL import Image
+    except ImportError:  # matplotlib brings Pillow; keep the RGBA file without it
+        return
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import provenance, pyplot, write_csv  # noqa: E402
+from _common import provenance, pyplot, save_png, write_csv  # noqa: E402
 
 LINKS = {"1mbit": 1e6, "3mbit": 3e6, "10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9,
          "none": None}
@@ -242,7 +242,7 @@ def plot(speedups, args) -> None:
     ax.legend(fontsize=7, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     print(f"plot: {path}", file=sys.stderr)
 
 

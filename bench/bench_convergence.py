@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import provenance, pyplot, write_csv  # noqa: E402
+from _common import provenance, pyplot, save_png, write_csv  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -138,7 +138,7 @@ def plot(logs, args) -> None:
                  f"{int(args.steps * args.freeze_fraction)} of {args.steps} steps")
     fig.tight_layout()
     path = os.path.join(args.out, "convergence.png")
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     print(f"plot: {path}", file=sys.stderr)
 
 

@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import provenance, pyplot, write_csv  # noqa: E402
+from _common import provenance, pyplot, save_png, write_csv  # noqa: E402
 
 # (optimizer, learning rate): AdamW at the demo's; SGD's rates: --sgd-lrs
 PAIRS = [("adamw", 2e-3)]
@@ -222,7 +222,7 @@ def main() -> None:
                 ax.set_ylim(0.0, 1.0)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "ddp_hook.png"), dpi=110)
+        save_png(fig, os.path.join(args.out, "ddp_hook.png"))
 
 
 def _block(text: str) -> int | None:

@@ -39,7 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import provenance, pyplot, write_csv  # noqa: E402
+from _common import provenance, pyplot, save_png, write_csv  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -190,5 +190,5 @@ def plot(task: str, logs: dict, out: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, f"{task}.png"), dpi=110)
+    save_png(fig, os.path.join(out, f"{task}.png"))
     plt.close(fig)
