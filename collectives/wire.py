@@ -27,6 +27,10 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
 
 @dataclass
 class Traffic:
+    """Bytes this process sent through onebit since the last ``reset()`` (the type of
+    :data:`traffic`): ``compressed`` bytes in 1-bit calls, ``full`` bytes in full-precision
+    averaging, and the number of calls of each kind."""
+
     compressed: int = 0
     full: int = 0
     compressed_calls: int = 0
@@ -37,3 +41,6 @@ class Traffic:
 
 
 traffic = Traffic()
+"""This process's byte counter (a :class:`Traffic`): every compressed_allreduce call and the
+optimizers' full-precision averaging add what this rank sends; ``traffic.reset()`` starts
+again from zero."""
