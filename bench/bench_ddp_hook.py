@@ -1,9 +1,9 @@
-"""DDP with onebit_hook against plain DDP, with torch's own optimizers.
+"""DDP with onebit_compress_hook against plain DDP, with torch's own optimizers.
 
 --task lm: the model, data and batches of examples/train_lm.py (the demo's LM). --task mlp:
 bench/train_task.py's 64-128-128-10 ReLU MLP on scikit-learn's digits (batch 32 per rank).
 The model is wrapped in DistributedDataParallel (several buckets); SGD with momentum and
-AdamW from torch.optim, each with full-precision DDP averaging and with ``onebit_hook``
+AdamW from torch.optim, each with full-precision DDP averaging and with ``onebit_compress_hook``
 (1-bit error-feedback compression of every gradient bucket after ``start_iter``
 full-precision iterations, ``--block`` elements per scale; 'none': one scale per chunk).
 Writes per-step logs (JSONL), a CSV of final validation losses with the ratio to plain DDP
@@ -90,7 +90,7 @@ def worker(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from onebit.collectives import OnebitHookState, onebit_hook
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -102,9 +102,9 @@ def worker(args) -> None:
            else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
     state = None
     if args.hook == "onebit":
-        state = OnebitHookState(start_iter=args.start_iter, block=_block(args.block),
+        state = OnebitCompressHookState(start_iter=args.start_iter, block=_block(args.block),
                                 optimizer=opt if args.precondition else None)
-        ddp.register_comm_hook(state, onebit_hook)
+        ddp.register_comm_hook(state, onebit_compress_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
     t0 = time.perf_counter()
@@ -147,8 +147,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--optimizers", nargs="+", choices=["sgd", "adamw"], default=["sgd", "adamw"])
     p.add_argument("--precondition", "--pass-optimizer", dest="precondition", action="store_true",
-                   help="give the hook the optimizer (OnebitHookState(optimizer=...)): AdamW compresses "
-                   "g / d in Adam's preconditioned space, SGD compresses its momentum")
+                   help="give the hook the optimizer (OnebitCompressHookState(optimizer=...)): AdamW "
+                   "compresses g / d in Adam's preconditioned space, SGD compresses its momentum")
     p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.1, 0.03],
                    help="SGD learning rates (plain DDP on the LM trains best at 0.5 of 0.03-1.0)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -180,9 +180,10 @@ def main() -> None:
                 logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
     meta = provenance(None, task=args.task, block=args.block)
     table = []
-    print("| optimizer (lr) | seed | plain DDP final val loss | onebit_hook final val loss | ratio | "
+    print("| optimizer (lr) | seed | plain DDP final val loss | onebit_compress_hook final val loss | "
+          "ratio | "
           "train loss, last 10% of steps (plain / hook) | val accuracy (plain / hook) | "
-          "onebit_hook: last finite step | bytes sent per rank, compressed iterations |")
+          "onebit_compress_hook: last finite step | bytes sent per rank, compressed iterations |")
     print("|---|---|---|---|---|---|---|---|---|")
     for optimizer, lr in pairs:
         for seed in args.seeds:
@@ -212,7 +213,7 @@ def main() -> None:
                 rows = [r for r in logs[(optimizer, lr, hook)] if r.get("val_loss") is not None]
                 ax.plot([r["step"] for r in rows], [r["val_loss"] for r in rows], marker="o",
                         label="plain DDP" if hook == "ddp" else
-                        "onebit_hook" + (", optimizer=opt" if args.precondition else ""))
+                        "onebit_compress_hook" + (", optimizer=opt" if args.precondition else ""))
             ax.set_title(f"{optimizer} (lr {lr:g}), {args.ranks} gloo ranks")
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss")

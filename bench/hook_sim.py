@@ -7,9 +7,9 @@ collective's compute, bit for bit) and steps torch's SGD (momentum 0.9) or AdamW
 bucket for the whole model (DDP uses several; block boundaries differ, nothing else).
 
   exact     the float32 mean (plain DDP)
-  gradient  compress each rank's gradient (onebit_hook without optimizer=)
+  gradient  compress each rank's gradient (onebit_compress_hook without optimizer=)
   momentum  SGD: compress each rank's momentum b*m + g, hand SGD A - b*m
-            (onebit_hook with optimizer=SGD, docs/ALGORITHMS.md section 8.1)
+            (onebit_compress_hook with optimizer=SGD, docs/ALGORITHMS.md section 8.1)
   adam-momentum  AdamW: compress b1*m + (1-b1)*g, hand AdamW (A - b1*m) / (1-b1)
             (the construction section 8.1 rejects for Adam)
 

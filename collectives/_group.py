@@ -90,3 +90,17 @@ def warn_collective(message: str, category: type[Warning], group, stacklevel: in
     if dist.is_available() and dist.is_initialized() and dist.get_rank(group) > 0:
         return
     warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+_renamed_warned: set[str] = set()
+
+
+def warn_renamed(old: str, new: str, group) -> None:
+    """One FutureWarning per process (shown on the group's rank 0) that the public name ``old``
+    is ``new`` now (CHANGELOG.md)."""
+    if old in _renamed_warned:
+        return
+    _renamed_warned.add(old)
+    warn_collective(f"onebit: {old} is deprecated and will be removed in 0.3.0; use {new} (the same "
+                    "object under a name that says what it does; CHANGELOG.md)", FutureWarning, group,
+                    stacklevel=4)

@@ -1,8 +1,8 @@
 """A DDP communication hook that averages gradients with 1-bit compression, for any optimizer.
 
-    from onebit.collectives import OnebitHookState, onebit_hook
-    state = OnebitHookState(process_group=None, start_iter=2)
-    ddp_model.register_comm_hook(state, onebit_hook)
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+    state = OnebitCompressHookState(process_group=None, start_iter=2)
+    ddp_model.register_comm_hook(state, onebit_compress_hook)
 
 In the style of torch's PowerSGD hook: the first ``start_iter`` iterations average in full
 precision (DDP rebuilds its buckets after the first iteration, so bucket contents settle
@@ -47,14 +47,14 @@ from ._group import warn_collective
 from .allreduce import compressed_allreduce
 from .wire import compressed_bytes, ring_allreduce_bytes
 
-__all__ = ["OnebitHookState", "onebit_hook"]
+__all__ = ["OnebitCompressHookState", "onebit_compress_hook"]
 
 
 HOOK_BLOCK = 64  # the hooks' default block size (docs/ALGORITHMS.md section 7)
 
 
-class OnebitHookState:
-    """State of :func:`onebit_hook`: error buffers per bucket, the iteration, bytes sent.
+class OnebitCompressHookState:
+    """State of :func:`onebit_compress_hook`: error buffers per bucket, the iteration, bytes sent.
 
     Args:
         process_group: the DDP model's process group (None: the default group).
@@ -154,8 +154,8 @@ class OnebitHookState:
                 self.resets += 1
                 if not self._warned:
                     self._warned = True
-                    warn_collective(f"onebit_hook: bucket {index} matches no bucket the state remembers "
-                                    "(the model or DDP's bucketing changed); its error feedback "
+                    warn_collective(f"onebit_compress_hook: bucket {index} matches no bucket the state "
+                                    "remembers (the model or DDP's bucketing changed); its error feedback "
                                     "starts from zero (counted in stats()['resets'])",
                                     RuntimeWarning, self.process_group, stacklevel=3)
             device = buffer.device
@@ -165,7 +165,7 @@ class OnebitHookState:
         return found
 
 
-def _optimizer_terms(state: OnebitHookState, bucket: dist.GradBucket):
+def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     """``(d, c)``: the flat preconditioner and momentum term of the bucket's gradients (bucket
     order), each None where no parameter of the bucket has one (docs/ALGORITHMS.md section 8).
 
@@ -206,7 +206,7 @@ def _optimizer_terms(state: OnebitHookState, bucket: dist.GradBucket):
     return d, c
 
 
-def _allreduce_parts(state: OnebitHookState, bucket: dist.GradBucket, layout, parts: list[int]):
+def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, parts: list[int]):
     """Compress a bucket that holds several remembered buckets as those buckets: gather each
     one's gradients in its remembered order, compress with its own error buffers, scatter back."""
     buffer = bucket.buffer()
@@ -233,7 +233,8 @@ def _allreduce_parts(state: OnebitHookState, bucket: dist.GradBucket, layout, pa
     return torch.futures.collect_all(futures).then(scatter)
 
 
-def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def onebit_compress_hook(state: OnebitCompressHookState,
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket over ``state.process_group``: in full precision for the first
     ``state.start_iter`` iterations, then with ``compressed_allreduce`` (asynchronously)."""
     buffer = bucket.buffer()
@@ -272,7 +273,8 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.future
     return fut.then(back)
 
 
-def _compressed(state: OnebitHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout, index: int):
+def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout,
+                index: int):
     if state.layouts.get(index) != layout:
         parts = state._cover(layout)
         if parts is not None:

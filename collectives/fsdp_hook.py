@@ -42,7 +42,7 @@ class OnebitAllReduceHook:
     shard over ``process_group`` (the replica group) in place, with 1-bit compression after
     ``start_iter`` full-precision calls.
 
-    ``block``: elements per scale (see ``OnebitHookState``; default 64). ``state_dict()`` /
+    ``block``: elements per scale (see ``OnebitCompressHookState``; default 64). ``state_dict()`` /
     ``load_state_dict()`` checkpoint the error buffers and counters.
     """
 

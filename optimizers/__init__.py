@@ -6,7 +6,7 @@ if __name__ != "onebit.optimizers":  # e.g. `import optimizers` with the reposit
 
 from ._freeze import AutoFreeze
 from .amp import GradScaler
-from .ddp import onebit_comm_hook, register_ddp_hook
+from .ddp import onebit_comm_hook, register_ddp_hook, warmup_averaging_hook
 from .deepspeed_config import from_deepspeed_config
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
@@ -19,6 +19,7 @@ __all__ = [
     "OnebitLamb",
     "ZeroOneAdam",
     "from_deepspeed_config",
-    "onebit_comm_hook",
     "register_ddp_hook",
+    "warmup_averaging_hook",
+    "onebit_comm_hook",  # deprecated name (CHANGELOG.md), removed in 0.3.0
 ]

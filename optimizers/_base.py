@@ -515,8 +515,10 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             for b in reducer.buckets:
                 b.flat[b.n :].zero_()
             warnings.warn(
-                "onebit: the loaded optimizer state comes from another rank, world size or "
-                "bucket layout; the error-feedback buffers were reset to zero",
+                f"onebit: rank {self._rank()} loaded an optimizer state saved by another rank, world "
+                "size or bucket layout, so its error-feedback buffers start from zero and the run does "
+                "not resume exactly. Save one state per rank with onebit.checkpoint.save(opt.state_dict(), "
+                "directory, step) and load it on every rank with onebit.checkpoint.load_latest(directory)",
                 stacklevel=3,
             )
         if extra is not None:

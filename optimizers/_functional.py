@@ -1,6 +1,6 @@
 """Optimizer maths as plain functions on tensors; the optimizer classes decide which runs when.
 
-See docs/ALGORITHMS.md sections 3-4 for the update rules, and README "How it trains" for the
+See docs/ALGORITHMS.md sections 3-4 for the update rules, and docs/optimizers.md ("How it trains") for the
 automatic momentum mask (why compressed momentum needs it, and how its threshold was chosen).
 """
 

@@ -13,17 +13,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..collectives._group import warn_renamed
 from ..collectives.wire import ring_allreduce_bytes, traffic
 from ..kernels._checks import check_instance
 from ._base import OnebitOptimizerBase
 
-__all__ = ["onebit_comm_hook", "register_ddp_hook"]
+__all__ = ["onebit_comm_hook", "register_ddp_hook", "warmup_averaging_hook"]
 
 
-def onebit_comm_hook(
+def warmup_averaging_hook(
     optimizer: OnebitOptimizerBase, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """The hook: a DDP bucket averaged over the optimizer's group, or returned as it is."""
+    """The hook that ``register_ddp_hook`` installs: a DDP bucket averaged in full precision
+    over the optimizer's group when the optimizer wants averaged gradients (warm-up, 0/1 Adam's
+    variance steps), else returned as it is, with no communication."""
     buffer = bucket.buffer()
     if optimizer.wants_averaged_gradients() and optimizer.world_size > 1:
         buffer.div_(optimizer.world_size)
@@ -38,7 +41,7 @@ def onebit_comm_hook(
 
 
 def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizerBase) -> None:
-    """Register :func:`onebit_comm_hook` on ``model`` for ``optimizer`` (same process group)."""
+    """Register :func:`warmup_averaging_hook` on ``model`` for ``optimizer`` (same process group)."""
     check_instance("model", model, DistributedDataParallel, "a DistributedDataParallel")
     check_instance("optimizer", optimizer, OnebitOptimizerBase, "a onebit optimizer")
     ddp_size = dist.get_world_size(model.process_group)
@@ -49,5 +52,13 @@ def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizer
     if optimizer._overlap is not None:
         raise ValueError("optimizer: built with overlap=True, which starts its own all-reduces from "
                          "backward; use overlap=False under DDP")
-    model.register_comm_hook(optimizer, onebit_comm_hook)
+    model.register_comm_hook(optimizer, warmup_averaging_hook)
     optimizer.external_averaging = True
+
+
+def onebit_comm_hook(
+    optimizer: OnebitOptimizerBase, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Deprecated name of :func:`warmup_averaging_hook` (renamed in 0.2.0)."""
+    warn_renamed("onebit_comm_hook", "onebit.optimizers.warmup_averaging_hook", optimizer.process_group)
+    return warmup_averaging_hook(optimizer, bucket)

@@ -1,4 +1,4 @@
-"""onebit_hook: 1-bit gradient compression for DDP with any optimizer."""
+"""onebit_compress_hook: 1-bit gradient compression for DDP with any optimizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit.collectives import OnebitHookState, compressed_allreduce, onebit_hook, padded_numel
+from onebit.collectives import (
+    OnebitCompressHookState,
+    compressed_allreduce,
+    onebit_compress_hook,
+    padded_numel,
+)
 
 
 def _model():
@@ -27,9 +32,9 @@ def _train(model, opt, state, steps, start=0, record=None):
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)  # several buckets
 
     def hook(st, bucket):
-        compressed = st.iter >= st.start_iter  # what onebit_hook decides for this bucket
+        compressed = st.iter >= st.start_iter  # what onebit_compress_hook decides for this bucket
         entry = [bucket.index(), bucket.buffer().clone(), None]
-        fut = onebit_hook(st, bucket)
+        fut = onebit_compress_hook(st, bucket)
         if record is None or not compressed:
             return fut
         record.append(entry)
@@ -54,7 +59,7 @@ def _body(steps: int, optimizer: str):
     model = _model()
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-3))
-    state = OnebitHookState(start_iter=2)
+    state = OnebitCompressHookState(start_iter=2)
     assert state.block == 64  # the default: block scales (docs/ALGORITHMS.md section 7)
     record: list = []
     _train(model, opt, state, steps, record=record)
@@ -90,7 +95,7 @@ def _body_resume(steps: int, cut: int, path: str, adam: bool = False):
     def make(model):  # with adam, the hook compresses in AdamW's preconditioned space
         opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if adam
                else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-        return opt, OnebitHookState(start_iter=2, optimizer=opt if adam else None)
+        return opt, OnebitCompressHookState(start_iter=2, optimizer=opt if adam else None)
 
     model = _model()
     opt, state = make(model)
@@ -107,7 +112,8 @@ def _body_resume(steps: int, cut: int, path: str, adam: bool = False):
     saved = torch.load(f"{path}.{r}", weights_only=True)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
-    state = OnebitHookState(start_iter=7, optimizer=opt if adam else None)  # overwritten by the saved state
+    # overwritten by the saved state
+    state = OnebitCompressHookState(start_iter=7, optimizer=opt if adam else None)
     state.__setstate__(saved["hook"])
     _train(model, opt, state, steps - cut, start=cut)
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -127,13 +133,13 @@ def _body_other_model():
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    state = OnebitHookState(start_iter=1)
+    state = OnebitCompressHookState(start_iter=1)
     _train(model, opt, state, 3)
     saved = state.__getstate__()
     torch.manual_seed(1)
     other = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 3))
     opt = torch.optim.SGD(other.parameters(), lr=0.05, momentum=0.9)
-    state = OnebitHookState()
+    state = OnebitCompressHookState()
     state.__setstate__(saved)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -156,7 +162,7 @@ def test_hook_state_on_another_model_restarts_error_with_one_warning(ranks):
 
 def test_hook_state_arguments():
     with pytest.raises(ValueError, match=r"^start_iter"):
-        OnebitHookState(start_iter=0)
+        OnebitCompressHookState(start_iter=0)
 
 
 def _expected_denominator(opt, params, floor_ratio=0.1):
@@ -184,7 +190,7 @@ def _body_preconditioned(steps: int):
     W = dist.get_world_size()
     model = _dead_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = OnebitHookState(start_iter=2, optimizer=opt)
+    state = OnebitCompressHookState(start_iter=2, optimizer=opt)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
     record, errors, replay_equal, dead = [], {}, True, []
 
@@ -192,7 +198,7 @@ def _body_preconditioned(steps: int):
         compressed = st.iter >= st.start_iter
         grad = bucket.buffer().clone()
         d = _expected_denominator(opt, bucket.parameters()) if compressed else None
-        fut = onebit_hook(st, bucket)
+        fut = onebit_compress_hook(st, bucket)
         if not compressed:
             return fut
 
@@ -227,7 +233,7 @@ def _body_preconditioned(steps: int):
 
 @pytest.mark.parametrize("W", [2, 3])
 def test_preconditioned_hook_compresses_g_over_adams_denominator(ranks, W):
-    # onebit_hook with OnebitHookState(optimizer=AdamW): every compressed bucket is
+    # onebit_compress_hook with OnebitCompressHookState(optimizer=AdamW): every compressed bucket is
     # d * compressed_allreduce(g / d) with d from the optimizer's state before the step, floored
     # per parameter (always-zero inputs keep v = 0 on their weights: floored, not divided by eps)
     got = ranks(W).run(_body_preconditioned, 6)
@@ -240,9 +246,9 @@ def test_preconditioned_hook_compresses_g_over_adams_denominator(ranks, W):
 def test_preconditioned_hook_arguments():
     model = _model()
     with pytest.raises(TypeError, match=r"^optimizer"):
-        OnebitHookState(optimizer=model)
+        OnebitCompressHookState(optimizer=model)
     with pytest.raises(ValueError, match=r"^variance_floor"):
-        OnebitHookState(optimizer=torch.optim.AdamW(model.parameters()), variance_floor=-1.0)
+        OnebitCompressHookState(optimizer=torch.optim.AdamW(model.parameters()), variance_floor=-1.0)
 
 
 def _body_momentum(steps: int):
@@ -252,7 +258,7 @@ def _body_momentum(steps: int):
     opt = torch.optim.SGD([{"params": first, "momentum": 0.9, "weight_decay": 1e-3},
                            {"params": rest, "momentum": 0.8, "dampening": 0.1, "nesterov": False,
                             "maximize": True}], lr=0.01)
-    state = OnebitHookState(start_iter=2, optimizer=opt)
+    state = OnebitCompressHookState(start_iter=2, optimizer=opt)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
     groups = {id(p): g for g in opt.param_groups for p in g["params"]}
     record, errors, replay_equal, momentum_close = [], {}, True, True
@@ -268,7 +274,7 @@ def _body_momentum(steps: int):
                 factor = g["momentum"] / (1.0 - g["dampening"]) * (-1.0 if g["maximize"] else 1.0)
                 parts.append((opt.state[p]["momentum_buffer"] * factor).reshape(-1))
             c = torch.cat(parts)
-        fut = onebit_hook(st, bucket)
+        fut = onebit_compress_hook(st, bucket)
         if not compressed:
             return fut
 
@@ -311,11 +317,74 @@ def _body_momentum(steps: int):
 
 @pytest.mark.parametrize("W", [2, 3])
 def test_momentum_hook_compresses_sgds_momentum(ranks, W):
-    # onebit_hook with OnebitHookState(optimizer=SGD(momentum=...)): every compressed bucket is
-    # compressed_allreduce(g + c) - c with c = s * b / (1 - tau) * momentum_buffer, so SGD's
-    # momentum after the step is the average of the ranks' momenta (docs/ALGORITHMS.md
-    # section 8), with dampening, weight decay and maximize; replicas and buffers stay identical
+    # onebit_compress_hook with OnebitCompressHookState(optimizer=SGD(momentum=...)): every
+    # compressed bucket is compressed_allreduce(g + c) - c with c = s * b / (1 - tau) *
+    # momentum_buffer, so SGD's momentum after the step is the average of the ranks' momenta
+    # (docs/ALGORITHMS.md section 8.1), with dampening, weight decay and maximize; replicas and
+    # buffers stay identical
     got = ranks(W).run(_body_momentum, 6)
     for flat, buffers, replay_equal, momentum_close, buckets, finite in got:
         assert torch.equal(flat, got[0][0]) and torch.equal(buffers, got[0][1])
         assert replay_equal and momentum_close and buckets >= 2 and finite
+
+
+def _body_deprecated(steps: int):
+    import warnings
+
+    from onebit.collectives import OnebitHookState, onebit_hook
+    from onebit.optimizers import OnebitAdam, onebit_comm_hook, register_ddp_hook
+
+    flats, caught = [], []
+    for old in (False, True):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            state = (OnebitHookState if old else OnebitCompressHookState)(start_iter=2, optimizer=opt)
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+            ddp.register_comm_hook(state, onebit_hook if old else onebit_compress_hook)
+            for step in range(steps):
+                x, y = _batch(step, dist.get_rank())
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+        flats.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        caught.append([str(w.message) for w in seen if issubclass(w.category, FutureWarning)])
+    # the 1-bit optimizers' DDP hook under its old name: the same run as register_ddp_hook's
+    runs = []
+    for old in (False, True):
+        model = _model()
+        opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if old:
+                ddp.register_comm_hook(opt, onebit_comm_hook)
+                opt.external_averaging = True
+            else:
+                register_ddp_hook(ddp, opt)
+            for step in range(steps):
+                x, y = _batch(step, dist.get_rank())
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        caught.append([str(w.message) for w in seen if issubclass(w.category, FutureWarning)])
+    return torch.equal(flats[0], flats[1]), torch.equal(runs[0], runs[1]), caught
+
+
+def test_deprecated_names_still_work_and_say_their_new_names_once(ranks):
+    # onebit_hook / OnebitHookState / onebit_comm_hook (renamed in 0.2.0, CHANGELOG.md): the
+    # same results bitwise, one FutureWarning per old name on rank 0, none on the others
+    got = ranks(2).run(_body_deprecated, 5)
+    for rank, (same_hook, same_optimizer, caught) in enumerate(got):
+        assert same_hook and same_optimizer
+        new_hook, old_hook, new_opt, old_opt = caught
+        assert new_hook == [] and new_opt == []
+        if rank == 0:
+            assert len(old_hook) == 2 and len(old_opt) == 1
+            assert any("use onebit.collectives.onebit_compress_hook" in m for m in old_hook)
+            assert any("use onebit.collectives.OnebitCompressHookState" in m for m in old_hook)
+            assert "use onebit.optimizers.warmup_averaging_hook" in old_opt[0]
+        else:
+            assert old_hook == [] and old_opt == []

@@ -64,6 +64,7 @@ def test_loading_another_ranks_state_resets_errors_with_one_warning(ranks):
     first = ranks(2).run(body_train, (0, 5), dict(freeze_step=2, **HYPER), 25.0, None, 5)
     got = ranks(2).run(_body_foreign_state, [f[1] for f in first])
     for messages, errors, own, updates in got:
-        assert len(messages) == 1 and "reset" in messages[0]
+        assert len(messages) == 1 and "start from zero" in messages[0]
+        assert "onebit.checkpoint.save" in messages[0]  # the message says what to do
         assert errors == [0.0] * len(errors) and sum(own) > 0  # there was something to lose
         assert updates == 5  # counters and moments are still restored
