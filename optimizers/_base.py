@@ -239,20 +239,30 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """Agree over the group whether every rank's gradients are finite (one single-element
         all-reduce and a host sync); on any non-finite gradient, every rank skips or raises
         before touching any state."""
+        foreign = getattr(self, "_foreign_state", False)
         if self.nonfinite is None or self._grads_verified:
+            if foreign:  # no agreement this step: each rank that loaded a foreign state says so
+                self._say_foreign_state(None)
             return True
         ok = self._local_gradients_finite()
         if self.world_size == 1:
             bad = [] if ok else [0]
+            if foreign:
+                self._say_foreign_state(1)
         else:
             # One single-element all-reduce in the common case (gloo: ~4x faster than one of
             # W elements or an all-gather); only when some rank is bad, a second one names them.
+            # Bits 32 and up count the ranks that loaded another rank's state since their last
+            # step (said once for the group, on rank 0).
             device, group = comm_device(self.process_group), self.process_group
-            count = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+            count = torch.tensor([(0 if ok else 1) + (int(foreign) << 32)], dtype=torch.int64, device=device)
             with guard("non-finite gradient check", group):
                 dist.all_reduce(count, group=group)
+            total = int(count)
+            if total >> 32:
+                self._say_foreign_state(total >> 32)
             bad = []
-            if int(count):
+            if total & 0xFFFFFFFF:
                 flags = torch.zeros(self.world_size, dtype=torch.int64, device=device)
                 flags[dist.get_rank(group)] = 0 if ok else 1
                 with guard("non-finite gradient check", group):
@@ -268,6 +278,20 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         warn_collective(f"onebit: step skipped on every rank: {what}", RuntimeWarning, self.process_group,
                         stacklevel=5)
         return False
+
+    def _say_foreign_state(self, ranks: int | None) -> None:
+        """Warn that ``ranks`` ranks (None: this rank, without an agreement) resumed from a state
+        that another rank, world size or bucket layout saved."""
+        self._foreign_state = False
+        who = f"rank {self._rank()}" if ranks is None else f"{ranks} of {self.world_size} ranks"
+        message = (f"onebit: {who} loaded an optimizer state saved by another rank, world size or "
+                   "bucket layout, so their error-feedback buffers started from zero and the run did not "
+                   "resume exactly. Save one state per rank with onebit.checkpoint.save(opt.state_dict(), "
+                   "directory, step) and load it on every rank with onebit.checkpoint.load_latest(directory)")
+        if ranks is None:
+            warnings.warn(message, RuntimeWarning, stacklevel=5)
+        else:
+            warn_collective(message, RuntimeWarning, self.process_group, stacklevel=5)
 
     def _communicate_average(self) -> bool:
         """Average in step() unless a DDP hook already did it for this step."""
@@ -514,13 +538,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             reducer.reset_errors()
             for b in reducer.buckets:
                 b.flat[b.n :].zero_()
-            warnings.warn(
-                f"onebit: rank {self._rank()} loaded an optimizer state saved by another rank, world "
-                "size or bucket layout, so its error-feedback buffers start from zero and the run does "
-                "not resume exactly. Save one state per rank with onebit.checkpoint.save(opt.state_dict(), "
-                "directory, step) and load it on every rank with onebit.checkpoint.load_latest(directory)",
-                stacklevel=3,
-            )
+            self._foreign_state = True  # said once for the group at the next step (_say_foreign_state)
         if extra is not None:
             for name, value in extra.get("counters", {}).items():
                 setattr(self, name, value)

@@ -44,27 +44,45 @@ def test_exact_resume_zero_one_adam(ranks, k):
         for x, y in zip(first[r][0][-1], second[r], strict=True):
             assert torch.equal(x, y), f"rank {r}: resumed run differs"
 
-def _body_foreign_state(states):
+def _body_foreign_state(states, foreign_ranks):
     import warnings
 
     r = dist.get_rank()
-    blob = torch.load(io.BytesIO(states[1 - r]), weights_only=True)  # the OTHER rank's state
+    source = 1 - r if r in foreign_ranks else r  # the OTHER rank's state, or its own
+    blob = torch.load(io.BytesIO(states[source]), weights_only=True)
     params = [torch.nn.Parameter(t.clone()) for t in blob["model"]]
     opt = OnebitAdam(params, freeze_step=2, **HYPER)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as at_load:
         warnings.simplefilter("always")
         opt.load_state_dict(blob["opt"])
     errors = [float(we.abs().sum() + se.abs().sum()) for we, se in opt.reducer().errors()]
     saved = torch.load(io.BytesIO(states[r]), weights_only=True)["opt"]["onebit"]
     own = [float(we.abs().sum() + se.abs().sum())
            for we, se in zip(saved["worker_errors"], saved["server_errors"], strict=True)]
-    return [str(w.message) for w in caught], errors, own, opt.updates
+    updates = opt.updates
+    with warnings.catch_warnings(record=True) as at_step:  # the group agrees at the next step
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+    return [str(w.message) for w in at_load], [str(w.message) for w in at_step], errors, own, updates
 
-def test_loading_another_ranks_state_resets_errors_with_one_warning(ranks):
+
+@pytest.mark.parametrize("foreign", [(0, 1), (1,)], ids=["both-ranks", "rank-1-only"])
+def test_loading_another_ranks_state_resets_errors_with_one_warning(ranks, foreign):
     first = ranks(2).run(body_train, (0, 5), dict(freeze_step=2, **HYPER), 25.0, None, 5)
-    got = ranks(2).run(_body_foreign_state, [f[1] for f in first])
-    for messages, errors, own, updates in got:
-        assert len(messages) == 1 and "start from zero" in messages[0]
-        assert "onebit.checkpoint.save" in messages[0]  # the message says what to do
-        assert errors == [0.0] * len(errors) and sum(own) > 0  # there was something to lose
+    got = ranks(2).run(_body_foreign_state, [f[1] for f in first], foreign)
+    for r, (at_load, at_step, errors, own, updates) in enumerate(got):
+        assert at_load == []  # said at the next step, once for the group, on rank 0
+        if r == 0:
+            assert len(at_step) == 1, at_step
+            assert f"{len(foreign)} of 2 ranks loaded an optimizer state saved by another" in at_step[0]
+            assert "onebit.checkpoint.save" in at_step[0]  # the message says what to do
+        else:
+            assert at_step == []
+        if r in foreign:
+            assert errors == [0.0] * len(errors) and sum(own) > 0  # there was something to lose
+        else:
+            assert errors == own  # its own state: the errors are restored
         assert updates == 5  # counters and moments are still restored
