@@ -1,7 +1,7 @@
 """Optimizer overhead: OnebitAdam's compression-stage step against fused AdamW, wire excluded.
 
 A transformer-shaped parameter set (default: 8 blocks of d_model 1024, about 101M
-parameters) with fixed random gradients. OnebitAdam runs with ``freeze_step=0`` (every step
+parameters) with fixed random gradients. OnebitAdam runs with ``freeze_step=1`` (every timed step
 compressed) and its reducer's collective replaced by the full local compute at W = 1
 (``local_compressed_allreduce``: worker compress, server reduce, decompress, no
 communication), so the time is the optimizer's own compute. The baseline is
@@ -66,7 +66,7 @@ def main() -> None:
         if name == "adamw_fused":
             opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
         else:
-            opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=0)
+            opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1)
             opt.reducer().allreduce = forced_single_rank  # the reducer's only collective
         times = time_steps(opt, device, args.repeats)
         results[name] = statistics.median(times)

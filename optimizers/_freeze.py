@@ -60,7 +60,7 @@ class AutoFreeze:
 
 
 class FreezeSchedule:
-    """A fixed freeze step (an int >= 0 or math.inf) or an automatic one (``"auto"``/AutoFreeze)."""
+    """A fixed freeze step (an int >= 1 or math.inf) or an automatic one (``"auto"``/AutoFreeze)."""
 
     def __init__(self, name: str, value: object) -> None:
         self.name = name
@@ -74,7 +74,13 @@ class FreezeSchedule:
             self.fixed = math.inf
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(
-                f"{name}: expected an int >= 0, math.inf, 'auto' or an AutoFreeze, got {value!r}"
+                f"{name}: expected an int >= 1, math.inf, 'auto' or an AutoFreeze, got {value!r}"
+            )
+        elif value == 0:
+            raise ValueError(
+                f"{name}: 0 would freeze a variance that was never estimated (zero everywhere), so "
+                "the first update would divide by eps; give at least 1 full-precision update (the "
+                "convergence suite froze at 20% of the run) or 'auto'"
             )
         else:
             self.fixed = value

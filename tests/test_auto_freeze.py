@@ -60,8 +60,31 @@ def test_fixed_schedules():
 
 @pytest.mark.parametrize("value", [-1, 2.5, "Auto", None, True])
 def test_bad_freeze_step(value):
-    with pytest.raises(ValueError, match="^freeze_step: expected an int >= 0, math.inf, 'auto'"):
+    with pytest.raises(ValueError, match="^freeze_step: expected an int >= 1, math.inf, 'auto'"):
         OnebitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=value)
+
+
+def _body_freeze_at_zero():
+    messages = []
+    pairs = ((OnebitAdam, "freeze_step"), (OnebitLamb, "freeze_step"), (ZeroOneAdam, "var_freeze_step"))
+    for cls, name in pairs:
+        p = torch.nn.Parameter(torch.zeros(3))
+        try:
+            cls([p], **{name: 0})
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_freeze_at_zero_is_refused(ranks, W):
+    # a user's mistake (issue 27): freeze_step=0 froze a variance never estimated (zero
+    # everywhere); every optimizer refuses it on every rank, saying what to give instead
+    for messages in ranks(W).run(_body_freeze_at_zero):
+        assert len(messages) == 3
+        for m, name in zip(messages, ("freeze_step", "freeze_step", "var_freeze_step"), strict=True):
+            assert m.startswith(f"{name}: 0 would freeze a variance that was never estimated"), m
+            assert "at least 1 full-precision update" in m and "'auto'" in m
 
 
 @pytest.mark.parametrize("kw,name", [

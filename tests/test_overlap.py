@@ -131,7 +131,10 @@ def test_overlap_with_gradient_accumulation_under_no_sync(ranks, kind):
 
 def _body_accumulate_without_no_sync():
     model = _model()
-    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=0, bucket_cap_mb=0.002, overlap=True)
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=1, bucket_cap_mb=0.002, overlap=True)
+    _loss(model, 0, dist.get_rank(), set()).backward()  # the warm-up update
+    opt.step()
+    opt.zero_grad()
     _loss(model, 0, dist.get_rank(), set()).backward()
     try:
         _loss(model, 1, dist.get_rank(), set()).backward()
