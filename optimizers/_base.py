@@ -111,6 +111,20 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
         self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's, before training starts. Refused once the optimizer has built its buckets
+        and error buffers (the first step) or its backward hooks (``overlap=True``): every rank
+        would need the same new buckets at the same step, and the saved states would no
+        longer match the model."""
+        started = getattr(self, "_reducer", None) is not None or any(self.state.values())
+        if started or getattr(self, "_overlap", None) is not None:
+            when = "training started" if started else "overlap=True hooked backward at construction"
+            raise ValueError(
+                f"add_param_group: {type(self).__name__} fixes its buckets, error buffers and hooks "
+                f"when they are made, and {when}; pass every parameter group to the constructor "
+                "(a group with lr=0 keeps parameters still until you raise its lr)")
+        super().add_param_group(param_group)
+
     def wants_averaged_gradients(self) -> bool:
         """Whether the next step() uses full-precision gradients averaged over the group."""
         raise NotImplementedError
