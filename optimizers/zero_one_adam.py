@@ -96,6 +96,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if overlap:
             self._enable_overlap(self._compresses_gradients, self._load_grad)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """As the base class's (before training only); the new group's summed learning rate
+        starts at zero."""
+        super().add_param_group(param_group)
+        if hasattr(self, "lrs"):  # torch's constructor adds the first groups before lrs exists
+            self.lrs.append(0.0)
+
     def _compresses_gradients(self) -> bool:
         """Whether the next step sends the gradient through compressed_allreduce (phase 1)."""
         return self.phase == 1 and not self.wants_averaged_gradients()
