@@ -146,6 +146,12 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
         Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
+        if not getattr(self, "_ddp_checked", False):
+            self._ddp_checked = True
+            if self.world_size > 1 and not self.external_averaging:
+                from .ddp import adopt_ddp_model  # ddp.py imports this module
+
+                adopt_ddp_model(self)
         overlap = self._overlap
         if overlap is None or not overlap.wanted():
             if check:

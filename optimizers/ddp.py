@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..collectives._group import warn_renamed
+from ..collectives._group import warn_collective, warn_renamed
 from ..collectives.wire import ring_allreduce_bytes, traffic
 from ..kernels._checks import check_instance
 from ._base import OnebitOptimizerBase
@@ -62,3 +62,36 @@ def onebit_comm_hook(
     """Deprecated name of :func:`warmup_averaging_hook` (renamed in 0.2.0)."""
     warn_renamed("onebit_comm_hook", "onebit.optimizers.warmup_averaging_hook", optimizer.process_group)
     return warmup_averaging_hook(optimizer, bucket)
+
+
+def adopt_ddp_model(optimizer: OnebitOptimizerBase) -> None:
+    """At a 1-bit optimizer's first step (once per process): if its parameters belong to a
+    DistributedDataParallel model that ``register_ddp_hook`` was not called for, DDP would
+    all-reduce full-precision gradients every step on top of the optimizer's own traffic.
+    Without a communication hook on that model, install :func:`warmup_averaging_hook` (what
+    ``register_ddp_hook`` does) and say so once for the group; with another hook on it (e.g.
+    ``onebit_compress_hook``: the gradients would be compressed twice), refuse with what to do.
+    Finding the model scans the garbage collector's objects once (a fraction of a second)."""
+    import gc
+
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owners = [obj for obj in gc.get_objects()
+              if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.parameters())]
+    for model in owners:
+        hooks = [hook for hook, _ in getattr(model, "_comm_hooks", [])]
+        if any(hook is warmup_averaging_hook or hook is onebit_comm_hook for hook in hooks):
+            continue
+        if hooks:
+            names = ", ".join(getattr(h, "__name__", repr(h)) for h in hooks)
+            raise ValueError(
+                f"step: {type(optimizer).__name__}'s parameters belong to a DistributedDataParallel "
+                f"model with a communication hook ({names}): the gradients would be averaged (or "
+                "compressed) twice. A 1-bit optimizer compresses its own momentum: build the DDP model "
+                "without that hook and call onebit.optimizers.register_ddp_hook(model, opt)")
+        register_ddp_hook(model, optimizer)
+        warn_collective(
+            f"onebit: {type(optimizer).__name__}'s parameters belong to a DistributedDataParallel model "
+            "without register_ddp_hook, so DDP would all-reduce full-precision gradients every step on "
+            "top of the optimizer's own 1-bit traffic; onebit registered the hook for you "
+            "(onebit.optimizers.register_ddp_hook(model, opt) right after building both says so "
+            "explicitly and silences this)", RuntimeWarning, optimizer.process_group, stacklevel=5)
