@@ -86,6 +86,11 @@ class OnebitCompressHookState:
         self.process_group = process_group
         self.optimizer = None if optimizer is None else check_instance(
             "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+        if hasattr(optimizer, "wants_averaged_gradients"):  # a onebit 1-bit optimizer
+            raise TypeError(
+                f"optimizer: {type(optimizer).__name__} compresses its own momentum; compressing its "
+                "gradients in a DDP hook as well would do it twice. Use "
+                "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
         self.variance_floor = check_number("variance_floor", variance_floor, low=0.0)
         self.world_size = check_group(process_group)
         self.start_iter = check_int("start_iter", start_iter, low=1)
@@ -237,6 +242,11 @@ def onebit_compress_hook(state: OnebitCompressHookState,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket over ``state.process_group``: in full precision for the first
     ``state.start_iter`` iterations, then with ``compressed_allreduce`` (asynchronously)."""
+    if not isinstance(state, OnebitCompressHookState):
+        raise TypeError(
+            f"onebit_compress_hook: its state must be an OnebitCompressHookState, got "
+            f"{type(state).__name__}; for a onebit 1-bit optimizer use "
+            "onebit.optimizers.register_ddp_hook(model, opt) instead")
     buffer = bucket.buffer()
     W = state.world_size
     layout = state._layout(bucket)

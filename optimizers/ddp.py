@@ -27,6 +27,12 @@ def warmup_averaging_hook(
     """The hook that ``register_ddp_hook`` installs: a DDP bucket averaged in full precision
     over the optimizer's group when the optimizer wants averaged gradients (warm-up, 0/1 Adam's
     variance steps), else returned as it is, with no communication."""
+    if not isinstance(optimizer, OnebitOptimizerBase):
+        raise TypeError(
+            f"warmup_averaging_hook: its state must be a onebit 1-bit optimizer, got "
+            f"{type(optimizer).__name__}; install it with onebit.optimizers.register_ddp_hook(model, "
+            "opt). To compress a DDP model's gradients for another optimizer, register "
+            "onebit.collectives.onebit_compress_hook with an OnebitCompressHookState")
     buffer = bucket.buffer()
     if optimizer.wants_averaged_gradients() and optimizer.world_size > 1:
         buffer.div_(optimizer.world_size)

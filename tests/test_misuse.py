@@ -120,3 +120,42 @@ def test_a_one_bit_optimizer_behind_the_compress_hook_is_refused(ranks, W):
         kind, message = res["forgot"]
         assert kind == "error" and message.startswith("step: OnebitAdam's parameters belong to"), message
         assert "onebit_compress_hook" in message and "register_ddp_hook(model, opt)" in message
+
+
+def _body_swapped_hooks(which: str):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+    from onebit.optimizers import warmup_averaging_hook
+
+    model = DistributedDataParallel(_model())
+    if which == "optimizer-to-compress-hook":
+        opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+        model.register_comm_hook(opt, onebit_compress_hook)
+    elif which == "state-to-warmup-hook":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.register_comm_hook(OnebitCompressHookState(optimizer=opt), warmup_averaging_hook)
+    else:  # a 1-bit optimizer given to the compress hook's state
+        try:
+            OnebitCompressHookState(optimizer=OnebitAdam(model.parameters(), lr=1e-2))
+        except TypeError as e:
+            return str(e)
+        return ""
+    try:
+        model(torch.randn(4, 8)).square().mean().backward()
+    except Exception as e:  # DDP reports the hook's exception from backward
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("which,expected", [
+    ("optimizer-to-compress-hook", "onebit_compress_hook: its state must be an OnebitCompressHookState"),
+    ("state-to-warmup-hook", "warmup_averaging_hook: its state must be a onebit 1-bit optimizer"),
+    ("onebit-optimizer-in-state", "optimizer: OnebitAdam compresses its own momentum"),
+])
+def test_swapped_hooks_say_which_goes_with_which(ranks, W, which, expected):
+    # was: an AttributeError on an internal name at the first backward
+    for message in ranks(W).run(_body_swapped_hooks, which):
+        assert expected in message, message
+        assert "register_ddp_hook(model, opt)" in message or "onebit_compress_hook" in message
