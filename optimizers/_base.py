@@ -111,6 +111,23 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
         self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
 
+    def _verify_first_replicas(self) -> None:
+        """Before this optimizer's first update (also after a resume): every rank must hold the
+        same parameters, or the 1-bit updates (identical on every rank) keep them apart forever.
+        One fingerprint all-gather (16 bytes per tensor); ReplicaMismatchError on every rank."""
+        from ..collectives.replicas import ReplicaMismatchError, verify_replicas
+
+        named = [(f"param_groups[{i}]['params'][{j}]", p)
+                 for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])]
+        try:
+            verify_replicas(named, self.process_group)
+        except ReplicaMismatchError as e:
+            raise ReplicaMismatchError(
+                f"step: before {type(self).__name__}'s first update the ranks hold different "
+                f"parameters ({e}). Every rank must start from the same weights: seed every rank alike "
+                "before building the model (torch.manual_seed), load the same checkpoint on every rank, "
+                "or broadcast rank 0's (DistributedDataParallel does that when it wraps the model)") from e
+
     def add_param_group(self, param_group: dict) -> None:
         """As torch's, before training starts. Refused once the optimizer has built its buckets
         and error buffers (the first step) or its backward hooks (``overlap=True``): every rank
@@ -152,6 +169,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 from .ddp import adopt_ddp_model  # ddp.py imports this module
 
                 adopt_ddp_model(self)
+            if self.world_size > 1 and self.replicas_identical:
+                self._verify_first_replicas()
         overlap = self._overlap
         if overlap is None or not overlap.wanted():
             if check:
