@@ -24,7 +24,7 @@ from ..collectives._group import comm_device, gather_json, group_size, warn_coll
 from ..collectives.bucket import BucketedReducer
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ..kernels.layout import check_block
-from ._freeze import FreezeSchedule
+from ._freeze import DEFAULT_FREEZE, FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
 from ._overlap import BackwardOverlap
 
@@ -98,6 +98,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False
+        self._default_warned = False  # stats() said once that the default freeze is far away
         super().__init__(params, defaults)
         self.process_group = group
         self.skipped_steps = 0  # steps skipped for non-finite gradients (saved with the state)
@@ -465,10 +466,21 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         coordinates masked by ``auto_mask`` (as of the last time the mask was built)."""
         out = {name: getattr(self, name) for name in self.COUNTERS}
         out.pop("freeze_state", None)
-        out.update(stage=self.stage, frozen_at=self.frozen_at,
+        schedule = self.schedule
+        left = schedule.steps_left(self.updates)
+        out.update(stage=self.stage, frozen_at=self.frozen_at, steps_to_compression=left,
                    skipped_steps=self.skipped_steps, masked_coordinates=self.masked_coordinates,
                    floored_coordinates=self.floored_coordinates(),
                    coordinates=sum(p.numel() for p, _ in self.compressed_params()))
+        if left and schedule.auto is None and schedule.fixed == DEFAULT_FREEZE and not self._default_warned:
+            self._default_warned = True
+            warn_collective(
+                f"onebit: {type(self).__name__} has sent full-precision gradients at every one of its "
+                f"{self.updates} update(s) so far: {schedule.name}={DEFAULT_FREEZE} (the reference's "
+                f"default) is {left} updates away, so a shorter run never compresses. Set "
+                f"{schedule.name} (the convergence suite froze at 20% of the run) or 'auto'",
+                RuntimeWarning, self.process_group,
+                stacklevel=3)
         return out
 
     # -- parameters and buffers -------------------------------------------------------

@@ -59,6 +59,9 @@ class AutoFreeze:
         check_order("AutoFreeze.min_step", self.min_step, "max_step", self.max_step)
 
 
+DEFAULT_FREEZE = 100000  # the reference's default freeze step: "never" for most runs
+
+
 class FreezeSchedule:
     """A fixed freeze step (an int >= 1 or math.inf) or an automatic one (``"auto"``/AutoFreeze)."""
 
@@ -90,6 +93,13 @@ class FreezeSchedule:
 
     def __repr__(self) -> str:
         return f"{self.name}={self.auto!r}" if self.auto is not None else f"{self.name}={self.fixed!r}"
+
+    def steps_left(self, updates: int) -> int | None:
+        """Full-precision updates left before the freeze: 0 once frozen, None when unknown
+        (``"auto"`` before it decided) or never (``math.inf``)."""
+        if self.frozen_at(updates) is not None:
+            return 0
+        return None if self.auto is not None or self.fixed == math.inf else int(self.fixed) - updates
 
     def frozen_at(self, updates: int) -> int | None:
         """The number of full-precision updates before the freeze, once it happened."""

@@ -81,8 +81,10 @@ def adopt_ddp_model(optimizer: OnebitOptimizerBase) -> None:
     import gc
 
     ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    owners = [obj for obj in gc.get_objects()
-              if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.parameters())]
+    # issubclass(type(obj)), not isinstance: isinstance reads obj.__class__, and some objects
+    # (torch.distributed.reduce_op) warn when their attributes are read
+    owners = [obj for obj in gc.get_objects() if issubclass(type(obj), DistributedDataParallel)
+              and any(id(p) in ids for p in obj.parameters())]
     for model in owners:
         hooks = [hook for hook, _ in getattr(model, "_comm_hooks", [])]
         if any(hook is warmup_averaging_hook or hook is onebit_comm_hook for hook in hooks):

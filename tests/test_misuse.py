@@ -189,3 +189,38 @@ def test_ranks_with_different_initial_weights_are_stopped_at_the_first_step(rank
         assert message.startswith("step: before ") and "the ranks hold different parameters" in message
         assert "torch.manual_seed" in message and "same checkpoint" in message
         assert untouched
+
+
+def _body_default_freeze(freeze):
+    import warnings
+
+    model = _model()
+    kw = {} if freeze is None else {"freeze_step": freeze}
+    opt = OnebitAdam(model.parameters(), lr=1e-2, **kw)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    left, messages = [], []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            stats = opt.stats()  # a script that logs stats() every step
+            left.append(stats["steps_to_compression"])
+        messages = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    return left, messages, opt.stats()["stage"]
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_the_default_freeze_that_never_comes_is_reported(ranks, W):
+    # was: freeze_step=100000 (the default) never compressed a short run; only
+    # stats()['stage'] showed it. Now stats() counts the steps left and says so once (rank 0).
+    for r, (left, messages, stage) in enumerate(ranks(W).run(_body_default_freeze, None)):
+        assert left == [100000 - k for k in range(1, 6)] and stage == "warm-up"
+        if r == 0:
+            assert len(messages) == 1 and "freeze_step=100000 (the reference's default)" in messages[0]
+            assert "Set freeze_step" in messages[0]
+        else:
+            assert messages == []
+    for left, messages, stage in ranks(W).run(_body_default_freeze, 3):  # a freeze the user chose
+        assert left == [2, 1, 0, 0, 0] and stage == "compression" and messages == []

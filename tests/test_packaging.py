@@ -25,7 +25,7 @@ def test_wheel_contains_only_the_onebit_namespace(tmp_path):
     for module in ("onebit/__init__.py", "onebit/kernels/triton_kernels.py",
                    "onebit/kernels/torch_kernels.py", "onebit/kernels/reference.py",
                    "onebit/collectives/allreduce.py", "onebit/checkpoint.py",
-                   "onebit/optimizers/__init__.py"):
+                   "onebit/optimizers/__init__.py", "onebit/py.typed"):
         assert module in names, module
     assert not any(n.startswith(("onebit/tests", "onebit/bench", "onebit/examples")) for n in names)
 
@@ -69,3 +69,16 @@ def test_sdist_ships_the_library_and_its_spec_but_no_tests(tmp_path):
                  "optimizers/onebit_adam.py", "docs/ALGORITHMS.md", "README.md", "pyproject.toml"):
         assert path in names, path
     assert not any(n.startswith(("tests/", "bench/", "examples/")) for n in names), sorted(names)
+
+
+def test_the_main_names_are_re_exported_from_onebit():
+    import onebit
+    import onebit.collectives
+    import onebit.optimizers
+
+    for name in onebit.__all__:
+        obj = getattr(onebit, name)
+        home = getattr(onebit.optimizers, name, None) or getattr(onebit.collectives, name, None)
+        assert obj is home or name == "checkpoint", name
+    assert onebit.OnebitAdam is onebit.optimizers.OnebitAdam
+    assert onebit.onebit_compress_hook is onebit.collectives.onebit_compress_hook
