@@ -76,6 +76,6 @@ def test_mkdocs_builds_strict_with_every_public_name(tmp_path):
     for module in (onebit.kernels, onebit.collectives, onebit.optimizers):
         missing = [n for n in module.__all__ if f'id="{module.__name__}.{n}"' not in html]
         assert not missing, f"{module.__name__}: no API entry for {missing}"
-    for page in ("optimizers", "distributed", "speedup", "ALGORITHMS", "failures", "benchmarks"):
+    for page in ("optimizers", "migrating", "distributed", "speedup", "ALGORITHMS", "failures", "benchmarks"):
         assert (site / page / "index.html").exists(), page
     assert (site / "bench" / "RESULTS" / "index.html").exists()
