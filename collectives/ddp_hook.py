@@ -203,11 +203,13 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
         for (i, v, bc2, eps), floor in zip(adam, floors, strict=True):
             parts[i] = stale_denominator(v, floor, eps, bc2).reshape(-1)
         d = torch.cat(parts)
-    if sgd:
-        parts = [torch.zeros(g.numel(), dtype=grads[i].dtype, device=g.device) for i, g in enumerate(grads)]
+    if sgd:  # one bucket-sized tensor written in place (no per-parameter temporaries, no cat)
+        c = torch.zeros_like(bucket.buffer())
+        offsets = [0]
+        for g in grads:
+            offsets.append(offsets[-1] + g.numel())
         for i, buf, factor in sgd:
-            parts[i] = (buf * factor).reshape(-1).to(grads[i].dtype)
-        c = torch.cat(parts)
+            torch.mul(buf, factor, out=c[offsets[i]:offsets[i + 1]].view_as(buf))
     return d, c
 
 

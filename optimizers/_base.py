@@ -99,6 +99,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.masked_coordinates = 0
         self._mask_warned = False
         self._default_warned = False  # stats() said once that the default freeze is far away
+        self._ddp_checked = False  # the first step looked for a DDP model and compared replicas
+        self._foreign_state = False  # a loaded state came from another rank: said at the next step
         super().__init__(params, defaults)
         self.process_group = group
         self.skipped_steps = 0  # steps skipped for non-finite gradients (saved with the state)
@@ -164,7 +166,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
         Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
-        if not getattr(self, "_ddp_checked", False):
+        if not self._ddp_checked:
             self._ddp_checked = True
             if self.world_size > 1 and not self.external_averaging:
                 from .ddp import adopt_ddp_model  # ddp.py imports this module
@@ -279,7 +281,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """Agree over the group whether every rank's gradients are finite (one single-element
         all-reduce and a host sync); on any non-finite gradient, every rank skips or raises
         before touching any state."""
-        foreign = getattr(self, "_foreign_state", False)
+        foreign = self._foreign_state
         if self.nonfinite is None or self._grads_verified:
             if foreign:  # no agreement this step: each rank that loaded a foreign state says so
                 self._say_foreign_state(None)
