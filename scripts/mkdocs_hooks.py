@@ -28,7 +28,7 @@ def make_tree() -> None:
             entry.unlink()
     for name, target in wanted.items():
         link = TREE / name
-        relative = os.path.relpath(target, TREE)  # relative: the loader maps them, not absolute ones
+        relative = os.path.relpath(target, TREE)  # relative links: the tree stays valid if the clone moves
         if link.is_symlink() and os.readlink(link) == relative:
             continue
         if link.is_symlink() or link.exists():
