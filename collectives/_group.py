@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import warnings
 
 import torch
@@ -82,14 +84,32 @@ def gather_json(obj, group, operation: str) -> list:
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(W)]
 
 
-def warn_collective(message: str, category: type[Warning], group, stacklevel: int = 2) -> None:
+def _internal_dirs() -> tuple[str, ...]:
+    """Directories whose frames a warning skips: onebit's packages (wherever they are
+    installed) and torch (its optimizer wrappers, no_grad decorators and autograd engine sit
+    between a user's line and ours)."""
+    names = ("onebit", "onebit.kernels", "onebit.collectives", "onebit.optimizers", "torch")
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in names]
+    return tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files if f)
+
+
+def warn_user(message: str, category: type[Warning]) -> None:
+    """warnings.warn attributed to the first frame outside onebit and torch: the user's line
+    (``opt.step()``, ``loss.backward()``, ``opt.stats()``), however deep the call came from."""
+    internal = _internal_dirs()
+    frame, level = sys._getframe(1), 2  # level 2: warn_user's caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 1)
+
+
+def warn_collective(message: str, category: type[Warning], group) -> None:
     """A warning about a condition every rank of ``group`` sees alike (a step skipped on every
     rank, masked coordinates, a bucket layout that changed): raised on group rank 0 only, so a
-    run prints it once instead of once per rank. ``stacklevel`` as for warnings.warn, counted
-    from the caller."""
+    run prints it once instead of once per rank; attributed to the user's line (warn_user)."""
     if dist.is_available() and dist.is_initialized() and dist.get_rank(group) > 0:
         return
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    warn_user(message, category)
 
 
 _renamed_warned: set[str] = set()
@@ -102,5 +122,4 @@ def warn_renamed(old: str, new: str, group) -> None:
         return
     _renamed_warned.add(old)
     warn_collective(f"onebit: {old} is deprecated and will be removed in 0.3.0; use {new} (the same "
-                    "object under a name that says what it does; CHANGELOG.md)", FutureWarning, group,
-                    stacklevel=4)
+                    "object under a name that says what it does; CHANGELOG.md)", FutureWarning, group)

@@ -19,17 +19,22 @@ from ..kernels.layout import padded_numel
 from ._failure import guard
 from ._group import group_size
 from .allreduce import compressed_allreduce
-from .wire import ring_allreduce_bytes, traffic
+from .wire import Traffic, ring_allreduce_bytes, traffic
 
 __all__ = ["Bucket", "BucketedReducer", "allreduce_mean_", "plan_buckets"]
 
 
-def allreduce_mean_(tensor: torch.Tensor, group, world_size: int) -> torch.Tensor:
-    """Full-precision mean over the group, in place (sum, then divide by W); counted."""
+def allreduce_mean_(
+    tensor: torch.Tensor, group, world_size: int, counter: Traffic | None = None
+) -> torch.Tensor:
+    """Full-precision mean over the group, in place (sum, then divide by W); counted in
+    :data:`traffic` and in ``counter``."""
     with guard("full-precision all_reduce", group):
         dist.all_reduce(tensor, group=group)
     traffic.full += ring_allreduce_bytes(tensor.numel(), world_size, tensor.element_size())
     traffic.full_calls += 1
+    if counter is not None:
+        counter.add_full(tensor.numel(), world_size, tensor.element_size())
     return tensor.div_(world_size)
 
 
@@ -80,7 +85,8 @@ class BucketedReducer:
     With ``flat_padding`` the flat buffers include the padding to N, which is then
     compressed as data and keeps what the previous call left there (1-bit LAMB's
     reference behaviour); otherwise the padding is implicit zeros. ``block``: block scales
-    for every compressed all-reduce (see compressed_allreduce).
+    for every compressed all-reduce (see compressed_allreduce). ``traffic`` counts the bytes
+    this reducer's calls send (the owning optimizer's counter).
     """
 
     def __init__(
@@ -92,8 +98,10 @@ class BucketedReducer:
         bucket_cap_mb: float = 25.0,
         flat_padding: bool = False,
         block: int | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         self.group = group
+        self.traffic = Traffic() if traffic is None else traffic
         self.block = block
         self.world_size = group_size(group)
         self.shapes = [torch.Size(s) for s in shapes]
@@ -130,6 +138,11 @@ class BucketedReducer:
                 self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
             else:
                 self.allreduce(b.flat, b.worker_error, b.server_error, self.group, block=self.block)
+            self.count_compressed(b)
+
+    def count_compressed(self, bucket: Bucket) -> None:
+        """Count one compressed all-reduce of ``bucket`` in this reducer's traffic."""
+        self.traffic.add_compressed(bucket.worker_error.numel(), self.world_size, self.block)
 
     def average(
         self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True
@@ -144,7 +157,7 @@ class BucketedReducer:
             else:
                 out[off : off + size].copy_(t.reshape(-1))
         if communicate and self.world_size > 1 and bucket.numel:
-            allreduce_mean_(out, self.group, self.world_size)
+            allreduce_mean_(out, self.group, self.world_size, self.traffic)
         return out
 
     def reset_errors(self) -> None:

@@ -162,7 +162,7 @@ class OnebitCompressHookState:
                     warn_collective(f"onebit_compress_hook: bucket {index} matches no bucket the state "
                                     "remembers (the model or DDP's bucketing changed); its error feedback "
                                     "starts from zero (counted in stats()['resets'])",
-                                    RuntimeWarning, self.process_group, stacklevel=3)
+                                    RuntimeWarning, self.process_group)
             device = buffer.device
             found = (torch.zeros(N, device=device), torch.zeros(N // self.world_size, device=device))
             self.errors[index] = found

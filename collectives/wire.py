@@ -2,7 +2,8 @@
 
 ``traffic`` counts, per process, the bytes this rank sent through onebit's collectives
 (host-side integers: no synchronisation). ``compressed`` is what compressed_allreduce
-sent; ``full`` what the full-precision averaging sent (ring all-reduce model).
+sent; ``full`` what the full-precision averaging sent (ring all-reduce model). Each 1-bit
+optimizer keeps a :class:`Traffic` of its own as well (``opt.traffic``; ``opt.stats()``).
 """
 
 from __future__ import annotations
@@ -28,16 +29,37 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
 @dataclass
 class Traffic:
     """Bytes this process sent through onebit since the last ``reset()`` (the type of
-    :data:`traffic`): ``compressed`` bytes in 1-bit calls, ``full`` bytes in full-precision
-    averaging, and the number of calls of each kind."""
+    :data:`traffic`, and of a 1-bit optimizer's ``traffic``): ``compressed`` bytes in 1-bit
+    calls, ``full`` bytes in full-precision averaging, ``control`` bytes in the small
+    agreement all-reduces an optimizer makes every step (non-finite check, freeze vote), and
+    the number of calls of each kind."""
 
     compressed: int = 0
     full: int = 0
     compressed_calls: int = 0
     full_calls: int = 0
+    control: int = 0
+    control_calls: int = 0
 
     def reset(self) -> None:
         self.compressed = self.full = self.compressed_calls = self.full_calls = 0
+        self.control = self.control_calls = 0
+
+    def add_compressed(self, padded_numel: int, world_size: int, block: int | None = None) -> None:
+        """Count one compressed_allreduce of ``padded_numel`` elements."""
+        self.compressed += compressed_bytes(padded_numel, world_size, block)
+        self.compressed_calls += 1
+
+    def add_full(self, numel: int, world_size: int, element_size: int = 4, *, control: bool = False) -> None:
+        """Count one full-precision all-reduce of ``numel`` elements (ring model); ``control``:
+        an agreement all-reduce rather than data."""
+        sent = ring_allreduce_bytes(numel, world_size, element_size)
+        if control:
+            self.control += sent
+            self.control_calls += 1
+        else:
+            self.full += sent
+            self.full_calls += 1
 
 
 traffic = Traffic()

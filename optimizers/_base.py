@@ -12,18 +12,24 @@ parameters' dtype (torch would cast it to the parameter dtype).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
+import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..collectives._failure import guard
-from ..collectives._group import comm_device, gather_json, group_size, warn_collective
+from ..collectives._group import comm_device, gather_json, group_size, warn_collective, warn_user
 from ..collectives.bucket import BucketedReducer
+from ..collectives.wire import Traffic, traffic
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ..kernels.layout import check_block
+from ._clip import clip_grads_
 from ._freeze import DEFAULT_FREEZE, FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
 from ._overlap import BackwardOverlap
@@ -98,7 +104,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False
-        self._default_warned = False  # stats() said once that the default freeze is far away
+        self._default_warned = False  # said once that this run has not compressed (stats() or exit)
         self._ddp_checked = False  # the first step looked for a DDP model and compared replicas
         self._foreign_state = False  # a loaded state came from another rank: said at the next step
         super().__init__(params, defaults)
@@ -106,6 +112,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped for non-finite gradients (saved with the state)
         self._grads_verified = False  # set by onebit's GradScaler around the step it lets through
         self._reducer: BucketedReducer | None = None
+        # bytes this optimizer, its DDP hook and its backward overlap sent (stats(); saved)
+        self.traffic = Traffic()
         self._pending: dict[str, Any] | None = None
         self.external_averaging = False  # set by register_ddp_hook: DDP averages when asked
         self._overlap: BackwardOverlap | None = None  # set by subclasses that offer overlap=True
@@ -113,6 +121,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.register_state_dict_post_hook(OnebitOptimizerBase._add_extra_state)
         self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
         self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
+        # at interpreter exit, group rank 0 says whether this optimizer never compressed
+        self._group_rank = self._rank()
+        _LIVE.add(self)
 
     def _verify_first_replicas(self) -> None:
         """Before this optimizer's first update (also after a resume): every rank must hold the
@@ -300,6 +311,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             count = torch.tensor([(0 if ok else 1) + (int(foreign) << 32)], dtype=torch.int64, device=device)
             with guard("non-finite gradient check", group):
                 dist.all_reduce(count, group=group)
+            self.count_sent(1, 8, control=True)
             total = int(count)
             if total >> 32:
                 self._say_foreign_state(total >> 32)
@@ -309,6 +321,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 flags[dist.get_rank(group)] = 0 if ok else 1
                 with guard("non-finite gradient check", group):
                     dist.all_reduce(flags, group=group)
+                self.count_sent(self.world_size, 8, control=True)
                 bad = flags.nonzero().flatten().tolist()
         if not bad:
             return True
@@ -317,9 +330,29 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if self.nonfinite == "raise":
             raise FloatingPointError(f"step: {what}; no parameter or state was changed on any rank")
         self.skipped_steps += 1
-        warn_collective(f"onebit: step skipped on every rank: {what}", RuntimeWarning, self.process_group,
-                        stacklevel=5)
+        warn_collective(f"onebit: step skipped on every rank: {what}", RuntimeWarning, self.process_group)
         return False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for this optimizer's parameters by a norm every rank
+        agrees on: call it between ``backward()`` and ``step()``. Each rank's gradients are its
+        own there (always without DDP, after the freeze with DDP), so torch's would clip by a
+        different factor per rank. The norm is the p-mean over ranks of the local norms (for
+        p = 2 their root mean square: at least the averaged gradient's norm, about ``sqrt(W)``
+        times it where minibatch noise dominates); every rank scales by ``min(1, max_norm /
+        (norm + 1e-6))``. One float64 all-reduce (counted in ``stats()['bytes_control']``);
+        returns the norm (float64, bitwise the same on every rank). See docs/migrating.md."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        norm = clip_grads_(params, max_norm, norm_type, self.process_group)
+        if self.world_size > 1:
+            self.count_sent(1, 8, control=True)
+        return norm
+
+    def count_sent(self, numel: int, element_size: int, *, control: bool = False) -> None:
+        """Count an all-reduce of ``numel`` elements that this optimizer (or its hook) made
+        outside the reducer, in its own traffic and in onebit's per-process counter."""
+        for counter in (self.traffic, traffic):
+            counter.add_full(numel, self.world_size, element_size, control=control)
 
     def _say_foreign_state(self, ranks: int | None) -> None:
         """Warn that ``ranks`` ranks (None: this rank, without an agreement) resumed from a state
@@ -331,9 +364,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                    "resume exactly. Save one state per rank with onebit.checkpoint.save(opt.state_dict(), "
                    "directory, step) and load it on every rank with onebit.checkpoint.load_latest(directory)")
         if ranks is None:
-            warnings.warn(message, RuntimeWarning, stacklevel=5)
+            warn_user(message, RuntimeWarning)
         else:
-            warn_collective(message, RuntimeWarning, self.process_group, stacklevel=5)
+            warn_collective(message, RuntimeWarning, self.process_group)
 
     def _communicate_average(self) -> bool:
         """Average in step() unless a DDP hook already did it for this step."""
@@ -376,7 +409,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                     f"{self.auto_mask:g} x their tensor's mean (they had (almost) no gradient: "
                     f"always-zero features, dead units, unused embedding rows); Adam gives them "
                     f"(almost) no update either. opt.stats() counts them; auto_mask=None restores "
-                    f"the reference's behaviour", RuntimeWarning, self.process_group, stacklevel=4,
+                    f"the reference's behaviour", RuntimeWarning, self.process_group,
                 )
         return self._masks
 
@@ -448,6 +481,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             self.updates,
             [self.state[p][self.VARIANCE_STATE] for p, _ in self.compressed_params()],
             self.process_group,
+            self,
         )
 
     @property
@@ -464,26 +498,53 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         raise NotImplementedError
 
     def stats(self) -> dict[str, Any]:
-        """Counters a user should see: updates, steps skipped for non-finite gradients,
-        coordinates masked by ``auto_mask`` (as of the last time the mask was built)."""
+        """Counters a user should see: updates, the stage, ``steps_to_compression`` (0 once
+        compressing; None under ``"auto"`` or ``math.inf``), steps skipped for non-finite
+        gradients, coordinates masked by ``auto_mask`` (as of the last time the mask was
+        built), and the bytes this rank sent for this optimizer: ``bytes_compressed`` (1-bit
+        all-reduces, from step() or from backward with ``overlap=True``), ``bytes_full``
+        (full-precision averaging, in step() or in its DDP hook), ``bytes_control`` (the
+        per-step agreement all-reduces), ``bytes_sent`` (their sum); saved with the state.
+        One-off checks (the first step's replica fingerprints, ``check=True``) are not counted."""
         out = {name: getattr(self, name) for name in self.COUNTERS}
         out.pop("freeze_state", None)
-        schedule = self.schedule
-        left = schedule.steps_left(self.updates)
+        left = self.steps_to_compression()
         out.update(stage=self.stage, frozen_at=self.frozen_at, steps_to_compression=left,
                    skipped_steps=self.skipped_steps, masked_coordinates=self.masked_coordinates,
                    floored_coordinates=self.floored_coordinates(),
-                   coordinates=sum(p.numel() for p, _ in self.compressed_params()))
-        if left and schedule.auto is None and schedule.fixed == DEFAULT_FREEZE and not self._default_warned:
+                   coordinates=sum(p.numel() for p, _ in self.compressed_params()),
+                   bytes_compressed=self.traffic.compressed, bytes_full=self.traffic.full,
+                   bytes_control=self.traffic.control,
+                   bytes_sent=self.traffic.compressed + self.traffic.full + self.traffic.control)
+        schedule = self.schedule
+        default = schedule.auto is None and schedule.fixed == DEFAULT_FREEZE
+        # the reference's default freeze is what keeps this run from compressing
+        if default and left and left == schedule.steps_left(self.updates) and not self._default_warned:
             self._default_warned = True
-            warn_collective(
-                f"onebit: {type(self).__name__} has sent full-precision gradients at every one of its "
-                f"{self.updates} update(s) so far: {schedule.name}={DEFAULT_FREEZE} (the reference's "
-                f"default) is {left} updates away, so a shorter run never compresses. Set "
-                f"{schedule.name} (the convergence suite froze at 20% of the run) or 'auto'",
-                RuntimeWarning, self.process_group,
-                stacklevel=3)
+            warn_collective(self._not_compressed_message(), RuntimeWarning, self.process_group)
         return out
+
+    def steps_to_compression(self) -> int | None:
+        """Updates left before the first compressed one: 0 once compressing (or when the next
+        update compresses), None when unknown (``"auto"`` before it decided) or never."""
+        return self.schedule.steps_left(self.updates)
+
+    def _not_compressed_message(self) -> str:
+        schedule, left = self.schedule, self.steps_to_compression()
+        why = (f"{schedule!r} is {left} updates away" if left is not None else
+               f"{schedule!r} never found the variance settled (AutoFreeze.max_step bounds the wait)")
+        if schedule.auto is None and schedule.fixed == DEFAULT_FREEZE:
+            why = f"{schedule.name}={DEFAULT_FREEZE} (the reference's default) is {left} updates away"
+        return (f"onebit: {type(self).__name__} has sent full-precision gradients at every one of its "
+                f"{self.updates} update(s) and compressed none: {why}, so this run trains (and costs) as "
+                f"plain data parallelism. Set {schedule.name} to about 20% of the run (the convergence "
+                f"suite's choice) or 'auto'; opt.stats()['steps_to_compression'] counts down to it")
+
+    def _never_compressed(self) -> bool:
+        """True when this optimizer stepped on more than one rank and never sent a compressed byte,
+        though its schedule would compress some day (not ``math.inf``)."""
+        never = self.schedule.auto is None and self.schedule.fixed == math.inf
+        return self.world_size > 1 and self.updates > 0 and self.traffic.compressed == 0 and not never
 
     # -- parameters and buffers -------------------------------------------------------
     def compressed_params(self) -> list[tuple[torch.Tensor, dict]]:
@@ -501,6 +562,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             self._reducer = BucketedReducer(
                 [p.shape for p in params], device, group=self.process_group,
                 bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
+                traffic=self.traffic,
             )
             (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
             for k, p in enumerate(params):
@@ -536,6 +598,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             # with FLAT_PADDING the padding is data the next call compresses
             "flat_tails": [b.flat[b.n :] for b in reducer.buckets],
             "counters": {name: getattr(self, name) for name in self.COUNTERS + ("skipped_steps",)},
+            "traffic": dataclasses.asdict(self.traffic),
         }
         return state_dict
 
@@ -595,6 +658,23 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if extra is not None:
             for name, value in extra.get("counters", {}).items():
                 setattr(self, name, value)
+            self.traffic = Traffic(**extra.get("traffic", {}))
+            reducer.traffic = self.traffic
+
+
+_LIVE: weakref.WeakSet[OnebitOptimizerBase] = weakref.WeakSet()
+
+
+@atexit.register
+def say_never_compressed() -> None:
+    """At the end of training (interpreter exit; callable earlier): every live 1-bit optimizer
+    that stepped and never compressed says so once, on its group's rank 0 (no collective: the
+    counters are the same on every rank)."""
+    for opt in list(_LIVE):
+        if opt._never_compressed() and not opt._default_warned:
+            opt._default_warned = True
+            if opt._group_rank == 0:
+                warnings.warn(opt._not_compressed_message(), RuntimeWarning, stacklevel=1)
 
 
 def _difference(theirs: dict, ours: dict) -> str:

@@ -107,9 +107,10 @@ class FreezeSchedule:
             return int(self.fixed) if updates >= self.fixed else None
         return self._frozen_at
 
-    def observe(self, updates: int, variances: Sequence[torch.Tensor], group) -> None:
+    def observe(self, updates: int, variances: Sequence[torch.Tensor], group, counter=None) -> None:
         """After full-precision update number ``updates``, with the variance of every compressed
-        tensor: decides the automatic freeze (a collective on window boundaries)."""
+        tensor: decides the automatic freeze (a collective on window boundaries, counted by
+        ``counter.count_sent``: the optimizer)."""
         auto = self.auto
         if auto is None or self._frozen_at is not None:
             return
@@ -124,7 +125,7 @@ class FreezeSchedule:
             self._calm = self._calm + 1 if max(moved, default=0.0) <= auto.tolerance else 0
         self._last = shapes
         verdict = updates >= auto.min_step and self._calm >= auto.patience
-        if _agree(verdict, group):
+        if _agree(verdict, group, counter):
             self._frozen_at = updates
 
     # checkpointed with the optimizer's counters (an int or None, an int, CPU float64 tensors)
@@ -145,11 +146,14 @@ def _shape(v: torch.Tensor) -> torch.Tensor:
     return s / total if total > 0 else s
 
 
-def _agree(verdict: bool, group) -> bool:
+def _agree(verdict: bool, group, counter=None) -> bool:
     """True only if every rank of ``group`` says True (a one-element MIN all-reduce)."""
-    if group_size(group) == 1:
+    W = group_size(group)
+    if W == 1:
         return verdict
     flag = torch.tensor([1 if verdict else 0], dtype=torch.int64, device=comm_device(group))
     with guard("automatic freeze decision", group):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if counter is not None:
+        counter.count_sent(1, 8, control=True)
     return bool(flag.item())

@@ -95,8 +95,11 @@ class BackwardOverlap:
             self.saved[b] = True
         for i in bucket.indices:
             self.fill(i)
-        self.futures[b] = self.reducer.allreduce(bucket.flat, bucket.worker_error, bucket.server_error,
-                                                 self.reducer.group, async_op=True)
+        reducer = self.reducer
+        block = {} if reducer.block is None else {"block": reducer.block}  # as compressed_mean_ calls it
+        self.futures[b] = reducer.allreduce(bucket.flat, bucket.worker_error, bucket.server_error,
+                                            reducer.group, async_op=True, **block)
+        self.reducer.count_compressed(bucket)
         self.next += 1
 
     def launch_rest(self) -> None:

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives._group import warn_collective, warn_renamed
-from ..collectives.wire import ring_allreduce_bytes, traffic
 from ..kernels._checks import check_instance
 from ._base import OnebitOptimizerBase
 
@@ -38,8 +37,7 @@ def warmup_averaging_hook(
         buffer.div_(optimizer.world_size)
         group = optimizer.process_group if optimizer.process_group is not None else dist.group.WORLD
         work = dist.all_reduce(buffer, group=group, async_op=True)
-        traffic.full += ring_allreduce_bytes(buffer.numel(), optimizer.world_size, buffer.element_size())
-        traffic.full_calls += 1
+        optimizer.count_sent(buffer.numel(), buffer.element_size())
         return work.get_future().then(lambda fut: fut.value()[0])
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
@@ -102,4 +100,4 @@ def adopt_ddp_model(optimizer: OnebitOptimizerBase) -> None:
             "without register_ddp_hook, so DDP would all-reduce full-precision gradients every step on "
             "top of the optimizer's own 1-bit traffic; onebit registered the hook for you "
             "(onebit.optimizers.register_ddp_hook(model, opt) right after building both says so "
-            "explicitly and silences this)", RuntimeWarning, optimizer.process_group, stacklevel=5)
+            "explicitly and silences this)", RuntimeWarning, optimizer.process_group)

@@ -166,6 +166,7 @@ class OnebitLamb(WarmupThenCompress):
         if self.world_size > 1 and flat.numel():
             with guard("OnebitLamb trust-ratio sketch all_reduce", self.process_group):
                 dist.all_reduce(flat, group=self.process_group)
+            self.count_sent(flat.numel(), flat.element_size())
             flat.div_(self.world_size)
         return flat
 

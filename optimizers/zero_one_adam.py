@@ -139,6 +139,16 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def stage(self) -> str:
         return f"phase {self.phase}"
 
+    def steps_to_compression(self) -> int | None:
+        """Updates left before the first compressed one: phase 1 compresses its first gradient
+        once ``var_update_scaler`` variance updates doubled the interval, phase 2 syncs with a
+        compressed all-reduce from its first step; 0 from then on."""
+        if self.var_interval > 1 or self.phase == 2:
+            return 0
+        doubling = self.var_update_scaler - self.var_counter  # variance updates until the interval doubles
+        freeze = self.schedule.steps_left(self.updates)  # None under "auto": it may come earlier
+        return doubling if freeze is None else min(doubling, freeze)
+
     @property
     def replicas_identical(self) -> bool:
         return self.last_sync == self.updates

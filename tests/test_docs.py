@@ -46,6 +46,7 @@ def test_script_runs(page, index, code, tmp_path):
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "compressed none" not in run.stderr, run.stderr[-3000:]  # every example compresses
     out = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").rglob("stdout.log")))
     lines = [line for line in out.splitlines() if re.match(r"^[0-3] ", line)]
     counts = [sum(line[0] == str(r) for line in lines) for r in range(4)]

@@ -17,9 +17,11 @@ FREEZE = 3  # warm-up updates (0/1 Adam: variance steps); steps 4.. compress / r
 
 
 def _state_bytes(opt, params) -> bytes:
-    """Parameters and optimizer state, serialised (the skip counter left out)."""
+    """Parameters and optimizer state, serialised (the skip counter and the byte counters left
+    out: a skipped step still sent its non-finite checks)."""
     state = opt.state_dict()
     state["onebit"]["counters"].pop("skipped_steps")
+    state["onebit"].pop("traffic")
     buf = io.BytesIO()
     torch.save({"params": [p.detach().clone() for p in params], "opt": state}, buf)
     return buf.getvalue()

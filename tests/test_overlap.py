@@ -33,24 +33,26 @@ def _state(model, opt):
         [b.server_error.clone() for b in buckets]
 
 
-def _optimizer(kind: str, model, overlap: bool):
+def _optimizer(kind: str, model, overlap: bool, block: int | None = None):
     if kind == "onebit_adam":
-        return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.002, overlap=overlap)
+        return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.002, overlap=overlap,
+                          block=block)
     # phase 1 for 10 updates: variance (full-precision) updates 1, 2, 4, 6, 8 (the interval doubles
     # after every 2: 1, 1, 2, 2, 4), compressed gradients on 3, 5, 7, 9, 10; then phase 2 (local
     # steps; syncs on 11, 12, 14: the sync interval doubles after every 2)
     return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=10, var_update_scaler=2,
-                       local_step_scaler=2, bucket_cap_mb=0.002, overlap=overlap)
+                       local_step_scaler=2, bucket_cap_mb=0.002, overlap=overlap, block=block)
 
 
 # the step indices (0-based) whose compressed all-reduces run from backward
 FROM_BACKWARD = {"onebit_adam": lambda s: s >= 3, "zero_one_adam": lambda s: s + 1 in (3, 5, 7, 9, 10)}
 
 
-def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int, kind: str = "onebit_adam"):
+def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int, kind: str = "onebit_adam",
+          block: int | None = None):
     r = dist.get_rank()
     model = _model()
-    opt = _optimizer(kind, model, overlap)
+    opt = _optimizer(kind, model, overlap, block)
     launched_in_backward = []
     before_nan = after_nan = None
     for step in range(steps):
@@ -86,14 +88,18 @@ def _equal(a, b):
     return torch.equal(a[0], b[0]) and all(all(map(torch.equal, x, y)) for x, y in rest)
 
 
-@pytest.mark.parametrize(("kind", "W", "steps"), [("onebit_adam", 2, 8), ("onebit_adam", 3, 8),
-                                                   ("zero_one_adam", 2, 14), ("zero_one_adam", 3, 14)])
-def test_overlap_is_bitwise_the_synchronous_step(ranks, kind, W, steps):
+@pytest.mark.parametrize(("kind", "W", "steps", "block"), [
+    ("onebit_adam", 2, 8, None), ("onebit_adam", 3, 8, None), ("zero_one_adam", 2, 14, None),
+    ("zero_one_adam", 3, 14, None), ("onebit_adam", 3, 8, 64), ("zero_one_adam", 2, 14, 16)])
+def test_overlap_is_bitwise_the_synchronous_step(ranks, kind, W, steps, block):
     pool = ranks(W)
-    sync = pool.run(_body, False, steps, None, 1, kind)
-    over = pool.run(_body, True, steps, None, 1, kind)
+    sync = pool.run(_body, False, steps, None, 1, kind, block)
+    over = pool.run(_body, True, steps, None, 1, kind, block)
     for r in range(W):
         assert _equal(over[r][0], sync[r][0])  # parameters, momentum/accumulator, both error buffers
+        # the bytes counted are the same whether the all-reduces ran from backward or from step()
+        counted = [{k: v for k, v in out[r][3].items() if k.startswith("bytes")} for out in (sync, over)]
+        assert counted[0] == counted[1] and counted[0]["bytes_compressed"] > 0
         mine, first = over[r][0], over[0][0]  # after a sync, replicas are identical
         if kind == "onebit_adam" or steps % 2 == 0:  # ZeroOneAdam: local_step_scaler 2 -> sync at 14
             assert torch.equal(mine[0], first[0]) and all(map(torch.equal, mine[1], first[1]))
