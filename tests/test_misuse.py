@@ -313,14 +313,16 @@ dist.destroy_process_group()
 """
 
 
-def test_a_run_that_never_compressed_says_so_at_interpreter_exit(tmp_path):
+@pytest.mark.parametrize("W", [2, 3])
+def test_a_run_that_never_compressed_says_so_at_interpreter_exit(tmp_path, W):
+    # also the documented teardown (barrier, then destroy_process_group): exit status 0
     import os
     import subprocess
     import sys
 
     script = tmp_path / "short_run.py"
     script.write_text(EXIT_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
            str(script)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

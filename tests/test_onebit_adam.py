@@ -24,16 +24,18 @@ def test_freeze_inf_matches_adamw_single_process():
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y)
 
-def test_freeze_inf_matches_adamw_two_ranks(ranks):
+@pytest.mark.parametrize("W", [2, 3])
+def test_freeze_inf_matches_adamw_on_several_ranks(ranks, W):
+    # migrating from AdamW (issue 27, docs/migrating.md): bias_correction=True is AdamW's step
     kwargs = dict(freeze_step=math.inf, bias_correction=True, **HYPER)
-    got = ranks(2).run(body_train, (0, 20), kwargs, 25.0)
+    got = ranks(W).run(body_train, (0, 20), kwargs, 25.0)
     b = make_params()
     opt = torch.optim.AdamW(b, foreach=False, **HYPER)
     for t in range(20):
-        g0, g1 = make_grads(t, 0), make_grads(t, 1)
-        set_grads(b, [(x + y) / 2 for x, y in zip(g0, g1, strict=True)])
+        gs = [make_grads(t, r) for r in range(W)]
+        set_grads(b, [sum(g) / W for g in zip(*gs, strict=True)])
         opt.step()
-    for r in range(2):
+    for r in range(W):
         for x, y in zip(got[r][0][-1], b, strict=True):
             torch.testing.assert_close(x, y)
 

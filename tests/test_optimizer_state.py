@@ -48,7 +48,7 @@ def _body_foreign_state(states, foreign_ranks):
     import warnings
 
     r = dist.get_rank()
-    source = 1 - r if r in foreign_ranks else r  # the OTHER rank's state, or its own
+    source = (0 if r else 1) if r in foreign_ranks else r  # rank 0's state (rank 0: rank 1's), or its own
     blob = torch.load(io.BytesIO(states[source]), weights_only=True)
     params = [torch.nn.Parameter(t.clone()) for t in blob["model"]]
     opt = OnebitAdam(params, freeze_step=2, **HYPER)
@@ -69,15 +69,17 @@ def _body_foreign_state(states, foreign_ranks):
     return [str(w.message) for w in at_load], [str(w.message) for w in at_step], errors, own, updates
 
 
-@pytest.mark.parametrize("foreign", [(0, 1), (1,)], ids=["both-ranks", "rank-1-only"])
-def test_loading_another_ranks_state_resets_errors_with_one_warning(ranks, foreign):
-    first = ranks(2).run(body_train, (0, 5), dict(freeze_step=2, **HYPER), 25.0, None, 5)
-    got = ranks(2).run(_body_foreign_state, [f[1] for f in first], foreign)
+@pytest.mark.parametrize(("W", "foreign"), [(2, (0, 1)), (2, (1,)), (3, (1, 2))],
+                         ids=["both-ranks", "rank-1-only", "W3-rank-0-only-save"])
+def test_loading_another_ranks_state_resets_errors_with_one_warning(ranks, W, foreign):
+    # (1, 2) at W = 3: a rank-0-only torch.save loaded on every rank
+    first = ranks(W).run(body_train, (0, 5), dict(freeze_step=2, **HYPER), 25.0, None, 5)
+    got = ranks(W).run(_body_foreign_state, [f[1] for f in first], foreign)
     for r, (at_load, at_step, errors, own, updates) in enumerate(got):
         assert at_load == []  # said at the next step, once for the group, on rank 0
         if r == 0:
             assert len(at_step) == 1, at_step
-            assert f"{len(foreign)} of 2 ranks loaded an optimizer state saved by another" in at_step[0]
+            assert f"{len(foreign)} of {W} ranks loaded an optimizer state saved by another" in at_step[0]
             assert "onebit.checkpoint.save" in at_step[0]  # the message says what to do
         else:
             assert at_step == []
