@@ -19,6 +19,7 @@ on each group, whatever the timing.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from ..kernels import decompress, server_reduce, worker_compress
 from ._failure import CollectiveError, guard
 from ._group import all_gather_single
+from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
 __all__ = ["start"]
@@ -117,9 +119,12 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
     """Start the call on validated CPU arguments (W > 1); the future's value is ``tensor``.
     (CUDA tensors take the synchronous path, which never blocks the host; see allreduce.)"""
     ptrs = _claim({"tensor": tensor, "worker_error": worker_error, "server_error": server_error})
+    timer = CallTimer(tensor.device)  # the counters active here, also from the callbacks' threads
+    launched = [0.0]  # when the collective in flight was launched (perf_counter)
     try:
         companion = _companion(group)
-        msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
+        with timer.stage("codec"):
+            msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
         recv = torch.empty_like(msg)
         ticket = companion.sequencer.ticket()
     except BaseException:
@@ -132,12 +137,13 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
         result.set_exception(_failure(operation, group, exc))
 
     def after_all_gather(fut, gathered) -> None:
+        timer.add("comm", time.perf_counter() - launched[0])
         try:
             fut.value()
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             fail("compressed_allreduce (all_gather)", exc)
             return
-        with torch.no_grad():
+        with torch.no_grad(), timer.stage("codec"):
             decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
             if not tensor.is_contiguous():
                 tensor.copy_(flat.view(tensor.shape))
@@ -147,9 +153,10 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
         result.set_result(tensor)
 
     def after_all_to_all(fut) -> None:
+        timer.add("comm", time.perf_counter() - launched[0])
         try:
             fut.value()
-            with torch.no_grad():
+            with torch.no_grad(), timer.stage("codec"):
                 seg = server_reduce(recv, server_error, W, block=block)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             companion.sequencer.ready(ticket, None)
@@ -158,6 +165,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
         gathered = torch.empty_like(msg)
 
         def issue() -> None:
+            launched[0] = time.perf_counter()
             try:
                 work = all_gather_single(gathered, seg, companion.group, async_op=True)
             except BaseException as exc:  # noqa: BLE001
@@ -168,6 +176,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
         companion.sequencer.ready(ticket, issue)
 
     try:
+        launched[0] = time.perf_counter()
         with guard("compressed_allreduce (all_to_all)", group):
             work = dist.all_to_all_single(recv, msg, group=group, async_op=True)
     except BaseException:

@@ -21,6 +21,7 @@ from ..kernels.layout import check_block, pad_unit
 from . import _async
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
+from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
 __all__ = ["compressed_allreduce"]
@@ -133,16 +134,20 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     (:func:`onebit.collectives.local.local_compressed_allreduce` is the same compute for
     all ranks in one process.)"""
     layout = Layout(worker_error.numel(), W, block)
-    flat = _flat_target(tensor)
-    msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
-    recv = torch.empty_like(msg)
-    with guard("compressed_allreduce (all_to_all)", group):
+    timer = CallTimer(tensor.device)  # compute ("codec") and collectives ("comm"), see telemetry
+    with timer.stage("codec"):
+        flat = _flat_target(tensor)
+        msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
+        recv = torch.empty_like(msg)
+    with timer.stage("comm"), guard("compressed_allreduce (all_to_all)", group):
         dist.all_to_all_single(recv, msg, group=group)
-    seg = server_reduce(recv, server_error, W, block=block)
-    gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
-    with guard("compressed_allreduce (all_gather)", group):
+    with timer.stage("codec"):
+        seg = server_reduce(recv, server_error, W, block=block)
+        gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
+    with timer.stage("comm"), guard("compressed_allreduce (all_gather)", group):
         all_gather_single(gathered, seg, group)
-    decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
-    if not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
+    with timer.stage("codec"):
+        decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
     return message_scales(gathered, layout)

@@ -19,6 +19,7 @@ from ..kernels.layout import padded_numel
 from ._failure import guard
 from ._group import group_size
 from .allreduce import compressed_allreduce
+from .telemetry import CallTimer, counting
 from .wire import Traffic, ring_allreduce_bytes, traffic
 
 __all__ = ["Bucket", "BucketedReducer", "allreduce_mean_", "plan_buckets"]
@@ -29,7 +30,8 @@ def allreduce_mean_(
 ) -> torch.Tensor:
     """Full-precision mean over the group, in place (sum, then divide by W); counted in
     :data:`traffic` and in ``counter``."""
-    with guard("full-precision all_reduce", group):
+    timer = CallTimer(tensor.device, counter)
+    with timer.stage("full"), guard("full-precision all_reduce", group):
         dist.all_reduce(tensor, group=group)
     traffic.full += ring_allreduce_bytes(tensor.numel(), world_size, tensor.element_size())
     traffic.full_calls += 1
@@ -134,10 +136,11 @@ class BucketedReducer:
     def compressed_mean_(self) -> None:
         """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
         for b in self.buckets:
-            if self.block is None:  # the signature a benchmark's local allreduce may have
-                self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
-            else:
-                self.allreduce(b.flat, b.worker_error, b.server_error, self.group, block=self.block)
+            with counting(self.traffic):  # the call's seconds (telemetry) go to this counter too
+                if self.block is None:  # the signature a benchmark's local allreduce may have
+                    self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
+                else:
+                    self.allreduce(b.flat, b.worker_error, b.server_error, self.group, block=self.block)
             self.count_compressed(b)
 
     def count_compressed(self, bucket: Bucket) -> None:

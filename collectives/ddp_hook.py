@@ -36,6 +36,7 @@ bench/RESULTS.md "DDP hook".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,8 @@ from ..kernels.layout import check_block, padded_numel
 from ..optimizers._functional import sqrt_v_floors, stale_denominator
 from ._group import warn_collective
 from .allreduce import compressed_allreduce
-from .wire import compressed_bytes, ring_allreduce_bytes
+from .telemetry import CallTimer, counting
+from .wire import Traffic, compressed_bytes, ring_allreduce_bytes
 
 __all__ = ["OnebitCompressHookState", "onebit_compress_hook"]
 
@@ -101,16 +103,23 @@ class OnebitCompressHookState:
         self.bytes_full = 0
         self.bytes_compressed = 0
         self.resets = 0
+        self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
         self._names: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, position), this process
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
 
     def stats(self) -> dict:
         """Iteration, stage, buckets with error buffers, error buffers started afresh because a
-        bucket matched no remembered one, and the bytes this rank sent."""
+        bucket matched no remembered one, the bytes this rank sent, and the seconds this process
+        spent (:mod:`onebit.collectives.telemetry`): ``seconds_codec`` (encode, server reduce,
+        decode), ``seconds_comm`` (the compressed all-reduces' collectives, launch to
+        completion), ``seconds_full`` (the full-precision iterations' all-reduces)."""
+        timing = self._timing
+        timing.resolve()
         return {"iter": self.iter, "compressing": self.iter >= self.start_iter, "buckets": len(self.errors),
                 "resets": self.resets, "bytes_full": self.bytes_full,
-                "bytes_compressed": self.bytes_compressed}
+                "bytes_compressed": self.bytes_compressed, "seconds_codec": timing.codec_seconds,
+                "seconds_comm": timing.comm_seconds, "seconds_full": timing.full_seconds}
 
     def __getstate__(self) -> dict:
         state = {k: v for k, v in self.__dict__.items()
@@ -129,6 +138,7 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("_names", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
+        self.__dict__.setdefault("_timing", Traffic())
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.errors = {int(k): (w, s) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
@@ -223,8 +233,9 @@ def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, la
         piece = torch.cat([views[name].reshape(-1) for name in state.layouts[index]])
         worker_error, server_error = state.errors[index]
         state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size, state.block)
-        futures.append(compressed_allreduce(piece, worker_error, server_error, state.process_group,
-                                            async_op=True, block=state.block))
+        with counting(state._timing):
+            futures.append(compressed_allreduce(piece, worker_error, server_error, state.process_group,
+                                                async_op=True, block=state.block))
         pieces.append(piece)
 
     def scatter(done) -> torch.Tensor:
@@ -264,8 +275,14 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         buffer.div_(W)
         state.bytes_full += ring_allreduce_bytes(buffer.numel(), W, buffer.element_size())
+        timer, start = CallTimer(buffer.device, state._timing), time.perf_counter()
         work = dist.all_reduce(buffer, group=group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+
+        def done(fut) -> torch.Tensor:
+            timer.add("full", time.perf_counter() - start)  # launch to completion
+            return fut.value()[0]
+
+        return work.get_future().then(done)
     index = bucket.index()
     d, c = _optimizer_terms(state, bucket)  # the same on every rank
     if c is not None:
@@ -293,5 +310,6 @@ def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer:
             return _allreduce_parts(state, bucket, layout, parts)
     worker_error, server_error = state._buffers(index, buffer, layout)
     state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size, state.block)
-    return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True,
-                                block=state.block)
+    with counting(state._timing):
+        return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True,
+                                    block=state.block)

@@ -32,7 +32,8 @@ from ..kernels._checks import check_group, check_instance, check_int
 from ..kernels.layout import check_block, padded_numel
 from .allreduce import compressed_allreduce
 from .ddp_hook import HOOK_BLOCK
-from .wire import compressed_bytes, ring_allreduce_bytes
+from .telemetry import CallTimer, counting
+from .wire import Traffic, compressed_bytes, ring_allreduce_bytes
 
 __all__ = ["OnebitAllReduceHook", "register_fsdp_hooks"]
 
@@ -57,13 +58,15 @@ class OnebitAllReduceHook:
         self.server_error: torch.Tensor | None = None
         self.bytes_full = 0
         self.bytes_compressed = 0
+        self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         W = self.world_size
         compressing = self.iter >= self.start_iter
         if W > 1 and not compressing:
             group = self.process_group if self.process_group is not None else dist.group.WORLD
-            dist.all_reduce(reduce_output, group=group)
+            with CallTimer(reduce_output.device, self._timing).stage("full"):
+                dist.all_reduce(reduce_output, group=group)
             reduce_output.div_(W)
             self.bytes_full += ring_allreduce_bytes(reduce_output.numel(), W, reduce_output.element_size())
         elif W > 1:
@@ -74,14 +77,21 @@ class OnebitAllReduceHook:
                                      f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
                 self.worker_error = torch.zeros(N, device=reduce_output.device)
                 self.server_error = torch.zeros(N // W, device=reduce_output.device)
-            compressed_allreduce(reduce_output, self.worker_error, self.server_error, self.process_group,
-                                 block=self.block)
+            with counting(self._timing):
+                compressed_allreduce(reduce_output, self.worker_error, self.server_error, self.process_group,
+                                     block=self.block)
             self.bytes_compressed += compressed_bytes(N, W, self.block)
         self.iter += 1
 
     def stats(self) -> dict:
+        """Calls, stage, bytes this rank sent, and the seconds spent (as
+        ``OnebitCompressHookState.stats()``)."""
+        timing = self._timing
+        timing.resolve()
         return {"iter": self.iter, "compressing": self.iter >= self.start_iter,
-                "bytes_full": self.bytes_full, "bytes_compressed": self.bytes_compressed}
+                "bytes_full": self.bytes_full, "bytes_compressed": self.bytes_compressed,
+                "seconds_codec": timing.codec_seconds, "seconds_comm": timing.comm_seconds,
+                "seconds_full": timing.full_seconds}
 
     def state_dict(self) -> dict:
         errors = {} if self.worker_error is None else {"worker_error": self.worker_error.clone(),

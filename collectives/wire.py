@@ -8,7 +8,7 @@ optimizer keeps a :class:`Traffic` of its own as well (``opt.traffic``; ``opt.st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from ..kernels.layout import Layout
 
@@ -40,10 +40,39 @@ class Traffic:
     full_calls: int = 0
     control: int = 0
     control_calls: int = 0
+    codec_seconds: float = 0.0  # compressed calls: encode, server reduce, decode
+    comm_seconds: float = 0.0  # compressed calls: all-to-all and all-gather, waiting included
+    full_seconds: float = 0.0  # full-precision all-reduces
+    control_seconds: float = 0.0  # agreement all-reduces (mostly latency)
+    # CUDA: (kind, start event, end event) not yet folded into the seconds (see telemetry)
+    _pending: list = field(default_factory=list, repr=False, compare=False)
 
     def reset(self) -> None:
         self.compressed = self.full = self.compressed_calls = self.full_calls = 0
         self.control = self.control_calls = 0
+        self.codec_seconds = self.comm_seconds = self.full_seconds = self.control_seconds = 0.0
+        self._pending = []
+
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        """Add a stage's duration: ``kind`` is "codec", "comm", "full" or "control"."""
+        name = f"{kind}_seconds"
+        setattr(self, name, getattr(self, name) + seconds)
+
+    def add_pending(self, kind: str, start, end) -> None:
+        """A CUDA stage between two recorded events, folded in when read (:meth:`resolve`)."""
+        self._pending.append((kind, start, end))
+
+    def resolve(self) -> None:
+        """Fold the pending CUDA stages into the seconds (waits for their end events)."""
+        pending, self._pending = self._pending, []
+        for kind, start, end in pending:
+            end.synchronize()
+            self.add_seconds(kind, start.elapsed_time(end) / 1000.0)
+
+    def state(self) -> dict:
+        """The counters as plain numbers (checkpoints; pending CUDA stages folded in)."""
+        self.resolve()
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
     def add_compressed(self, padded_numel: int, world_size: int, block: int | None = None) -> None:
         """Count one compressed_allreduce of ``padded_numel`` elements."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import math
 import warnings
 import weakref
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from ..collectives._failure import guard
 from ..collectives._group import comm_device, gather_json, group_size, warn_collective, warn_user
 from ..collectives.bucket import BucketedReducer
+from ..collectives.telemetry import CallTimer
 from ..collectives.wire import Traffic, traffic
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ..kernels.layout import check_block
@@ -114,6 +114,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self._reducer: BucketedReducer | None = None
         # bytes this optimizer, its DDP hook and its backward overlap sent (stats(); saved)
         self.traffic = Traffic()
+        self._last_seconds: tuple[int, dict[str, float]] = (0, {})  # updates, seconds at the last stats()
         self._pending: dict[str, Any] | None = None
         self.external_averaging = False  # set by register_ddp_hook: DDP averages when asked
         self._overlap: BackwardOverlap | None = None  # set by subclasses that offer overlap=True
@@ -309,7 +310,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             # step (said once for the group, on rank 0).
             device, group = comm_device(self.process_group), self.process_group
             count = torch.tensor([(0 if ok else 1) + (int(foreign) << 32)], dtype=torch.int64, device=device)
-            with guard("non-finite gradient check", group):
+            with CallTimer(device, self.traffic).stage("control"), guard("non-finite gradient check", group):
                 dist.all_reduce(count, group=group)
             self.count_sent(1, 8, control=True)
             total = int(count)
@@ -319,7 +320,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             if total & 0xFFFFFFFF:
                 flags = torch.zeros(self.world_size, dtype=torch.int64, device=device)
                 flags[dist.get_rank(group)] = 0 if ok else 1
-                with guard("non-finite gradient check", group):
+                timer = CallTimer(device, self.traffic)
+                with timer.stage("control"), guard("non-finite gradient check", group):
                     dist.all_reduce(flags, group=group)
                 self.count_sent(self.world_size, 8, control=True)
                 bad = flags.nonzero().flatten().tolist()
@@ -505,7 +507,11 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         all-reduces, from step() or from backward with ``overlap=True``), ``bytes_full``
         (full-precision averaging, in step() or in its DDP hook), ``bytes_control`` (the
         per-step agreement all-reduces), ``bytes_sent`` (their sum); saved with the state.
-        One-off checks (the first step's replica fingerprints, ``check=True``) are not counted."""
+        One-off checks (the first step's replica fingerprints, ``check=True``) are not counted.
+        Time (:mod:`onebit.collectives.telemetry`): ``seconds_codec`` (encode, server reduce,
+        decode), ``seconds_comm`` (the compressed calls' collectives, waiting included),
+        ``seconds_full``, ``seconds_control`` (saved with the state), and each as
+        ``ms_per_step_*``: per update since the previous ``stats()`` call."""
         out = {name: getattr(self, name) for name in self.COUNTERS}
         out.pop("freeze_state", None)
         left = self.steps_to_compression()
@@ -516,12 +522,26 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                    bytes_compressed=self.traffic.compressed, bytes_full=self.traffic.full,
                    bytes_control=self.traffic.control,
                    bytes_sent=self.traffic.compressed + self.traffic.full + self.traffic.control)
+        out.update(self._seconds())
         schedule = self.schedule
         default = schedule.auto is None and schedule.fixed == DEFAULT_FREEZE
         # the reference's default freeze is what keeps this run from compressing
         if default and left and left == schedule.steps_left(self.updates) and not self._default_warned:
             self._default_warned = True
             warn_collective(self._not_compressed_message(), RuntimeWarning, self.process_group)
+        return out
+
+    def _seconds(self) -> dict[str, float]:
+        """Seconds spent so far, and milliseconds per update since the previous stats() call."""
+        traffic = self.traffic
+        traffic.resolve()  # CUDA: waits for the events of the stages still queued
+        now = {kind: getattr(traffic, f"{kind}_seconds") for kind in TIMED}
+        then_updates, then = self._last_seconds
+        self._last_seconds = (self.updates, now)
+        steps = self.updates - then_updates
+        out = {f"seconds_{kind}": now[kind] for kind in TIMED}
+        for kind in TIMED:
+            out[f"ms_per_step_{kind}"] = 1000.0 * (now[kind] - then.get(kind, 0.0)) / steps if steps else 0.0
         return out
 
     def steps_to_compression(self) -> int | None:
@@ -598,7 +618,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             # with FLAT_PADDING the padding is data the next call compresses
             "flat_tails": [b.flat[b.n :] for b in reducer.buckets],
             "counters": {name: getattr(self, name) for name in self.COUNTERS + ("skipped_steps",)},
-            "traffic": dataclasses.asdict(self.traffic),
+            "traffic": self.traffic.state(),
         }
         return state_dict
 
@@ -662,6 +682,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             reducer.traffic = self.traffic
 
 
+TIMED = ("codec", "comm", "full", "control")  # stats()'s seconds_* and ms_per_step_* (see telemetry)
 _LIVE: weakref.WeakSet[OnebitOptimizerBase] = weakref.WeakSet()
 
 

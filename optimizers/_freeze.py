@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..collectives._failure import guard
 from ..collectives._group import comm_device, group_size
+from ..collectives.telemetry import CallTimer
 from ..kernels._checks import check_int, check_number, check_order
 
 __all__ = ["AutoFreeze", "FreezeSchedule"]
@@ -152,7 +153,8 @@ def _agree(verdict: bool, group, counter=None) -> bool:
     if W == 1:
         return verdict
     flag = torch.tensor([1 if verdict else 0], dtype=torch.int64, device=comm_device(group))
-    with guard("automatic freeze decision", group):
+    timer = CallTimer(flag.device, None if counter is None else counter.traffic)
+    with timer.stage("control"), guard("automatic freeze decision", group):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if counter is not None:
         counter.count_sent(1, 8, control=True)

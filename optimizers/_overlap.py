@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..collectives.bucket import BucketedReducer
+from ..collectives.telemetry import counting
 
 __all__ = ["BackwardOverlap"]
 
@@ -97,8 +98,9 @@ class BackwardOverlap:
             self.fill(i)
         reducer = self.reducer
         block = {} if reducer.block is None else {"block": reducer.block}  # as compressed_mean_ calls it
-        self.futures[b] = reducer.allreduce(bucket.flat, bucket.worker_error, bucket.server_error,
-                                            reducer.group, async_op=True, **block)
+        with counting(reducer.traffic):  # the call's seconds (telemetry) go to the optimizer's counter
+            self.futures[b] = reducer.allreduce(bucket.flat, bucket.worker_error, bucket.server_error,
+                                                reducer.group, async_op=True, **block)
         self.reducer.count_compressed(bucket)
         self.next += 1
 

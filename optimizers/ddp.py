@@ -9,11 +9,14 @@ never averages the same gradients again.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import time
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives._group import warn_collective, warn_renamed
+from ..collectives.telemetry import CallTimer
 from ..kernels._checks import check_instance
 from ._base import OnebitOptimizerBase
 
@@ -36,9 +39,15 @@ def warmup_averaging_hook(
     if optimizer.wants_averaged_gradients() and optimizer.world_size > 1:
         buffer.div_(optimizer.world_size)
         group = optimizer.process_group if optimizer.process_group is not None else dist.group.WORLD
+        timer, start = CallTimer(buffer.device, optimizer.traffic), time.perf_counter()
         work = dist.all_reduce(buffer, group=group, async_op=True)
         optimizer.count_sent(buffer.numel(), buffer.element_size())
-        return work.get_future().then(lambda fut: fut.value()[0])
+
+        def done(fut) -> torch.Tensor:
+            timer.add("full", time.perf_counter() - start)  # launch to completion
+            return fut.value()[0]
+
+        return work.get_future().then(done)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
     return fut

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives._failure import guard
+from ..collectives.telemetry import CallTimer
 from ..kernels._checks import check_fraction, check_number, check_order
 from ._base import MODE_DEFAULT, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
@@ -164,7 +165,8 @@ class OnebitLamb(WarmupThenCompress):
 
     def _mean_over_ranks(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1 and flat.numel():
-            with guard("OnebitLamb trust-ratio sketch all_reduce", self.process_group):
+            timer = CallTimer(flat.device, self.traffic)
+            with timer.stage("full"), guard("OnebitLamb trust-ratio sketch all_reduce", self.process_group):
                 dist.all_reduce(flat, group=self.process_group)
             self.count_sent(flat.numel(), flat.element_size())
             flat.div_(self.world_size)

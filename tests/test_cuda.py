@@ -159,3 +159,18 @@ def test_last_program_finalisation_is_deterministic_on_cuda(n):
     for _ in range(20):
         again = simulate_allreduce(xs, [t.clone() for t in we], [t.clone() for t in se])
         assert all(torch.equal(a, b) for a, b in zip(outs, again, strict=True))
+
+
+def test_call_timer_uses_cuda_events_resolved_when_read():
+    from onebit.collectives.telemetry import CallTimer
+    from onebit.collectives.wire import Traffic
+
+    counter = Traffic()
+    timer = CallTimer(torch.device("cuda"), counter)
+    x = torch.randn(4096, 4096, device="cuda")
+    with timer.stage("codec"):
+        for _ in range(10):
+            x = x @ x / 64
+    assert counter.codec_seconds == 0 and len(counter._pending) == 1  # no host synchronisation yet
+    counter.resolve()
+    assert counter.codec_seconds > 0 and counter._pending == []

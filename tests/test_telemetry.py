@@ -1,0 +1,88 @@
+"""Telemetry: the seconds onebit's collectives spend in compute and in communication,
+per call (the global counter) and per optimizer or hook (stats())."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.collectives import compressed_allreduce, padded_numel, traffic
+from onebit.optimizers import OnebitAdam
+
+
+def _body_call(n: int, async_op: bool, block):
+    W = dist.get_world_size()
+    N = padded_numel(n, W, block)
+    we, se = torch.zeros(N), torch.zeros(N // W)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    traffic.reset()
+    wall = 0.0
+    for _ in range(4):
+        t0 = time.perf_counter()
+        out = compressed_allreduce(x.clone(), we, se, async_op=async_op, block=block)
+        if async_op:
+            out.wait()
+        wall += time.perf_counter() - t0
+    return traffic.codec_seconds, traffic.comm_seconds, wall
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize(("async_op", "block"), [(False, None), (True, None), (False, 64)])
+def test_a_call_splits_its_time_into_compute_and_communication(ranks, W, async_op, block):
+    for codec, comm, wall in ranks(W).run(_body_call, 300_007, async_op, block):
+        assert codec > 0 and comm > 0
+        # the stages cover the call (argument checks and bookkeeping outside them); asynchronous:
+        # the completion callbacks may run just after wait() returns, never long after
+        assert 0.5 * wall <= codec + comm <= 1.05 * wall + 1e-3, (codec, comm, wall)
+
+
+def _body_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=4)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    windows = []
+    for _stage in range(2):  # 4 warm-up updates, then 4 compressed ones
+        for _ in range(4):
+            model(torch.randn(32, 64, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        windows.append(opt.stats())
+    return windows
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_optimizer_stats_report_time_per_step(ranks, W):
+    for warm, compressed in ranks(W).run(_body_optimizer):
+        assert warm["ms_per_step_full"] > 0 and warm["ms_per_step_control"] > 0
+        assert warm["ms_per_step_codec"] == 0 and warm["ms_per_step_comm"] == 0
+        # the second window: compressed steps only
+        assert compressed["ms_per_step_codec"] > 0 and compressed["ms_per_step_comm"] > 0
+        assert compressed["ms_per_step_full"] == 0
+        for kind in ("codec", "comm", "full", "control"):
+            total = warm[f"seconds_{kind}"] + 4 * compressed[f"ms_per_step_{kind}"] / 1000
+            assert compressed[f"seconds_{kind}"] == pytest.approx(total, rel=1e-9, abs=1e-12)
+
+
+def _body_hook():
+    from torch.nn.parallel import DistributedDataParallel
+
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(64, 8))
+    state = OnebitCompressHookState(start_iter=2)
+    model.register_comm_hook(state, onebit_compress_hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(5):
+        model(torch.randn(16, 64, generator=g)).square().mean().backward()
+    return state.stats()
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_ddp_hook_stats_report_time(ranks, W):
+    for stats in ranks(W).run(_body_hook):
+        assert stats["seconds_full"] > 0 and stats["seconds_codec"] > 0 and stats["seconds_comm"] > 0
