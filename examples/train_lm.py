@@ -247,6 +247,7 @@ def train() -> None:
     log = open(args.log_jsonl, "a") if args.log_jsonl and rank == 0 else None
     meter = MovementMeter(model.parameters())  # which weights still move after the freeze
     mark_at = args.freeze_step if isinstance(args.freeze_step, int) else None
+    before = {k: v for k, v in opt.stats().items() if k.startswith(("bytes_", "seconds_"))}  # after a resume
     t_start = time.perf_counter()
     for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
@@ -316,7 +317,33 @@ def train() -> None:
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "
               f"{traffic.compressed / 1e6:.2f} MB 1-bit = {total / 1e6:.2f} MB; a float32 all-reduce every "
               f"step would send {baseline / 1e6:.2f} MB ({baseline / max(total, 1):.1f}x)")
+        print_projection({k: stats[k] - before.get(k, 0) for k in before}, stage_time, full_bytes)
     finish()
+
+
+def print_projection(stats: dict, stage_time: dict, full_bytes: int) -> None:
+    """What the measured steps would cost on real links (onebit.advise's model, counted bytes
+    and seconds of this run: ``stats`` holds the bytes_* and seconds_* since its first step):
+    each rank's bytes on a link of its own, no latency, no overlap."""
+    from onebit.advise.model import project_step
+
+    secs, count = stage_time["compressed"]
+    if not count or not stats["bytes_compressed"]:
+        print("  projection to real links: no compressed step in this run (raise --steps or lower "
+              "--freeze-step)")
+        return
+    codec = stats["seconds_codec"] / count  # compression's compute per compressed step
+    comm = stats["seconds_comm"] / count  # its collectives, as they ran here (loopback)
+    compute = max(secs / count - codec - comm, 0.0)
+    onebit_bytes = stats["bytes_compressed"] / count
+    print(f"  projected per step on real links (compute {1e3 * compute:.1f} ms and compression "
+          f"{1e3 * codec:.1f} ms as measured here; each rank's bytes on its own link: "
+          f"{full_bytes / 1e6:.2f} MB float32, {onebit_bytes / 1e6:.3f} MB 1-bit):")
+    for name, bps in (("100 Mbit/s", 100e6), ("1 Gbit/s", 1e9), ("10 Gbit/s", 10e9)):
+        dense, onebit = project_step(bps, compute, full_bytes, onebit_bytes, codec)
+        print(f"  {name:>12}: float32 all-reduce {1e3 * (dense - compute):7.1f} ms/step, step "
+              f"{1e3 * dense:7.1f} ms; 1-bit {1e3 * (onebit - compute):6.1f} ms/step, step "
+              f"{1e3 * onebit:7.1f} ms ({dense / onebit:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@ def _demo(*args: str) -> str:
 
 @pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_train_lm_demo_runs(optimizer):
-    _demo("--optimizer", optimizer, "--steps", "6")
+    out = _demo("--optimizer", optimizer, "--steps", "6")
+    # what the run would cost on real links (issue 24): one line per link speed
+    assert "projected per step on real links" in out, out
+    for link in ("100 Mbit/s", "1 Gbit/s", "10 Gbit/s"):
+        assert f"{link}: float32 all-reduce" in out, out
 
 
 @pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])

@@ -25,8 +25,11 @@ def test_wheel_contains_only_the_onebit_namespace(tmp_path):
     for module in ("onebit/__init__.py", "onebit/kernels/triton_kernels.py",
                    "onebit/kernels/torch_kernels.py", "onebit/kernels/reference.py",
                    "onebit/collectives/allreduce.py", "onebit/checkpoint.py",
-                   "onebit/optimizers/__init__.py", "onebit/py.typed"):
+                   "onebit/optimizers/__init__.py", "onebit/py.typed", "onebit/advise/__main__.py"):
         assert module in names, module
+    # the advisor's console script (python -m onebit.advise under another name)
+    (entry,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert "onebit-advise = onebit.advise.__main__:main" in zipfile.ZipFile(wheel).read(entry).decode()
     assert not any(n.startswith(("onebit/tests", "onebit/bench", "onebit/examples")) for n in names)
 
 

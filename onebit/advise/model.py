@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from ..collectives.wire import compressed_bytes
 from ..kernels.layout import padded_numel
 
-__all__ = ["Affine", "LinkModel", "verdict"]
+__all__ = ["Affine", "LinkModel", "project_step", "verdict"]
 
 THRESHOLD = 1.0  # compress when the predicted speedup is at least this (see verdict)
 MARGIN = 0.1  # within THRESHOLD +- MARGIN the reason says the call is close
@@ -142,3 +142,15 @@ def verdict(speedup: float, what: str, detail: str) -> tuple[str, str]:
     if close:
         reason += "; close to break-even: a slower link would tip it"
     return "do not compress", reason
+
+
+def project_step(link_bits_per_second: float, compute: float, float32_bytes: float, onebit_bytes: float,
+                 codec: float) -> tuple[float, float]:
+    """(float32, 1-bit) seconds of one step on a link of that speed per rank, from quantities
+    counted on this machine: ``compute`` seconds of the step outside communication and
+    compression, the bytes one rank sends per step in a float32 all-reduce and with 1-bit
+    compression, and ``codec`` seconds of compression per step. The model's bandwidth terms
+    with each rank's bytes on a link of its own (``b = 8 / link_bits_per_second``), no latency
+    and no overlap: an estimate of the order of magnitude, not a measurement."""
+    per_byte = 8.0 / link_bits_per_second
+    return compute + float32_bytes * per_byte, compute + codec + onebit_bytes * per_byte
