@@ -7,7 +7,7 @@ all-reduces (non-finite check, freeze vote) theirs (``control``). CPU: host time
 (``time.perf_counter``) around each stage, the collectives' waiting included; asynchronous
 calls count from a collective's launch to its completion callback. CUDA: a pair of events per
 stage on the current stream, folded into seconds when read (no host synchronisation before).
-A few hundred nanoseconds per stage: always on.
+About 3 us per compressed call on the CPU (five stages; measured): always on.
 
 The seconds go to onebit's per-process counter (:data:`onebit.collectives.traffic`) and to
 every counter a caller registered for the calls it makes (:func:`counting`; the optimizers
@@ -20,12 +20,10 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .wire import Traffic
+from .wire import Traffic, traffic
 
 __all__ = ["CallTimer", "counting"]
 
@@ -46,9 +44,8 @@ def counting(counter: Traffic) -> Iterator[None]:
 
 
 def _sinks() -> list[Traffic]:
-    from .wire import traffic
-
-    return [traffic, *getattr(_local, "stack", ())]
+    stack = getattr(_local, "stack", None)
+    return [traffic, *stack] if stack else [traffic]
 
 
 class CallTimer:
@@ -63,6 +60,7 @@ class CallTimer:
         self.cuda = device.type == "cuda"
         self._t0 = 0.0
         self._event: torch.cuda.Event | None = None
+        self._kind = ""
 
     def begin(self) -> None:
         """Start a stage (CPU: now; CUDA: an event on the current stream)."""
@@ -85,11 +83,17 @@ class CallTimer:
             for sink in self.sinks:
                 sink.add_seconds(kind, seconds)
 
-    @contextlib.contextmanager
-    def stage(self, kind: str) -> Iterator[None]:
+    def stage(self, kind: str) -> CallTimer:
+        """``with timer.stage(kind):`` times the block (not recorded when it raises)."""
+        self._kind = kind
+        return self
+
+    def __enter__(self) -> None:
         self.begin()
-        yield
-        self.end(kind)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.end(self._kind)
 
     def add(self, kind: str, seconds: float) -> None:
         """A duration measured by the caller (asynchronous collectives: launch to completion)."""

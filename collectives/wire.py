@@ -26,6 +26,9 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
     return 2 * (world_size - 1) * numel * element_size // world_size if world_size > 1 else 0
 
 
+_SECONDS = {kind: f"{kind}_seconds" for kind in ("codec", "comm", "full", "control")}
+
+
 @dataclass
 class Traffic:
     """Bytes this process sent through onebit since the last ``reset()`` (the type of
@@ -55,7 +58,7 @@ class Traffic:
 
     def add_seconds(self, kind: str, seconds: float) -> None:
         """Add a stage's duration: ``kind`` is "codec", "comm", "full" or "control"."""
-        name = f"{kind}_seconds"
+        name = _SECONDS[kind]
         setattr(self, name, getattr(self, name) + seconds)
 
     def add_pending(self, kind: str, start, end) -> None:

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", default="64",
                    help="elements per scale of the 1-bit call (default 64, the hooks' wire format; "
                    "'none': one scale per chunk, the 1-bit optimizers' default)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per size and collective (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per size and collective (default 5)")
     p.add_argument("--max-seconds", type=float, default=2.0,
                    help="skip a size whose call would take longer (extrapolated); the model covers it "
                    "(default 2)")
