@@ -16,15 +16,17 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
-from ..kernels._checks import check_buffer, check_instance, check_tensor
-from ..kernels.layout import check_block, pad_unit
+from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
+from ..kernels.layout import check_block, pad_unit, padded_numel
 from . import _async
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
+from .hierarchical import hierarchical_allreduce, shard_numel, validate_hierarchical
+from .mesh import hierarchy, is_mesh
 from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
-__all__ = ["compressed_allreduce"]
+__all__ = ["compressed_allreduce", "error_buffers"]
 
 
 def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,12 @@ def compressed_allreduce(
             (``padded_numel(n, W)`` is the smallest); this rank's error feedback, in place.
         server_error: float32 ``[N / W]``: the error feedback of the chunk this rank serves.
         group: process group (default: the world). ``W == 1`` (or no initialised process
-            group) is the identity and leaves the errors untouched.
+            group) is the identity and leaves the errors untouched. A 2-D DeviceMesh (nodes x
+            ranks per node, as ``init_device_mesh(device, (nodes, per_node))`` or
+            :func:`~onebit.collectives.node_mesh` builds it): full precision inside each node,
+            1-bit between nodes on this rank's shard (:mod:`onebit.collectives.hierarchical`;
+            error buffers from :func:`error_buffers`); ``async_op`` then completes before
+            returning. A 1-D mesh is its process group.
         check: first verify that every rank passes the same ``n``, ``N`` and dtype, so a
             mismatch raises ``ValueError`` on every rank instead of hanging (one small
             extra collective and a host synchronisation).
@@ -100,6 +107,11 @@ def compressed_allreduce(
     Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any buffer
     is touched or any data moves.
     """
+    if is_mesh(group):  # a 2-D mesh: the hierarchical all-reduce; a 1-D mesh: its group
+        h = hierarchy(group)
+        if h is not None:
+            return _on_mesh(tensor, worker_error, server_error, h, check, raise_on_nonfinite, async_op, block)
+        group = group.get_group()
     W = group_size(group)
     block = check_block(block)
     N = validate(tensor, worker_error, server_error, W, block)
@@ -121,6 +133,47 @@ def compressed_allreduce(
             "tensor: a rank's input was not finite; error buffers were left unchanged"
         )
     return _done(tensor) if async_op else tensor  # CUDA: every stage is queued on the stream
+
+
+def _on_mesh(tensor, worker_error, server_error, h, check: bool, raise_on_nonfinite: bool, async_op: bool,
+             block: int | None):
+    """compressed_allreduce on a 2-D mesh (see onebit.collectives.hierarchical). ``async_op``:
+    the call completes before returning (a finished future)."""
+    check_tensor("tensor", tensor)
+    block = check_block(block)
+    N = validate_hierarchical(tensor, worker_error, server_error, h, block)
+    check_instance("async_op", async_op, bool, "a bool")
+    if async_op and raise_on_nonfinite:
+        raise ValueError("raise_on_nonfinite: expected False with async_op=True (raising needs a host "
+                         "synchronisation; test torch.isfinite on the result instead)")
+    if check:
+        verify_agreement(tensor, N, h.flat, block)
+    hierarchical_allreduce(tensor, worker_error, server_error, h, block)
+    if raise_on_nonfinite and not bool(torch.isfinite(tensor).all()):
+        raise FloatingPointError("tensor: a rank's input was not finite; error buffers were left unchanged")
+    return _done(tensor) if async_op else tensor
+
+
+def error_buffers(numel: int, group=None, *, block: int | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(worker_error, server_error)`` for ``compressed_allreduce`` of ``numel`` elements on
+    ``group`` (a ProcessGroup, None for the default group, or a 1-D or 2-D DeviceMesh), zeros
+    in float32 on ``device`` (default: the CPU). With W ranks: ``padded_numel(numel, W, block)``
+    and that over W; on a 2-D mesh of M nodes x L ranks, for this rank's shard:
+    ``padded_numel(ceil(numel / L), M, block)`` and that over M."""
+    numel = check_int("numel", numel, low=0)
+    block = check_block(block)
+    if is_mesh(group):
+        h = hierarchy(group)
+        if h is not None:
+            N = padded_numel(shard_numel(numel, h.per_node), h.nodes, block)
+            return (torch.zeros(N, dtype=torch.float32, device=device),
+                    torch.zeros(N // h.nodes, dtype=torch.float32, device=device))
+        group = group.get_group()
+    W = group_size(group)
+    N = padded_numel(numel, W, block)
+    return torch.zeros(N, dtype=torch.float32, device=device), torch.zeros(N // W, dtype=torch.float32,
+                                                                          device=device)
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:

@@ -43,6 +43,7 @@ class Traffic:
     full_calls: int = 0
     control: int = 0
     control_calls: int = 0
+    intra: int = 0  # hierarchical all-reduce: full-precision bytes inside a node (not across nodes)
     codec_seconds: float = 0.0  # compressed calls: encode, server reduce, decode
     comm_seconds: float = 0.0  # compressed calls: all-to-all and all-gather, waiting included
     full_seconds: float = 0.0  # full-precision all-reduces
@@ -52,7 +53,7 @@ class Traffic:
 
     def reset(self) -> None:
         self.compressed = self.full = self.compressed_calls = self.full_calls = 0
-        self.control = self.control_calls = 0
+        self.control = self.control_calls = self.intra = 0
         self.codec_seconds = self.comm_seconds = self.full_seconds = self.control_seconds = 0.0
         self._pending = []
 

@@ -1,0 +1,107 @@
+"""The hierarchical compressed all-reduce on a 2-D mesh (docs/ALGORITHMS.md section 9).
+
+With M nodes of L ranks, rank i of every node serves shard i (``s = ceil(n / L)`` elements):
+
+1. reduce-scatter in full precision inside each node: rank i gets its node's mean of shard i;
+2. ``compressed_allreduce`` of shard i across the M ranks with index i (one per node), with
+   this rank's error buffers (``padded_numel(s, M, block)``): every NIC is used, no rank
+   leads, and each node sends ``1 / L`` of what the flat 1-bit all-reduce sends across;
+3. all-gather inside each node: every rank holds every shard.
+
+Every rank ends with the same bits: after step 2 shard i is identical on the M ranks of its
+cross-node group, and step 3 copies the shards unchanged. A non-finite value on any rank
+gives NaN everywhere and leaves every error buffer unchanged, as the flat call does: each
+rank appends one element per shard, 0 when its input is finite and NaN otherwise, which
+the reduce-scatter sums into every shard of its node and step 2 adds to the shard (+0 keeps
+its bits, except that -0.0 becomes +0.0 on every rank alike). One node (M = 1) is the exact
+mean; one rank per node (L = 1) is the flat compressed all-reduce across nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels._checks import check_buffer
+from ..kernels.layout import pad_unit, padded_numel
+from ._failure import guard
+from ._group import all_gather_single
+from .mesh import Hierarchy
+from .telemetry import CallTimer
+from .wire import traffic
+
+__all__ = ["hierarchical_allreduce", "shard_numel", "validate_hierarchical"]
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_numel(n: int, per_node: int) -> int:
+    """Elements of the shard each rank of a node serves: ``ceil(n / per_node)``."""
+    return -(-n // per_node)
+
+
+def validate_hierarchical(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                          h: Hierarchy, block: int | None) -> int:
+    """Check the error buffers for ``tensor`` on ``h``; returns N (worker_error's length)."""
+    s = shard_numel(tensor.numel(), h.per_node)
+    unit = pad_unit(h.nodes, block)
+    per = "8" if block is None else "block"
+    check_buffer(
+        "worker_error", worker_error, tensor.device, torch.float32, at_least=s, multiple_of=unit,
+        what=(f"float32 of length N >= ceil(numel / per_node) ({s}) with N % ({per} * nodes) == 0 ({unit}): "
+              f"padded_numel({s}, {h.nodes}{'' if block is None else f', {block}'}) = "
+              f"{padded_numel(s, h.nodes, block)}; onebit.collectives.error_buffers(numel, mesh) makes both"),
+    )
+    N = worker_error.numel()
+    check_buffer("server_error", server_error, tensor.device, torch.float32, length=N // h.nodes,
+                 what=f"float32 of length N / nodes = {N // h.nodes}")
+    return N
+
+
+def _intra_bytes(chunk: int, L: int) -> int:
+    """Bytes one rank sends inside its node in a ring reduce-scatter or all-gather of L chunks
+    of ``chunk`` float32 elements."""
+    return (L - 1) * chunk * 4
+
+
+def hierarchical_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                           h: Hierarchy, block: int | None) -> torch.Tensor:
+    """The algorithm (module docstring) on validated arguments; ``tensor`` in place."""
+    from .allreduce import compressed_allreduce  # allreduce.py dispatches meshes here
+
+    n, L, M = tensor.numel(), h.per_node, h.nodes
+    if n == 0 or h.world_size == 1:
+        return tensor
+    s = shard_numel(n, L)
+    timer = CallTimer(tensor.device)
+    with timer.stage("codec"):  # staging and the non-finite flag: local compute
+        x = tensor.reshape(-1)
+        staged = torch.zeros(L, s + 1, dtype=torch.float32, device=tensor.device)  # row i: shard i, flag
+        q, r = divmod(n, s)
+        if q:
+            staged[:q, :s].copy_(x[: q * s].view(q, s))
+        if r:
+            staged[q, :r].copy_(x[q * s :])
+        staged[:, s] = torch.where(torch.isfinite(x).all(), 0.0, float("nan"))
+        shard = torch.empty(s + 1, dtype=torch.float32, device=tensor.device)
+    if L > 1:
+        with timer.stage("comm"), guard("hierarchical all-reduce (reduce-scatter inside the node)", h.intra):
+            _reduce_scatter(shard, staged.view(-1), group=h.intra)
+        traffic.intra += _intra_bytes(s + 1, L)
+        shard.div_(L)
+    else:
+        shard.copy_(staged.view(-1))
+    body = shard[:s]
+    body.add_(shard[s])  # +0, or NaN everywhere when a rank of this node had a non-finite input
+    if M > 1:
+        compressed_allreduce(body, worker_error, server_error, h.inter, block=block)
+    if L > 1:
+        gathered = torch.empty(L * s, dtype=torch.float32, device=tensor.device)
+        with timer.stage("comm"), guard("hierarchical all-reduce (all-gather inside the node)", h.intra):
+            all_gather_single(gathered, body, h.intra)
+        traffic.intra += _intra_bytes(s, L)
+    else:
+        gathered = body
+    with timer.stage("codec"):
+        tensor.copy_(gathered[:n].view(tensor.shape))
+    return tensor

@@ -1,0 +1,240 @@
+"""compressed_allreduce on a 2-D DeviceMesh (nodes x ranks per node): full precision inside a
+node, 1-bit between nodes (onebit.collectives.hierarchical). Against a float64 reference of
+the hierarchical algorithm, on meshes 2 x 2, 2 x 3, 3 x 2 and the degenerate 1 x 4, 4 x 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_rel
+
+from onebit.collectives import compressed_allreduce, error_buffers, padded_numel, traffic
+from onebit.collectives.wire import compressed_bytes
+from onebit.kernels.reference import reference_allreduce
+
+
+def _input(seed: int, call: int, rank: int, n: int, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + call * 1009 + rank)
+    x = torch.randn(n, generator=g)
+    if kind == "heavy":  # heavy tails and exact zeros of both signs
+        x = x**5
+        x[torch.rand(n, generator=g) < 0.3] = 0.0
+        x[torch.rand(n, generator=g) < 0.2] = -0.0
+    return x
+
+
+def _mesh(M: int, L: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (M, L), mesh_dim_names=("node", "local"))
+
+
+def _body_chain(M, L, n, kind, calls, block, seed=3):
+    mesh = _mesh(M, L)
+    r = dist.get_rank()
+    we, se = error_buffers(n, mesh, block=block)
+    outs = []
+    for c in range(calls):
+        x = _input(seed, c, r, n, kind)
+        assert compressed_allreduce(x, we, se, mesh, block=block) is x
+        outs.append(x.clone())
+    return outs, we, se
+
+
+def _reference_chain(M, L, n, kind, calls, block, seed=3):
+    """The hierarchical algorithm in float64: node means, then reference_allreduce of each shard
+    across the nodes with the error buffers of the ranks that serve it."""
+    W, s = M * L, -(-n // L)
+    N = padded_numel(s, M, block)
+    we = {(a, i): torch.zeros(N, dtype=torch.float64) for a in range(M) for i in range(L)}
+    se = {(a, i): torch.zeros(N // M, dtype=torch.float64) for a in range(M) for i in range(L)}
+    outs = []
+    for c in range(calls):
+        xs = [_input(seed, c, r, n, kind).double() for r in range(W)]
+        means = []
+        for a in range(M):
+            m = torch.zeros(L * s, dtype=torch.float64)
+            m[:n] = sum(xs[a * L + k] for k in range(L)) / L
+            means.append(m)
+        out = torch.empty(L * s, dtype=torch.float64)
+        for i in range(L):
+            res = reference_allreduce([m[i * s:(i + 1) * s] for m in means], [we[(a, i)] for a in range(M)],
+                                      [se[(a, i)] for a in range(M)], block=block)
+            for a in range(M):
+                we[(a, i)], se[(a, i)] = res.worker_errors[a], res.server_errors[a]
+            out[i * s:(i + 1) * s] = res.output
+        outs.append(out[:n])
+    return outs, we, se
+
+
+MESHES = [(2, 2), (2, 3), (3, 2), (1, 4), (4, 1)]
+
+
+@pytest.mark.parametrize(("M", "L"), MESHES, ids=[f"{m}x{k}" for m, k in MESHES])
+@pytest.mark.parametrize(("n", "kind", "block"), [
+    (1, "randn", None), (7, "heavy", None), (1000, "randn", None), (4099, "heavy", None),
+    (1003, "heavy", 16)])
+def test_matches_the_hierarchical_reference(ranks, M, L, n, kind, block):
+    calls = 6
+    got = ranks(M * L).run(_body_chain, M, L, n, kind, calls, block)
+    ref_outs, ref_we, ref_se = _reference_chain(M, L, n, kind, calls, block)
+    for r, (outs, we, se) in enumerate(got):
+        for c in range(calls):
+            assert torch.equal(outs[c], got[0][0][c]), f"rank {r} differs from rank 0 at call {c}"  # bitwise
+            assert_rel(outs[c], ref_outs[c], 1e-6, f"output of call {c}")
+        a, i = divmod(r, L)
+        for name, mine, ref in (("worker_error", we, ref_we[(a, i)]), ("server_error", se, ref_se[(a, i)])):
+            assert_rel(mine, ref, 1e-6, f"{name} of rank {r}", norm=max(float(ref.norm()), 1e-30))
+
+
+def _body_nonfinite(M, L, bad_rank):
+    mesh = _mesh(M, L)
+    r = dist.get_rank()
+    we, se = error_buffers(100, mesh)
+    x = _input(1, 0, r, 100, "randn")
+    compressed_allreduce(x, we, se, mesh)  # errors now nonzero
+    before = (we.clone(), se.clone())
+    y = _input(1, 1, r, 100, "randn")
+    if r == bad_rank:
+        y[17] = float("nan")
+    compressed_allreduce(y, we, se, mesh)
+    return bool(torch.isnan(y).all()), torch.equal(we, before[0]) and torch.equal(se, before[1])
+
+
+@pytest.mark.parametrize(("M", "L", "bad"), [(2, 2, 3), (2, 3, 1), (3, 2, 4)])
+def test_a_non_finite_input_on_one_rank_gives_nan_everywhere_and_keeps_every_error(ranks, M, L, bad):
+    for all_nan, unchanged in ranks(M * L).run(_body_nonfinite, M, L, bad):
+        assert all_nan and unchanged
+
+
+def _body_convergence(M, L, n, calls):
+    """Running mean of repeated calls on fixed inputs: its error against the exact mean, for
+    the flat all-reduce over all ranks and for the hierarchical one."""
+    r, W = dist.get_rank(), dist.get_world_size()
+    x = _input(7, 0, r, n, "heavy")
+    exact = sum(_input(7, 0, q, n, "heavy").double() for q in range(W)) / W
+    errors = {}
+    for name, group in (("flat", None), ("hierarchical", _mesh(M, L))):
+        we, se = error_buffers(n, group)
+        total = torch.zeros(n, dtype=torch.float64)
+        curve = []
+        for c in range(calls):
+            total += compressed_allreduce(x.clone(), we, se, group).double()
+            curve.append(float((total / (c + 1) - exact).norm() / exact.norm()))
+        errors[name] = curve
+    return errors
+
+
+@pytest.mark.parametrize(("M", "L"), [(2, 2), (2, 3), (3, 2)])
+def test_error_feedback_converges_at_least_as_fast_as_flat(ranks, M, L):
+    errors = ranks(M * L).run(_body_convergence, M, L, 4096, 40)[0]
+    flat, hier = errors["flat"], errors["hierarchical"]
+    assert hier[-1] < 0.5 * hier[0]  # it converges (slowly on x^5 with one scale per chunk)
+    for k in (9, 19, 39):  # after 10, 20, 40 calls
+        assert hier[k] <= flat[k], (k, hier[k], flat[k])
+
+
+def _body_bytes(M, L, n, block):
+    mesh = _mesh(M, L)
+    we, se = error_buffers(n, mesh, block=block)
+    traffic.reset()
+    compressed_allreduce(torch.ones(n), we, se, mesh, block=block)
+    hier = (traffic.compressed, traffic.intra)
+    fw, fs = error_buffers(n, None, block=block)
+    traffic.reset()
+    compressed_allreduce(torch.ones(n), fw, fs, block=block)
+    return hier, traffic.compressed, we.numel(), fw.numel()
+
+
+@pytest.mark.parametrize(("M", "L", "n", "block"), [
+    (2, 2, 1 << 16, 64), (2, 3, 100_003, None), (3, 2, 4099, 16)])
+def test_bytes_across_nodes_fall_by_the_ranks_per_node(ranks, M, L, n, block):
+    W = M * L
+    for (hier, intra), flat, N, N_flat in ranks(W).run(_body_bytes, M, L, n, block):
+        assert hier == compressed_bytes(N, M, block)  # every one of them crosses between nodes
+        assert flat == compressed_bytes(N_flat, W, block)
+        # of the flat call's 2 (W - 1) segments, 2 (W - L) go to ranks on other nodes
+        flat_across = flat * (W - L) // (W - 1)
+        assert hier <= (1 / L + 0.05) * flat_across, (hier, flat_across)
+        s = -(-n // L)
+        assert intra == (L - 1) * (s + 1) * 4 + (L - 1) * s * 4  # reduce-scatter (with flags), all-gather
+
+
+def _body_bad(kind):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r = dist.get_rank()
+    x = _input(2, 0, r, 50, "randn")
+    before = x.clone()
+    if kind == "3d":
+        mesh = init_device_mesh("cpu", (1, 2, 2))
+        we, se = torch.zeros(64), torch.zeros(32)
+    elif kind == "flat-buffers":
+        mesh = _mesh(2, 2)
+        we, se = error_buffers(50, None)  # sized for the flat group (W = 4), not the mesh (2 nodes)
+    else:
+        mesh = _mesh(2, 2)
+        we, se = torch.zeros(16), torch.zeros(8)  # shorter than this rank's shard (25)
+    we0 = we.clone()
+    try:
+        compressed_allreduce(x, we, se, mesh)
+    except (ValueError, TypeError) as e:
+        return str(e), torch.equal(x, before) and torch.equal(we, we0)
+    return "", False
+
+
+def test_bad_meshes_and_buffers_are_refused_with_what_to_do(ranks):
+    for message, untouched in ranks(4).run(_body_bad, "3d"):
+        assert message.startswith("group: expected a ProcessGroup or a 1-D or 2-D DeviceMesh") and untouched
+    for message, untouched in ranks(4).run(_body_bad, "short"):
+        assert message.startswith("worker_error: expected float32 of length N >= ceil(numel / per_node) (25)")
+        assert "error_buffers(numel, mesh)" in message and untouched
+    for message, untouched in ranks(4).run(_body_bad, "flat-buffers"):
+        assert message.startswith("server_error: expected float32 of length N / nodes = 32") and untouched
+
+
+def _body_one_d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    r = dist.get_rank()
+    out = {}
+    for name, group in (("mesh", mesh), ("group", None)):
+        we, se = error_buffers(300, group)
+        x = _input(5, 0, r, 300, "randn")
+        compressed_allreduce(x, we, se, group)
+        out[name] = (x, we)
+    return out
+
+
+def test_a_one_dimensional_mesh_is_its_group(ranks):
+    for out in ranks(3).run(_body_one_d):
+        assert torch.equal(out["mesh"][0], out["group"][0]) and torch.equal(out["mesh"][1], out["group"][1])
+
+
+def test_error_buffers_without_a_process_group():
+    we, se = error_buffers(10)
+    assert we.shape == (16,) and se.shape == (16,) and we.dtype == torch.float32 and not we.any()
+    with pytest.raises(ValueError, match="numel: expected"):
+        error_buffers(-1)
+
+
+def _body_missing():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.tensor([[0], [1]]))  # ranks 2 and 3 are not in it
+    x = torch.ones(10)
+    try:
+        we, se = error_buffers(10, mesh)
+        compressed_allreduce(x, we, se, mesh)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_rank_outside_the_mesh_is_told_so(ranks):
+    got = ranks(4).run(_body_missing)
+    assert got[:2] == ["", ""]  # ranks 0 and 1: two nodes of one rank each
+    for r in (2, 3):
+        assert got[r] == f"group: this rank (global rank {r}) is not in the mesh [0, 1]"
