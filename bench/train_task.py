@@ -159,6 +159,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-jsonl", default=None)
+    p.add_argument("--per-node", type=int, default=None,
+                   help="a 2-D mesh of nodes x this many ranks (onebit.collectives.node_mesh): full "
+                   "precision inside a node, 1-bit between nodes")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
@@ -168,8 +171,13 @@ def main() -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build()
     freeze = parse_freeze(args.freeze_step, args.steps)
-    opt = make_optimizer(args.optimizer, model.parameters(), args.lr, freeze, args.steps,
-                         optimizer_options(args), args.var_update_scaler)
+    kw = optimizer_options(args)
+    if args.per_node:
+        from onebit.collectives import node_mesh
+
+        kw["group"] = node_mesh(args.per_node)
+    opt = make_optimizer(args.optimizer, model.parameters(), args.lr, freeze, args.steps, kw,
+                         args.var_update_scaler)
     meter = MovementMeter(model.parameters())
     mark_at = freeze if isinstance(freeze, int) else None  # baselines: the fixed freeze step
     g = torch.Generator().manual_seed(1000 * args.seed + rank + 1)  # each rank its own samples

@@ -154,6 +154,17 @@ def _on_mesh(tensor, worker_error, server_error, h, check: bool, raise_on_nonfin
     return _done(tensor) if async_op else tensor
 
 
+def error_buffer_numel(numel: int, group=None, block: int | None = None) -> int:
+    """N, the length of the worker error buffer for ``numel`` elements on ``group`` (a process
+    group or a mesh; see :func:`error_buffers`); the server's is N over the ranks serving."""
+    if is_mesh(group):
+        h = hierarchy(group)
+        if h is not None:
+            return padded_numel(shard_numel(numel, h.per_node), h.nodes, block)
+        group = group.get_group()
+    return padded_numel(numel, group_size(group), block)
+
+
 def error_buffers(numel: int, group=None, *, block: int | None = None,
                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(worker_error, server_error)`` for ``compressed_allreduce`` of ``numel`` elements on
@@ -163,17 +174,13 @@ def error_buffers(numel: int, group=None, *, block: int | None = None,
     ``padded_numel(ceil(numel / L), M, block)`` and that over M."""
     numel = check_int("numel", numel, low=0)
     block = check_block(block)
-    if is_mesh(group):
-        h = hierarchy(group)
-        if h is not None:
-            N = padded_numel(shard_numel(numel, h.per_node), h.nodes, block)
-            return (torch.zeros(N, dtype=torch.float32, device=device),
-                    torch.zeros(N // h.nodes, dtype=torch.float32, device=device))
-        group = group.get_group()
-    W = group_size(group)
-    N = padded_numel(numel, W, block)
-    return torch.zeros(N, dtype=torch.float32, device=device), torch.zeros(N // W, dtype=torch.float32,
-                                                                          device=device)
+    N = error_buffer_numel(numel, group, block)
+    if is_mesh(group) and hierarchy(group) is not None:
+        servers = hierarchy(group).nodes
+    else:
+        servers = group_size(group.get_group() if is_mesh(group) else group)
+    return (torch.zeros(N, dtype=torch.float32, device=device),
+            torch.zeros(N // servers, dtype=torch.float32, device=device))
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:

@@ -19,6 +19,8 @@ from ..kernels.layout import padded_numel
 from ._failure import guard
 from ._group import group_size
 from .allreduce import compressed_allreduce
+from .hierarchical import intra_bytes, shard_numel
+from .mesh import hierarchy
 from .telemetry import CallTimer, counting
 from .wire import Traffic, ring_allreduce_bytes, traffic
 
@@ -101,8 +103,13 @@ class BucketedReducer:
         flat_padding: bool = False,
         block: int | None = None,
         traffic: Traffic | None = None,
+        mesh=None,
     ) -> None:
         self.group = group
+        # a 2-D mesh: the compressed all-reduces are hierarchical (full-precision averaging
+        # stays on ``group``, all the mesh's ranks); error buffers sized for this rank's shard
+        self.mesh = mesh
+        self.hierarchy = None if mesh is None else hierarchy(mesh)
         self.traffic = Traffic() if traffic is None else traffic
         self.block = block
         self.world_size = group_size(group)
@@ -115,12 +122,17 @@ class BucketedReducer:
             sizes = [numels[i] for i in indices]
             offsets = [sum(sizes[:k]) for k in range(len(sizes))]
             n = sum(sizes)
-            N = padded_numel(n, W, block)
-            flat = torch.zeros(N if flat_padding else n, dtype=torch.float32, device=device)
+            length = padded_numel(n, W, block) if flat_padding else n  # what is compressed
+            if self.hierarchy is None:
+                N, servers = padded_numel(n, W, block), W
+            else:
+                h = self.hierarchy
+                N, servers = padded_numel(shard_numel(length, h.per_node), h.nodes, block), h.nodes
+            flat = torch.zeros(length, dtype=torch.float32, device=device)
             bucket = Bucket(
                 indices, offsets, sizes, n, flat,
                 torch.zeros(N, dtype=torch.float32, device=device),
-                torch.zeros(N // W, dtype=torch.float32, device=device),
+                torch.zeros(N // servers, dtype=torch.float32, device=device),
             )
             for i, off, size in zip(indices, offsets, sizes, strict=True):
                 view = flat[off : off + size].view(self.shapes[i])
@@ -135,17 +147,31 @@ class BucketedReducer:
 
     def compressed_mean_(self) -> None:
         """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
+        group = self.compress_group
         for b in self.buckets:
             with counting(self.traffic):  # the call's seconds (telemetry) go to this counter too
                 if self.block is None:  # the signature a benchmark's local allreduce may have
-                    self.allreduce(b.flat, b.worker_error, b.server_error, self.group)
+                    self.allreduce(b.flat, b.worker_error, b.server_error, group)
                 else:
-                    self.allreduce(b.flat, b.worker_error, b.server_error, self.group, block=self.block)
+                    self.allreduce(b.flat, b.worker_error, b.server_error, group, block=self.block)
             self.count_compressed(b)
 
+    @property
+    def compress_group(self):
+        """What the compressed all-reduces run on: the mesh, or the process group."""
+        return self.group if self.mesh is None else self.mesh
+
     def count_compressed(self, bucket: Bucket) -> None:
-        """Count one compressed all-reduce of ``bucket`` in this reducer's traffic."""
-        self.traffic.add_compressed(bucket.worker_error.numel(), self.world_size, self.block)
+        """Count one compressed all-reduce of ``bucket`` in this reducer's traffic (on a mesh:
+        the 1-bit bytes between nodes, and the full-precision bytes inside the node)."""
+        h = self.hierarchy
+        if h is None:
+            self.traffic.add_compressed(bucket.worker_error.numel(), self.world_size, self.block)
+            return
+        if h.nodes > 1:
+            self.traffic.add_compressed(bucket.worker_error.numel(), h.nodes, self.block)
+        s = shard_numel(bucket.flat.numel(), h.per_node)
+        self.traffic.intra += intra_bytes(s, h.per_node)
 
     def average(
         self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True

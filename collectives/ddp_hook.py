@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 
 from ..kernels._checks import check_group, check_instance, check_int, check_number
-from ..kernels.layout import check_block, padded_numel
+from ..kernels.layout import check_block
 from ..optimizers._functional import sqrt_v_floors, stale_denominator
 from ._group import warn_collective
-from .allreduce import compressed_allreduce
+from .allreduce import compressed_allreduce, error_buffer_numel
+from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
 from .wire import Traffic, compressed_bytes, ring_allreduce_bytes
 
@@ -85,6 +86,10 @@ class OnebitCompressHookState:
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
                  variance_floor: float = 0.1) -> None:
+        # a 2-D DeviceMesh: each bucket's compressed all-reduce is hierarchical (1-bit between
+        # nodes only); the full-precision iterations average over all the mesh's ranks
+        self._mesh = process_group if is_mesh(process_group) else None
+        process_group = flat_group(process_group)
         self.process_group = process_group
         self.optimizer = None if optimizer is None else check_instance(
             "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
@@ -139,6 +144,7 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
         self.__dict__.setdefault("_timing", Traffic())
+        self.__dict__.setdefault("_mesh", None)
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.errors = {int(k): (w, s) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
@@ -161,8 +167,17 @@ class OnebitCompressHookState:
             return None
         return parts if set().union(*(self.layouts[i] for i in parts)) == wanted else None
 
+    @property
+    def compress_group(self):
+        """What the compressed all-reduces run on: the mesh, or the process group."""
+        return self.process_group if self._mesh is None else self._mesh
+
+    def _servers(self) -> int:
+        """Ranks among which a compressed call's chunks are served (the nodes, on a mesh)."""
+        return self.world_size if self._mesh is None else hierarchy(self._mesh).nodes
+
     def _buffers(self, index: int, buffer: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-        N = padded_numel(buffer.numel(), self.world_size, self.block)
+        N = error_buffer_numel(buffer.numel(), self.compress_group, self.block)
         found = self.errors.get(index)
         if found is None or self.layouts.get(index) != layout or found[0].numel() != N:
             if found is not None:
@@ -174,7 +189,7 @@ class OnebitCompressHookState:
                                     "starts from zero (counted in stats()['resets'])",
                                     RuntimeWarning, self.process_group)
             device = buffer.device
-            found = (torch.zeros(N, device=device), torch.zeros(N // self.world_size, device=device))
+            found = (torch.zeros(N, device=device), torch.zeros(N // self._servers(), device=device))
             self.errors[index] = found
             self.layouts[index] = layout
         return found
@@ -232,9 +247,9 @@ def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, la
     for index in parts:
         piece = torch.cat([views[name].reshape(-1) for name in state.layouts[index]])
         worker_error, server_error = state.errors[index]
-        state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size, state.block)
+        state.bytes_compressed += compressed_bytes(worker_error.numel(), state._servers(), state.block)
         with counting(state._timing):
-            futures.append(compressed_allreduce(piece, worker_error, server_error, state.process_group,
+            futures.append(compressed_allreduce(piece, worker_error, server_error, state.compress_group,
                                                 async_op=True, block=state.block))
         pieces.append(piece)
 
@@ -309,7 +324,7 @@ def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer:
         if parts is not None:
             return _allreduce_parts(state, bucket, layout, parts)
     worker_error, server_error = state._buffers(index, buffer, layout)
-    state.bytes_compressed += compressed_bytes(worker_error.numel(), state.world_size, state.block)
+    state.bytes_compressed += compressed_bytes(worker_error.numel(), state._servers(), state.block)
     with counting(state._timing):
-        return compressed_allreduce(buffer, worker_error, server_error, state.process_group, async_op=True,
+        return compressed_allreduce(buffer, worker_error, server_error, state.compress_group, async_op=True,
                                     block=state.block)

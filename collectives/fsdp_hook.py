@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..kernels._checks import check_group, check_instance, check_int
-from ..kernels.layout import check_block, padded_numel
-from .allreduce import compressed_allreduce
+from ..kernels.layout import check_block
+from .allreduce import compressed_allreduce, error_buffer_numel
 from .ddp_hook import HOOK_BLOCK
+from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
 from .wire import Traffic, compressed_bytes, ring_allreduce_bytes
 
@@ -44,11 +45,15 @@ class OnebitAllReduceHook:
     ``start_iter`` full-precision calls.
 
     ``block``: elements per scale (see ``OnebitCompressHookState``; default 64). ``state_dict()`` /
-    ``load_state_dict()`` checkpoint the error buffers and counters.
+    ``load_state_dict()`` checkpoint the error buffers and counters. ``process_group`` may be a
+    2-D DeviceMesh of the replicas (nodes x replicas per node): the compressed calls are then
+    hierarchical, 1-bit between nodes only.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, start_iter: int = 0,
                  block: int | None = HOOK_BLOCK) -> None:
+        self._mesh = process_group if is_mesh(process_group) else None
+        process_group = flat_group(process_group)
         self.process_group = process_group
         self.world_size = check_group(process_group)
         self.start_iter = check_int("start_iter", start_iter)
@@ -70,17 +75,19 @@ class OnebitAllReduceHook:
             reduce_output.div_(W)
             self.bytes_full += ring_allreduce_bytes(reduce_output.numel(), W, reduce_output.element_size())
         elif W > 1:
-            N = padded_numel(reduce_output.numel(), W, self.block)
+            group = self.process_group if self._mesh is None else self._mesh
+            N = error_buffer_numel(reduce_output.numel(), group, self.block)
+            servers = W if self._mesh is None else hierarchy(self._mesh).nodes
             if self.worker_error is None or self.worker_error.numel() != N:
                 if self.worker_error is not None:
                     raise ValueError(f"reduce_output: expected {self.worker_error.numel()} elements padded "
                                      f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
                 self.worker_error = torch.zeros(N, device=reduce_output.device)
-                self.server_error = torch.zeros(N // W, device=reduce_output.device)
+                self.server_error = torch.zeros(N // servers, device=reduce_output.device)
             with counting(self._timing):
-                compressed_allreduce(reduce_output, self.worker_error, self.server_error, self.process_group,
+                compressed_allreduce(reduce_output, self.worker_error, self.server_error, group,
                                      block=self.block)
-            self.bytes_compressed += compressed_bytes(N, W, self.block)
+            self.bytes_compressed += compressed_bytes(N, servers, self.block) if servers > 1 else 0
         self.iter += 1
 
     def stats(self) -> dict:
@@ -102,9 +109,11 @@ class OnebitAllReduceHook:
     def load_state_dict(self, state: dict) -> None:
         check_instance("state", state, dict, "a dict from state_dict()")
         worker, server = state.get("worker_error"), state.get("server_error")
+        servers = self.world_size if self._mesh is None else hierarchy(self._mesh).nodes
         if (worker is None) != (server is None) or (
-                worker is not None and server.numel() * self.world_size != worker.numel()):
-            raise ValueError("state: expected both error buffers, the server's 1/world_size of the worker's")
+                worker is not None and server.numel() * servers != worker.numel()):
+            raise ValueError("state: expected both error buffers, the server's 1/world_size (on a mesh: "
+                             "1/nodes) of the worker's")
         self.iter, self.start_iter = int(state["iter"]), int(state["start_iter"])
         self.bytes_full, self.bytes_compressed = int(state["bytes_full"]), int(state["bytes_compressed"])
         self.worker_error = None if worker is None else worker.clone()
@@ -122,7 +131,7 @@ def register_fsdp_hooks(
     from torch.distributed.fsdp import FSDPModule
 
     check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
-    check_group(process_group)
+    check_group(flat_group(process_group))
     hooks = {}
     sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not sharded:

@@ -64,6 +64,12 @@ def _intra_bytes(chunk: int, L: int) -> int:
     return (L - 1) * chunk * 4
 
 
+def intra_bytes(s: int, L: int) -> int:
+    """Bytes one rank sends inside its node in one hierarchical call with shards of s elements
+    (the reduce-scatter carries one flag per shard)."""
+    return _intra_bytes(s + 1, L) + _intra_bytes(s, L) if L > 1 else 0
+
+
 def hierarchical_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                            h: Hierarchy, block: int | None) -> torch.Tensor:
     """The algorithm (module docstring) on validated arguments; ``tensor`` in place."""

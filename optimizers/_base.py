@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..collectives._failure import guard
 from ..collectives._group import comm_device, gather_json, group_size, warn_collective, warn_user
 from ..collectives.bucket import BucketedReducer
+from ..collectives.mesh import flat_group, hierarchy, is_mesh
 from ..collectives.telemetry import CallTimer
 from ..collectives.wire import Traffic, traffic
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
@@ -89,6 +90,11 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         compression: str = "preconditioned", variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT, block: int | None = None,
     ) -> None:
+        # a 2-D DeviceMesh: hierarchical compressed all-reduces; everything else (full-precision
+        # averaging, agreement checks) on the group of all its ranks
+        self._mesh = group if is_mesh(group) else None
+        self.hierarchy = None if self._mesh is None else hierarchy(self._mesh)
+        group = flat_group(group)
         self.world_size = group_size(group)  # validates group before anything is built
         self.block = check_block(block)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb)
@@ -506,7 +512,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         built), and the bytes this rank sent for this optimizer: ``bytes_compressed`` (1-bit
         all-reduces, from step() or from backward with ``overlap=True``), ``bytes_full``
         (full-precision averaging, in step() or in its DDP hook), ``bytes_control`` (the
-        per-step agreement all-reduces), ``bytes_sent`` (their sum); saved with the state.
+        per-step agreement all-reduces), ``bytes_intra`` (on a 2-D mesh: the full-precision
+        bytes inside the node; ``bytes_compressed`` then crosses between nodes), ``bytes_sent``
+        (their sum); saved with the state.
         One-off checks (the first step's replica fingerprints, ``check=True``) are not counted.
         Time (:mod:`onebit.collectives.telemetry`): ``seconds_codec`` (encode, server reduce,
         decode), ``seconds_comm`` (the compressed calls' collectives, waiting included),
@@ -520,8 +528,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                    floored_coordinates=self.floored_coordinates(),
                    coordinates=sum(p.numel() for p, _ in self.compressed_params()),
                    bytes_compressed=self.traffic.compressed, bytes_full=self.traffic.full,
-                   bytes_control=self.traffic.control,
-                   bytes_sent=self.traffic.compressed + self.traffic.full + self.traffic.control)
+                   bytes_control=self.traffic.control, bytes_intra=self.traffic.intra,
+                   bytes_sent=self.traffic.compressed + self.traffic.full + self.traffic.control
+                   + self.traffic.intra)
         out.update(self._seconds())
         schedule = self.schedule
         default = schedule.auto is None and schedule.fixed == DEFAULT_FREEZE
@@ -580,7 +589,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 raise ValueError(f"params: expected all parameters on one device, got {names}")
             device = devices.pop() if devices else torch.device("cpu")
             self._reducer = BucketedReducer(
-                [p.shape for p in params], device, group=self.process_group,
+                [p.shape for p in params], device, group=self.process_group, mesh=self._mesh,
                 bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
                 traffic=self.traffic,
             )
@@ -607,11 +616,17 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             return 0
         return dist.get_rank(self.process_group)
 
+    def _mesh_shape(self) -> list[int] | None:
+        """[nodes, ranks per node] on a 2-D mesh (the error buffers' layout), else None."""
+        h = self.hierarchy
+        return None if h is None else [h.nodes, h.per_node]
+
     def _add_extra_state(self, state_dict: dict) -> dict:
         reducer = self.reducer()
         state_dict["onebit"] = {
             "rank": self._rank(),
             "world_size": self.world_size,
+            "mesh": self._mesh_shape(),
             "buckets": reducer.signature(),
             "worker_errors": [we for we, _ in reducer.errors()],
             "server_errors": [se for _, se in reducer.errors()],
@@ -660,6 +675,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             extra is not None
             and extra.get("rank") == self._rank()
             and extra.get("world_size") == self.world_size
+            and extra.get("mesh") == self._mesh_shape()
             and extra.get("buckets") == reducer.signature()
         )
         if same:

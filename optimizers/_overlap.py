@@ -100,7 +100,7 @@ class BackwardOverlap:
         block = {} if reducer.block is None else {"block": reducer.block}  # as compressed_mean_ calls it
         with counting(reducer.traffic):  # the call's seconds (telemetry) go to the optimizer's counter
             self.futures[b] = reducer.allreduce(bucket.flat, bucket.worker_error, bucket.server_error,
-                                                reducer.group, async_op=True, **block)
+                                                reducer.compress_group, async_op=True, **block)
         self.reducer.count_compressed(bucket)
         self.next += 1
 

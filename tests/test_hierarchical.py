@@ -238,3 +238,183 @@ def test_a_rank_outside_the_mesh_is_told_so(ranks):
     assert got[:2] == ["", ""]  # ranks 0 and 1: two nodes of one rank each
     for r in (2, 3):
         assert got[r] == f"group: this rank (global rank {r}) is not in the mesh [0, 1]"
+
+
+def _task(seed: int, rank: int, step: int):
+    """A regression task whose data differ per rank: y = A x + noise, with a dead input feature."""
+    g = torch.Generator().manual_seed(seed * 7919 + step * 131 + rank)
+    x = torch.randn(32, 24, generator=g)
+    x[:, 5] = 0.0
+    A = torch.linspace(-1, 1, 24 * 4, dtype=torch.float32).view(4, 24)
+    return x, x @ A.T + 0.1 * torch.randn(32, 4, generator=g)
+
+
+def _body_optimizer(M, L, name, steps, use_mesh, resume_at=None):
+    from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+    group = _mesh(M, L) if use_mesh else None
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    cls = {"exact": OnebitAdam, "adam": OnebitAdam, "lamb": OnebitLamb, "zero_one": ZeroOneAdam}[name]
+    # exact: Adam on exactly averaged gradients (the freeze never comes)
+    kw = {"exact": {"freeze_step": float("inf")}, "zero_one": {"var_freeze_step": 20}}
+
+    buckets = {} if name == "lamb" else {"bucket_cap_mb": 0.001}  # several buckets (LAMB: one per tensor)
+
+    def make():
+        return cls(model.parameters(), lr=3e-3, group=group, **buckets, **kw.get(name, {"freeze_step": 20}))
+
+    opt = make()
+    identical = True
+    losses = []
+    for step in range(steps):
+        if step == resume_at:  # a new optimizer from this one's state: it continues bitwise
+            state = opt.state_dict()
+            opt = make()
+            opt.load_state_dict(state)
+        x, y = _task(1, r, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        if opt.replicas_identical:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            table = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+            dist.all_gather(table, flat)
+            identical &= all(torch.equal(t, table[0]) for t in table)
+    # the final loss on every rank's data, averaged
+    total = torch.tensor([0.0])
+    with torch.no_grad():
+        for q in range(dist.get_world_size()):
+            x, y = _task(2, q, 0)
+            total += torch.nn.functional.mse_loss(model(x), y)
+    return float(total) / dist.get_world_size(), identical, opt.stats(), \
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize(("M", "L"), [(2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("name", ["adam", "lamb", "zero_one"])
+def test_optimizers_on_a_mesh_train_as_on_the_flat_group(ranks, M, L, name):
+    # the mesh changes where the bits go, not how the optimizer trains: within 2% of the flat
+    # 1-bit run (against exact averaging: test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task)
+    pool = ranks(M * L)
+    flat = pool.run(_body_optimizer, M, L, name, 150, False)[0][0]
+    got = pool.run(_body_optimizer, M, L, name, 150, True)
+    for loss, identical, stats, _ in got:
+        assert identical  # bitwise the same parameters on every rank whenever they should be
+        assert loss <= 1.02 * flat, (loss, flat)
+        if M > 1:
+            assert stats["bytes_compressed"] > 0 and (stats["bytes_intra"] > 0) == (L > 1)
+
+
+def test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task(tmp_path):
+    # the convergence suite's "words" task (bench/suite.py), W = 4 as 2 nodes x 2: OnebitAdam
+    # on the mesh against Adam on exactly averaged gradients, final validation loss within 2%
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    losses = {}
+    for name, extra in (("adam", []), ("onebit_adam", ["--per-node", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               os.path.join(root, "bench", "train_task.py"), "--task", "words", "--steps", "1000",
+               "--optimizer", name, "--log-jsonl", str(log), *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("TRITON_INTERPRET", None)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        losses[name] = [r["val_loss"] for r in rows if r.get("val_loss") is not None][-1]
+        if name == "onebit_adam":
+            assert rows[-1]["stats"]["bytes_compressed"] > 0 and rows[-1]["stats"]["bytes_intra"] > 0
+    assert losses["onebit_adam"] <= 1.02 * losses["adam"], losses
+
+
+@pytest.mark.parametrize("name", ["adam", "zero_one"])
+def test_an_optimizer_on_a_mesh_resumes_bitwise(ranks, name):
+    pool = ranks(6)
+    straight = pool.run(_body_optimizer, 3, 2, name, 40, True)
+    resumed = pool.run(_body_optimizer, 3, 2, name, 40, True, 27)
+    for a, b in zip(straight, resumed, strict=True):
+        assert torch.equal(a[3], b[3])
+
+
+def _body_ddp_hook(M, L, use_mesh, steps=60):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(),
+                                                        torch.nn.Linear(32, 4)), bucket_cap_mb=0.002)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = None
+    if use_mesh is not None:  # None: plain DDP (exact averaging)
+        state = OnebitCompressHookState(process_group=_mesh(M, L) if use_mesh else None, start_iter=2,
+                                        optimizer=sgd)
+        model.register_comm_hook(state, onebit_compress_hook)
+    r = dist.get_rank()
+    for step in range(steps):
+        x, y = _task(3, r, step)
+        sgd.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        sgd.step()
+    total = 0.0
+    with torch.no_grad():
+        for q in range(dist.get_world_size()):
+            x, y = _task(5, q, 0)
+            total += float(torch.nn.functional.mse_loss(model(x), y))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return params, None if state is None else state.stats(), total / dist.get_world_size()
+
+
+@pytest.mark.parametrize(("M", "L"), [(2, 2), (2, 3)])
+def test_the_ddp_hook_on_a_mesh(ranks, M, L):
+    pool = ranks(M * L)
+    got = pool.run(_body_ddp_hook, M, L, True)
+    flat = pool.run(_body_ddp_hook, M, L, False)
+    exact = pool.run(_body_ddp_hook, M, L, None)[0][2]
+    for params, stats, loss in got:
+        assert torch.equal(params, got[0][0])  # bitwise the same on every rank
+        assert stats["compressing"] and stats["bytes_compressed"] > 0
+        # 1-bit between M nodes: fewer bytes than the flat hook's over all M L ranks
+        assert stats["bytes_compressed"] < flat[0][1]["bytes_compressed"]
+        assert loss <= 1.05 * exact, (loss, flat[0][2], exact)  # trains as plain DDP does
+
+
+def _body_fsdp_mesh(steps=5):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from onebit.collectives import register_fsdp_hooks
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("node", "local", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 37), torch.nn.ReLU(), torch.nn.Linear(37, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    hooks = register_fsdp_hooks(model, mesh["node", "local"], start_iter=1)  # replicas: 2 nodes x 2
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    r = dist.get_rank()
+    for step in range(steps):
+        x, y = _task(4, r, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    return local, {k: h.stats() for k, h in hooks.items()}
+
+
+def test_the_fsdp_hook_on_a_mesh_of_replicas(ranks):
+    got = ranks(4).run(_body_fsdp_mesh)
+    for local, stats in got:
+        assert torch.equal(local, got[0][0])  # every replica holds the same shard, bitwise
+        for s in stats.values():
+            assert s["iter"] == 5 and s["bytes_compressed"] > 0 and s["bytes_full"] > 0
