@@ -171,7 +171,7 @@ class BucketedReducer:
         if h.nodes > 1:
             self.traffic.add_compressed(bucket.worker_error.numel(), h.nodes, self.block)
         s = shard_numel(bucket.flat.numel(), h.per_node)
-        self.traffic.intra += intra_bytes(s, h.per_node)
+        self.traffic.intra += intra_bytes(s, h)
 
     def average(
         self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True

@@ -39,6 +39,7 @@ from onebit import checkpoint
 from onebit.collectives import (
     CollectiveError,
     ReplicaMismatchError,
+    node_mesh,
     ring_allreduce_bytes,
     traffic,
     verify_replicas,
@@ -117,6 +118,8 @@ def make_optimizer(name: str, params, args):
     if name == "lamb":
         return OnebitLamb(params, freeze_step=math.inf, betas=(0.9, 0.99), **common)
     common.update(optimizer_options(args))
+    if args.per_node:  # nodes x per_node ranks: full precision inside a node, 1-bit between nodes
+        common["group"] = node_mesh(args.per_node)
     if name == "onebit_adam":
         return OnebitAdam(params, freeze_step=freeze, betas=(0.9, 0.99), overlap=args.overlap,
                           bucket_cap_mb=args.bucket_cap_mb, **common)
@@ -194,6 +197,9 @@ def train() -> None:
     p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: at the end only)")
     p.add_argument("--log-jsonl", default=None, help="rank 0 appends one JSON line per step here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-node", type=int, default=None,
+                   help="ranks per node: the 1-bit optimizers compress only between nodes, on a 2-D mesh "
+                   "(nodes x per-node; on several machines, torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--checkpoint-dir", default=os.path.join("checkpoints", "train_lm"))
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
@@ -317,6 +323,9 @@ def train() -> None:
         print(f"  bytes sent per rank (counted): {traffic.full / 1e6:.2f} MB full precision + "
               f"{traffic.compressed / 1e6:.2f} MB 1-bit = {total / 1e6:.2f} MB; a float32 all-reduce every "
               f"step would send {baseline / 1e6:.2f} MB ({baseline / max(total, 1):.1f}x)")
+        if args.per_node:
+            print(f"  on {W // args.per_node} nodes x {args.per_node}: the 1-bit bytes cross between nodes; "
+                  f"{traffic.intra / 1e6:.2f} MB more stayed inside the node in full precision")
         print_projection({k: stats[k] - before.get(k, 0) for k in before}, stage_time, full_bytes)
     finish()
 

@@ -29,6 +29,11 @@ def test_train_lm_demo_runs(optimizer):
         assert f"{link}: float32 all-reduce" in out, out
 
 
+def test_train_lm_demo_on_a_mesh_of_nodes():
+    out = _demo("--optimizer", "onebit_adam", "--steps", "6", "--per-node", "1")  # 2 nodes x 1 rank
+    assert "on 2 nodes x 1: the 1-bit bytes cross between nodes" in out, out
+
+
 @pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])
 def test_train_lm_resume_is_bitwise(optimizer, tmp_path):
     straight = _demo("--optimizer", optimizer, "--steps", "8", "--checkpoint-every", "4",
