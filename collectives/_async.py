@@ -65,7 +65,12 @@ class _Companion:
 
     def __init__(self, group) -> None:
         ranks = dist.get_process_group_ranks(group)
-        self.group = dist.new_group(ranks, use_local_synchronization=True)
+        # On the whole world every rank makes this call: a counter-named group. Local
+        # synchronisation names a group by a hash of its ranks, which collides with any other
+        # group so named over the same ranks (a DeviceMesh's, for one), and the two groups'
+        # rendezvous then share store keys: a 1 x W mesh made earlier hung the next async call.
+        world = sorted(ranks) == list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks, use_local_synchronization=not world)
         self.sequencer = _Sequencer()
 
 

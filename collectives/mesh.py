@@ -55,7 +55,9 @@ class Hierarchy:
         return self.nodes * self.per_node
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# by identity, not by DeviceMesh's equality (equal layouts compare equal): every rank must run
+# the agreement check at the first use of each mesh object, whatever its garbage collector kept
+_CACHE: dict[int, tuple[weakref.ref, Hierarchy]] = {}
 _FLAT: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
@@ -100,14 +102,16 @@ def hierarchy(mesh) -> Hierarchy | None:
                          f"{_mesh_ranks(mesh)}")
     if mesh.ndim == 1:
         return None
-    found = _CACHE.get(mesh)
+    entry = _CACHE.get(id(mesh))
+    found = entry[1] if entry is not None and entry[0]() is mesh else None
     if found is None:
         nodes, per_node = (int(d) for d in mesh.mesh.shape)
         node, local = (int(c) for c in mesh.get_coordinate())
         intra, inter = mesh.get_group(1), mesh.get_group(0)
         _agree(mesh, [("node", intra), ("cross-node", inter)])
         found = Hierarchy(nodes, per_node, intra, inter, _flat(_mesh_ranks(mesh)), node, local)
-        _CACHE[mesh] = found
+        key = id(mesh)
+        _CACHE[key] = (weakref.ref(mesh, lambda _, key=key: _CACHE.pop(key, None)), found)
     return found
 
 

@@ -112,6 +112,7 @@ def test_a_run_on_loopback_reports_and_decides(tmp_path):
     assert report["verdict"] in ("compress", "do not compress")
     assert run.returncode == (0 if report["verdict"] == "compress" else 1)  # --exit-code
     assert set(report["links"]) == {"flat", "intra", "inter"} and report["hierarchical"]["per_node"] == 2
+    assert report["hierarchical"]["measured"] and report["hierarchical"]["seconds"] > 0  # timed at P
     flat = report["links"]["flat"]
     assert [r["n"] for r in flat["rows"]] == [1024, 4096, 16384, 65536]
     assert all(r["float32"] > 0 and r["onebit"] > 0 and r["encode"] > 0 for r in flat["rows"])

@@ -295,8 +295,8 @@ def _body_optimizer(M, L, name, steps, use_mesh, resume_at=None):
         torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize(("M", "L"), [(2, 2), (2, 3), (3, 2)])
-@pytest.mark.parametrize("name", ["adam", "lamb", "zero_one"])
+@pytest.mark.parametrize(("M", "L", "name"), [(2, 2, "adam"), (2, 2, "lamb"), (2, 2, "zero_one"),
+                                               (2, 3, "adam"), (3, 2, "zero_one")])
 def test_optimizers_on_a_mesh_train_as_on_the_flat_group(ranks, M, L, name):
     # the mesh changes where the bits go, not how the optimizer trains: within 2% of the flat
     # 1-bit run (against exact averaging: test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task)

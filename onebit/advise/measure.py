@@ -23,7 +23,7 @@ from ..collectives import compressed_allreduce, padded_numel, traffic
 from ..collectives.wire import compressed_bytes
 from ..kernels import decompress, server_reduce, worker_compress
 
-__all__ = ["Row", "measure_link", "measure_step", "sweep_sizes"]
+__all__ = ["Row", "measure_hierarchical", "measure_link", "measure_step", "sweep_sizes"]
 
 
 @dataclass
@@ -162,6 +162,19 @@ def _measure_size(group, n: int, device: torch.device, repeats: int, budget: flo
     ]
     row.encode, row.server, row.decode = _slowest(stages, group, device)
     return row
+
+
+def measure_hierarchical(mesh, n: int, *, device: torch.device, repeats: int, block: int | None) -> float:
+    """Seconds of one hierarchical compressed_allreduce of n elements on the 2-D ``mesh``
+    (median of the slowest rank, as the other timings)."""
+    from ..collectives import error_buffers
+
+    rank = dist.get_rank()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1234 + rank)).to(device)
+    we, se = error_buffers(n, mesh, block=block, device=device)
+    seconds, _ = _timed(lambda: compressed_allreduce(x.clone(), we, se, mesh, block=block), dist.group.WORLD,
+                        device, repeats)
+    return seconds
 
 
 def measure_step(path: str, group, device: torch.device, repeats: int = 5) -> float:

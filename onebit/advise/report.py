@@ -85,9 +85,12 @@ def footer(report: dict) -> str:
                  f"{pr['comm_s'] * 1e3:.1f}): {report['predicted_speedup']:.2f}x")
     hier = report.get("hierarchical")
     if hier:
+        how = "measured" if hier["measured"] else "predicted from the two links"
         lines.append(f"hierarchical ({hier['nodes']} x {hier['per_node']}: float32 inside each node, 1-bit "
-                     f"between nodes on P / {hier['per_node']} per rank; predicted from the two links): "
-                     f"{hier['seconds'] * 1e3:.1f} ms, {hier['speedup']:.2f}x the flat float32 all-reduce")
+                     f"between nodes on P / {hier['per_node']} per rank; {how}): "
+                     f"{hier['seconds'] * 1e3:.1f} ms, "
+                     f"{hier['speedup']:.2f}x the flat float32 all-reduce, "
+                     f"{hier['speedup_over_flat_onebit']:.2f}x the flat 1-bit one")
     step = report.get("step")
     if step:
         lines.append(f"step (compute {step['compute_s'] * 1e3:.1f} ms, {step['overlap']:.0%} of the dense "

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .measure import measure_link, measure_step, sweep_sizes
+from .measure import measure_hierarchical, measure_link, measure_step, sweep_sizes
 from .model import verdict
 from .report import describe_model, fit, footer, link_table
 
@@ -28,6 +28,7 @@ def _links(per_node: int | None, device: torch.device) -> dict[str, object]:
         mesh = init_device_mesh(device.type, (nodes, per_node), mesh_dim_names=("node", "local"))
         links["intra"] = mesh.get_group("local")
         links["inter"] = mesh.get_group("node")
+        links["mesh"] = mesh
     return links
 
 
@@ -43,7 +44,9 @@ def advise(args: argparse.Namespace, device: torch.device, per_node: int | None,
                     "versions": {"torch": torch.__version__, "python": platform.python_version()}}
     tables = []
     models = {}
-    for name, group in _links(per_node, device).items():
+    links = _links(per_node, device)
+    mesh = links.pop("mesh", None)
+    for name, group in links.items():
         W = dist.get_world_size(group)
         link_sizes = sizes if name != "inter" else sorted({max(1, s // per_node) for s in sizes})
 
@@ -77,9 +80,16 @@ def advise(args: argparse.Namespace, device: torch.device, per_node: int | None,
     report["model_speedup"] = flat.speedup(P)  # the fitted model alone, measured at P or not
     if per_node:
         L = per_node
-        hier = models["intra"].float32_seconds(P) + models["inter"].onebit_seconds(-(-P // L))
+        predicted = models["intra"].float32_seconds(P) + models["inter"].onebit_seconds(-(-P // L))
+        measured = None
+        if one <= args.max_seconds:  # the flat 1-bit call fits the budget: time the hierarchical one at P
+            if progress:
+                progress(f"hierarchical all-reduce of {P:,} elements on {dist.get_world_size() // L} x {L}")
+            measured = measure_hierarchical(mesh, P, device=device, repeats=args.repeats, block=args.block)
+        hier = measured if measured is not None else predicted
         report["hierarchical"] = {"nodes": dist.get_world_size() // L, "per_node": L, "seconds": hier,
-                                  "speedup": f32 / hier}
+                                  "measured": measured is not None, "predicted_from_links": predicted,
+                                  "speedup": f32 / hier, "speedup_over_flat_onebit": one / hier}
     compute = None
     if args.step_ms is not None:
         compute = args.step_ms / 1000.0
