@@ -91,6 +91,24 @@ def wall_ms(fn: Callable[[], object], device=None) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def slowest_rank_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` (a collective every rank makes) after one warm-up,
+    each the slowest rank's (a barrier before, a MAX all-reduce after): the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for rep in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if rep:
+            times.append(float(elapsed))
+    return times
+
+
 def write_csv(
     path: str, rows: Sequence[dict], *, append: bool = False, fields: Sequence[str] | None = None,
 ) -> str:

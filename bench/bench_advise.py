@@ -23,6 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import slowest_rank_times  # noqa: E402
 from bench_allreduce import LINKS, Namespace, can_shape  # noqa: E402
 
 TOLERANCE = 0.35  # the acceptance: predicted within 35% of measured
@@ -45,16 +46,7 @@ def child(args) -> None:
     out = {}
     for name, fn in (("float32", lambda: dist.all_reduce(x.clone())),
                      ("onebit", lambda: compressed_allreduce(x.clone(), we, se, block=block))):
-        times = []
-        for rep in range(args.repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep:
-                times.append(float(elapsed))
-        out[name] = statistics.median(times)
+        out[name] = statistics.median(slowest_rank_times(fn, args.repeats))
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh)

@@ -25,6 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import slowest_rank_times  # noqa: E402
 from bench_allreduce import can_shape  # noqa: E402
 
 RATES = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
@@ -98,39 +99,34 @@ def child(args) -> None:
     ops = {name: fn for name, fn in ops.items() if name in args.ops}
     rows = {}
     for name, fn in ops.items():
-        times = []
-        for rep in range(args.repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep:
-                times.append(float(elapsed))
+        times = slowest_rank_times(fn, args.repeats)
         traffic.reset()
         fn()
         rows[name] = {"seconds": statistics.median(times), "seconds_all": times,
                       "counted_compressed": traffic.compressed, "counted_intra": traffic.intra}
         # the byte count: the parent reads the counters between the two marker files
-        dist.barrier()
-        if rank == 0:
-            open(f"{args.out}.{name}.start", "w").close()
-            while not os.path.exists(f"{args.out}.{name}.started"):
-                time.sleep(0.05)
-        dist.barrier()
+        _handshake(f"{args.out}.{name}", "start", rank)
         for _ in range(args.count_calls):
             fn()
-        dist.barrier()
-        if rank == 0:
-            open(f"{args.out}.{name}.end", "w").close()
-            while not os.path.exists(f"{args.out}.{name}.ended"):
-                time.sleep(0.05)
-        dist.barrier()
+        _handshake(f"{args.out}.{name}", "end", rank)
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _handshake(prefix: str, what: str, rank: int) -> None:
+    """Every rank stops here until the parent has read the counters: rank 0 writes
+    ``prefix.what`` and waits for the parent's ``prefix.what + "ed"``."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        open(f"{prefix}.{what}", "w").close()
+        while not os.path.exists(f"{prefix}.{what}ed"):
+            time.sleep(0.05)
+    dist.barrier()
 
 
 def _wait(path: str, procs, timeout: float) -> None:

@@ -115,10 +115,7 @@ def compressed_allreduce(
     W = group_size(group)
     block = check_block(block)
     N = validate(tensor, worker_error, server_error, W, block)
-    check_instance("async_op", async_op, bool, "a bool")
-    if async_op and raise_on_nonfinite:
-        raise ValueError("raise_on_nonfinite: expected False with async_op=True (raising needs a host "
-                         "synchronisation; test torch.isfinite on the result instead)")
+    _check_modes(async_op, raise_on_nonfinite)
     if check:
         verify_agreement(tensor, N, group, block)
     if W == 1 or tensor.numel() == 0:
@@ -135,6 +132,13 @@ def compressed_allreduce(
     return _done(tensor) if async_op else tensor  # CUDA: every stage is queued on the stream
 
 
+def _check_modes(async_op: bool, raise_on_nonfinite: bool) -> None:
+    check_instance("async_op", async_op, bool, "a bool")
+    if async_op and raise_on_nonfinite:
+        raise ValueError("raise_on_nonfinite: expected False with async_op=True (raising needs a host "
+                         "synchronisation; test torch.isfinite on the result instead)")
+
+
 def _on_mesh(tensor, worker_error, server_error, h, check: bool, raise_on_nonfinite: bool, async_op: bool,
              block: int | None):
     """compressed_allreduce on a 2-D mesh (see onebit.collectives.hierarchical). ``async_op``:
@@ -142,10 +146,7 @@ def _on_mesh(tensor, worker_error, server_error, h, check: bool, raise_on_nonfin
     check_tensor("tensor", tensor)
     block = check_block(block)
     N = validate_hierarchical(tensor, worker_error, server_error, h, block)
-    check_instance("async_op", async_op, bool, "a bool")
-    if async_op and raise_on_nonfinite:
-        raise ValueError("raise_on_nonfinite: expected False with async_op=True (raising needs a host "
-                         "synchronisation; test torch.isfinite on the result instead)")
+    _check_modes(async_op, raise_on_nonfinite)
     if check:
         verify_agreement(tensor, N, h.flat, block)
     hierarchical_allreduce(tensor, worker_error, server_error, h, block)
