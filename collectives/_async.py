@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..kernels import decompress, server_reduce, worker_compress
 from ._failure import CollectiveError, guard
-from ._group import all_gather_single
+from ._group import all_gather_single, members_group
 from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
@@ -65,12 +65,12 @@ class _Companion:
 
     def __init__(self, group) -> None:
         ranks = dist.get_process_group_ranks(group)
-        # On the whole world every rank makes this call: a counter-named group. Local
-        # synchronisation names a group by a hash of its ranks, which collides with any other
-        # group so named over the same ranks (a DeviceMesh's, for one), and the two groups'
-        # rendezvous then share store keys: a 1 x W mesh made earlier hung the next async call.
-        world = sorted(ranks) == list(range(dist.get_world_size()))
-        self.group = dist.new_group(ranks, use_local_synchronization=not world)
+        # On the whole world every rank makes this call: a counter-named group. A part of the
+        # world makes it alone, and its members first agree on the group's name (members_group).
+        if sorted(ranks) == list(range(dist.get_world_size())):
+            self.group = dist.new_group(ranks)
+        else:
+            self.group = members_group(ranks, [group])
         self.sequencer = _Sequencer()
 
 

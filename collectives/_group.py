@@ -123,3 +123,28 @@ def warn_renamed(old: str, new: str, group) -> None:
     _renamed_warned.add(old)
     warn_collective(f"onebit: {old} is deprecated and will be removed in 0.3.0; use {new} (the same "
                     "object under a name that says what it does; CHANGELOG.md)", FutureWarning, group)
+
+
+def members_group(ranks: list[int], via: list) -> dist.ProcessGroup:
+    """A new process group over ``ranks`` (a subset of the world) that only its members create.
+
+    ``new_group(..., use_local_synchronization=True)`` names such a group by a hash of its ranks
+    and of how many groups this process already knows, and each process knows only the groups
+    it belongs to: members with different histories (ranks 0-1 of {0, 1} where rank 1 is also in
+    {1, 2}) would pick different names, rendezvous under different store keys and wait for each
+    other forever. So the members first agree on the largest count (a maximum over the groups
+    ``via``, which together connect all of them: the group itself, or a mesh's two dimensions
+    one after the other) and the ones behind catch up with one-rank groups of their own.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    known = torch.tensor([len(c10d._world.pg_names)], dtype=torch.int64)
+    for group in via:
+        device = comm_device(group)
+        counts = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        with guard("group creation", group):
+            all_gather_single(counts, known.to(device), group)
+        known = counts.max().cpu().reshape(1)
+    while len(c10d._world.pg_names) < int(known):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return dist.new_group(sorted(ranks), use_local_synchronization=True)

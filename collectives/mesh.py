@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ._failure import guard
-from ._group import all_gather_single, comm_device
+from ._group import all_gather_single, comm_device, members_group
 
 __all__ = ["Hierarchy", "hierarchy", "is_mesh", "node_mesh", "flat_group"]
 
@@ -65,14 +65,14 @@ def _mesh_ranks(mesh) -> list[int]:
     return [int(r) for r in mesh.mesh.reshape(-1).tolist()]
 
 
-def _flat(ranks: list[int]) -> dist.ProcessGroup:
+def _flat(ranks: list[int], intra, inter) -> dist.ProcessGroup:
     """The process group of all the mesh's ranks (the world's own when they are the world)."""
     key = tuple(sorted(ranks))
     if key == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
     found = _FLAT.get(key)
     if found is None:  # only the mesh's ranks take part (they all reach here together)
-        found = _FLAT[key] = dist.new_group(list(key), use_local_synchronization=True)
+        found = _FLAT[key] = members_group(list(key), [intra, inter])
     return found
 
 
@@ -109,7 +109,7 @@ def hierarchy(mesh) -> Hierarchy | None:
         node, local = (int(c) for c in mesh.get_coordinate())
         intra, inter = mesh.get_group(1), mesh.get_group(0)
         _agree(mesh, [("node", intra), ("cross-node", inter)])
-        found = Hierarchy(nodes, per_node, intra, inter, _flat(_mesh_ranks(mesh)), node, local)
+        found = Hierarchy(nodes, per_node, intra, inter, _flat(_mesh_ranks(mesh), intra, inter), node, local)
         key = id(mesh)
         _CACHE[key] = (weakref.ref(mesh, lambda _, key=key: _CACHE.pop(key, None)), found)
     return found

@@ -81,6 +81,29 @@ def test_nonfinite_through_the_async_path(ranks):
     assert ranks(3).run(_body_nonfinite) == [(True, True)] * 3
 
 
+def _body_part_of_the_world():
+    r = dist.get_rank()
+    # rank 1 knows one group more than rank 0 ({1, 2}): the async call's companion group over
+    # {0, 1}, which only they create, must still get one name on both (it hung before)
+    g01, _ = dist.new_group([0, 1]), dist.new_group([1, 2])
+    if r == 2:
+        return None
+    n = 1000
+    N = padded_numel(n, 2)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(r))
+    we, se = torch.zeros(N), torch.zeros(N // 2)
+    sync = (x.clone(), we.clone(), se.clone())
+    out = compressed_allreduce(x, we, se, group=g01, async_op=True).wait()
+    compressed_allreduce(*sync, group=g01)
+    return out, torch.equal(out, sync[0]) and torch.equal(we, sync[1]) and torch.equal(se, sync[2])
+
+
+def test_an_async_call_on_part_of_the_world_whose_ranks_know_different_groups(ranks):
+    got = ranks(3).run(_body_part_of_the_world)
+    assert got[2] is None and got[0][1] and got[1][1]  # bitwise the synchronous call
+    assert torch.equal(got[0][0], got[1][0])
+
+
 def test_async_arguments():
     x, we, se = torch.zeros(8), torch.zeros(8), torch.zeros(8)
     fut = compressed_allreduce(x, we, se, async_op=True)  # W == 1: complete at once

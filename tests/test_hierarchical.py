@@ -241,6 +241,37 @@ def test_a_rank_outside_the_mesh_is_told_so(ranks):
         assert got[r] == f"group: this rank (global rank {r}) is not in the mesh [0, 1]"
 
 
+def _body_part_of_the_world(n, calls, block):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    r = dist.get_rank()
+    # ranks that know different numbers of process groups (torch names a group that only its
+    # members create by a hash that counts them: onebit's groups over the mesh must still agree)
+    dist.new_group([0, 1])
+    dist.new_group([0])
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]))  # rank 4 is not in it
+    if r == 4:
+        return None
+    we, se = error_buffers(n, mesh, block=block)
+    outs = []
+    for c in range(calls):
+        x = _input(5, c, r, n, "heavy")
+        outs.append(compressed_allreduce(x, we, se, mesh, block=block).clone())
+    return outs, we, se
+
+
+def test_a_mesh_over_part_of_the_world_whose_ranks_know_different_groups(ranks):
+    calls, n = 3, 1001
+    got = ranks(5).run(_body_part_of_the_world, n, calls, None)
+    assert got[4] is None
+    ref_outs, ref_we, _ = _reference_chain(2, 2, n, "heavy", calls, None, seed=5)
+    for r, (outs, we, _) in enumerate(got[:4]):
+        for c in range(calls):
+            assert torch.equal(outs[c], got[0][0][c]), f"rank {r} differs from rank 0 at call {c}"
+            assert_rel(outs[c], ref_outs[c], 1e-6, f"output of call {c}")
+        assert_rel(we, ref_we[divmod(r, 2)], 1e-6, f"worker_error of rank {r}")
+
+
 def _task(seed: int, rank: int, step: int):
     """A regression task whose data differ per rank: y = A x + noise, with a dead input feature."""
     g = torch.Generator().manual_seed(seed * 7919 + step * 131 + rank)
