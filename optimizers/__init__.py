@@ -8,12 +8,14 @@ from ._freeze import AutoFreeze
 from .amp import GradScaler
 from .ddp import onebit_comm_hook, register_ddp_hook, warmup_averaging_hook
 from .deepspeed_config import from_deepspeed_config
+from .diloco import DiLoCo
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
 from .zero_one_adam import ZeroOneAdam
 
 __all__ = [
     "AutoFreeze",
+    "DiLoCo",
     "GradScaler",
     "OnebitAdam",
     "OnebitLamb",
