@@ -30,7 +30,7 @@ SCRIPTS = _scripts()
 
 
 def test_the_readme_shows_three_scripts_and_stays_short():
-    # the optimizer, the DDP hook, the collective; at most about 150 lines
+    # the DDP hook, the 1-bit optimizer, DiLoCo; at most about 150 lines
     assert len([s for s in SCRIPTS if s[0] == "README.md"]) == 3
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
 

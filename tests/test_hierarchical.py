@@ -355,7 +355,7 @@ def test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task(tmp_path):
         log = tmp_path / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                os.path.join(root, "bench", "train_task.py"), "--task", "words", "--steps", "1000",
-               "--optimizer", name, "--log-jsonl", str(log), *extra]
+               "--optimizer", name, "--log-jsonl", str(log), "--eval-every", "1000", *extra]  # at the end
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("TRITON_INTERPRET", None)
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
