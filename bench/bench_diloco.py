@@ -57,8 +57,8 @@ def child(args) -> None:
     run = json.loads(args.config)
     dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1000 + rank + 1)  # each rank its own samples
+    torch.manual_seed(args.seed)
+    g = torch.Generator().manual_seed(1000 * (args.seed + 1) + rank + 1)  # each rank its own samples
     if args.task == "lm":
         model = GPT(args.context, args.d_model, args.layers, args.heads)
         train, valid = load_bytes(TRAIN_FILES), load_bytes(VALID_FILES)
@@ -73,7 +73,7 @@ def child(args) -> None:
 
         load, build, size = train_task.TASKS[args.task]
         (xt, yt), held_out = load()
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         model = build()
 
         def step_batch():
@@ -128,8 +128,8 @@ def launch(name: str, run: dict, link: str, args) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            os.path.abspath(__file__), "--child", "--config", json.dumps(run), "--out", out,
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-             ("task", "steps", "lr", "outer_lr", "mixing", "batch", "context", "d_model", "layers", "heads",
-              "eval_batches")]]
+             ("task", "seed", "steps", "lr", "outer_lr", "mixing", "batch", "context", "d_model", "layers",
+              "heads", "eval_batches")]]
     ns = Namespace(LINKS[link]) if LINKS[link] is not None or can_shape() is None else None
     try:
         done = subprocess.run((ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd],
@@ -148,6 +148,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="lm", help="lm (the demo's) or a bench/train_task.py task (digits)")
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     p.add_argument("--H", type=int, nargs="+", default=[10, 50])
     p.add_argument("--only", nargs="+", default=None, help="run names (default: all)")
     p.add_argument("--links", nargs="+", default=["none"], choices=list(LINKS))
@@ -179,8 +180,8 @@ def main() -> None:
     for link in args.links:
         for name in names:
             got = launch(name, table[name], link, args)
-            row = {"run": name, "task": args.task, "link": link, "steps": args.steps, "ranks": args.ranks,
-                   **table[name], **got}
+            row = {"run": name, "task": args.task, "seed": args.seed, "outer_lr": args.outer_lr, "link": link,
+                   "steps": args.steps, "ranks": args.ranks, **table[name], **got}
             with open(args.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             print(f"{name:>22} {link:>8} | {got['val_loss']:8.4f} | {got['bytes_per_inner_step']:16,.0f} | "
