@@ -11,6 +11,8 @@ and iproute2; both namespaces are deleted at the end, whatever happens.
 
   python bench/bench_hierarchical.py --rates 1gbit 10gbit            # W = 4 as 2 x 2, 2^24
   python bench/bench_hierarchical.py --rates 1gbit --log2 22 --per-node 3
+  python bench/bench_hierarchical.py --rates 100mbit 1gbit \
+      --ops step_adam step_onebit_flat step_onebit_hierarchical      # a step of the demo's LM
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from _common import slowest_rank_times  # noqa: E402
 from bench_allreduce import can_shape  # noqa: E402
 
 RATES = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
-OPS = ("float32", "onebit_flat", "onebit_hierarchical")
+OPS = ("float32", "onebit_flat", "onebit_hierarchical",
+       "step_adam", "step_onebit_flat", "step_onebit_hierarchical")
+STEPS = OPS[3:]  # one training step of the demo's LM (examples/train_lm.py defaults), per call
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -96,6 +100,8 @@ def child(args) -> None:
     ops = {"float32": lambda: dist.all_reduce(x.clone()),
            "onebit_flat": lambda: compressed_allreduce(x.clone(), fw, fs, block=block),
            "onebit_hierarchical": lambda: compressed_allreduce(x.clone(), hw, hs, mesh, block=block)}
+    if any(name in STEPS for name in args.ops):
+        ops.update(_demo_steps(rank, mesh, args.ops))
     ops = {name: fn for name, fn in ops.items() if name in args.ops}
     rows = {}
     for name, fn in ops.items():
@@ -114,6 +120,42 @@ def child(args) -> None:
             json.dump(rows, fh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _demo_steps(rank: int, mesh, wanted) -> dict:
+    """One training step of the demo's LM (its default size: 470,528 parameters, batch 16 x 64)
+    per call: Adam (a float32 gradient all-reduce), OnebitAdam flat and on the mesh, both past
+    their warm-up (freeze_step 1, the first step taken here)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from train_lm import GPT, TRAIN_FILES, batch, load_bytes
+
+    from onebit.optimizers import OnebitAdam
+
+    data = load_bytes(TRAIN_FILES)
+
+    def make(group, freeze):
+        torch.manual_seed(0)
+        model = GPT(64, 128, 2, 4)
+        opt = OnebitAdam(model.parameters(), lr=2e-3, betas=(0.9, 0.99), freeze_step=freeze, group=group)
+        g = torch.Generator().manual_seed(rank + 1)
+
+        def step():
+            x, y = batch(data, 16, 64, g, "cpu")
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()  # the warm-up step (OnebitAdam), the first step's checks (all)
+        return step
+
+    made = {"step_adam": (None, math.inf), "step_onebit_flat": (None, 1),
+            "step_onebit_hierarchical": (mesh, 1)}
+    return {name: make(*made[name]) for name in STEPS if name in wanted}
 
 
 def _handshake(prefix: str, what: str, rank: int) -> None:
@@ -192,7 +234,8 @@ def formula(n: int, M: int, L: int, block) -> dict:
     s = -(-n // L)
     hier_seg = Layout(padded_numel(s, M, block), M, block).segment_bytes
     ring = 2 * (W - 1) * 4 * n // W  # float32 ring all-reduce, per rank
-    return {"float32": None, "onebit_flat": L * 2 * (W - L) * flat_seg,
+    return {"float32": None, "step_adam": None, "step_onebit_flat": None, "step_onebit_hierarchical": None,
+            "onebit_flat": L * 2 * (W - L) * flat_seg,
             "onebit_hierarchical": L * 2 * (M - 1) * hier_seg, "float32_ring_per_rank": ring,
             "hier_per_rank_counted": compressed_bytes(padded_numel(s, M, block), M, block)}
 
@@ -228,7 +271,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for rate in args.rates:
         rows = results[rate] = run_rate(rate, args)
-        flat = rows["onebit_flat"]["seconds"]
+        flat = rows["onebit_flat"]["seconds"] if "onebit_flat" in rows else float("nan")
         for name in args.ops:
             r = rows[name]
             a, b = r["link_bytes_per_call"]
@@ -236,8 +279,11 @@ def main() -> None:
             print(f"| {rate} | {name} | {r['seconds']:.3f} | {flat / r['seconds']:.2f}x | {a / 1e6:.2f} / "
                   f"{b / 1e6:.2f} MB | {'-' if expect is None else f'{expect / 1e6:.2f} MB'} | |", flush=True)
         across = {name: sum(rows[name]["link_bytes_per_call"]) for name in args.ops}
-        ratio = across["onebit_hierarchical"] / across["onebit_flat"]
-        print(f"| {rate} | hierarchical / flat bytes across | | | {ratio:.3f} (1/L = {1 / L:.3f}) | | |")
+        pairs = (("onebit_hierarchical", "onebit_flat"), ("step_onebit_hierarchical", "step_onebit_flat"))
+        for a, b in pairs:
+            if a in across and b in across:
+                print(f"| {rate} | {a} / {b} bytes across | | | {across[a] / across[b]:.3f} "
+                      f"(1/L = {1 / L:.3f}) | | |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "formula": f, "results": results}, fh, indent=1)
