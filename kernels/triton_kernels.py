@@ -315,6 +315,22 @@ def _decompress_kernel(
                           chunk_bytes, seg_bytes, seg_words, scale_word, HAS_ERROR, False, BLOCK_BYTES)
 
 
+# Floating-point contraction (a * b + c as one fused multiply-add, FMA), stated for every launch
+# so that no Triton default (on in 3.9, off from 3.10) or environment variable decides it. Off:
+# the kernels then round as the plain-torch path (onebit.kernels.torch_kernels) does, op by op.
+# From the maths, which products could fuse and whether it would change bits:
+# - z * z summed in float64 (worker and server norms): z is a float32, so each product fits
+#   float64's 53-bit mantissa exactly (48 bits); fused or not, the same bits.
+# - s * sgn(z) (decompression, error updates): written as a selection, tl.where(bit, s, -s),
+#   and m + s / m - s: no product to fuse.
+# - the server's sum over ranks m += sgn_r * (s_r * (1/W)): s_r * (1/W) rounds to float32 before
+#   the add; an FMA would skip that rounding and could change the last bit of m, and then a
+#   sign or an error. The torch path rounds it; so contraction must be off.
+# The compile check (scripts/compile_check.py) counts the fused floating-point instructions of
+# every variant on every target (its fma column) and fails if any appears with this off.
+FP_FUSION = False
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch as the launchers below make it: the one place that decides each
@@ -333,7 +349,8 @@ class Launch:
         return self.kernel.__name__.strip("_").removesuffix("_kernel") + (f"[{flags}]" if flags else "")
 
     def __call__(self) -> None:
-        self.kernel[(self.grid,)](*self.args, **self.constexprs, num_warps=self.num_warps)
+        self.kernel[(self.grid,)](*self.args, **self.constexprs, num_warps=self.num_warps,
+                                  enable_fp_fusion=FP_FUSION)
 
 
 def worker_partials(layout: Layout) -> int:

@@ -1,20 +1,29 @@
-"""Compile every Triton kernel variant ahead of time for real GPUs (sm_80, sm_90); no GPU needed.
+"""Compile every Triton kernel variant ahead of time for real GPUs (NVIDIA sm_80, sm_90; AMD
+gfx942 = MI300, gfx90a = MI200); no GPU needed.
 
 The variants are the launches onebit's launchers make (``onebit.kernels.triton_kernels``:
 ``worker_compress_launches``, ``server_reduce_launches``, ``decompress_launches``) built from
 mock tensors (data pointer 0: 16-byte aligned like CUDA allocations) for every input dtype,
 with ``n`` a multiple of 16 and not, and specialised by Triton's own binder exactly as a real
-launch is (i32/i64, divisibility by 16, constexprs). Each distinct variant is compiled with
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``; ptxas is re-run on
-its PTX to read registers, spills and stack. One line per variant and target: registers,
-spills, shared memory, and the widths of its global loads and stores (``v4.b32x16``: sixteen
-128-bit loads). Where ``n`` is not a multiple of 16 each kernel is also compiled with one
-block path alone: "full-block path" (what every block but the last runs) and "masked path"
-(what every block ran before full blocks went unmasked). Exits 1 if any variant fails to
-compile.
+launch is (i32/i64, divisibility by 16, constexprs, the launchers' ``enable_fp_fusion``). Each
+distinct variant is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
+arch, 32))`` or ``GPUTarget("hip", arch, 64)`` (wavefront 64). One line per variant and target:
+NVIDIA: registers, spills and stack (ptxas re-run on the PTX), shared memory, and the widths of
+its global loads and stores (``v4.b32x16``: sixteen 128-bit loads); AMD: VGPRs, SGPRs, spills,
+LDS and scratch (the code object's metadata) and its global/buffer load and store instructions
+(``buffer.dwordx4x2``: two 128-bit loads). Every line ends with ``fma N``: the fused
+floating-point multiply-adds in the generated code that come from the kernels' own arithmetic
+(PTX ``fma.rn.*``; AMD ``v_fma*``, ``v_fmac*``, ``v_pk_fma*``), which must be 0 since the
+launchers turn contraction off (``triton_kernels.FP_FUSION``; the comment there says why);
+"(+M exact)": those AMD's correctly rounded division and square root and its 64-bit integer
+division are made of, and conversions folded into an add as ``x * 1.0 + y`` (``fma_count``).
+Where ``n`` is not a multiple of 16 each kernel is also compiled with one block path alone:
+"full-block path" (what every block but the last runs) and "masked path". The targets compile
+in parallel (one process each, as many as there are cores). Exits 1 if any variant fails to
+compile or has an FMA it should not have.
 
-  python scripts/compile_check.py                  # sm_80 and sm_90
-  python scripts/compile_check.py --archs 90 --dump out/   # also write ttir/ttgir/llir/ptx
+  python scripts/compile_check.py                               # sm_80, sm_90, gfx942, gfx90a
+  python scripts/compile_check.py --archs 90,gfx942 --dump out/  # also write the IRs and asm
 """
 
 from __future__ import annotations
@@ -32,7 +41,6 @@ import time
 sys.dont_write_bytecode = True
 _CACHE = tempfile.mkdtemp(prefix="onebit-compile-check-")
 os.environ["TRITON_CACHE_DIR"] = _CACHE  # private cache: every run really compiles
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, set to silence a warning
 os.environ.pop("TRITON_INTERPRET", None)  # the check compiles; the interpreter would not
 
 import torch  # noqa: E402
@@ -102,10 +110,12 @@ def _with_paths(tag: str, launch, split: bool):
             yield ", ".join(t for t in (tag, label) if t), alone
 
 
-def specialise(launch, backend):
-    """What JITFunction.run does before compiling: bind, specialise, pack (Triton 3.x)."""
+def specialise(launch, backend, fp_fusion: bool | None = None):
+    """What JITFunction.run does before compiling: bind, specialise, pack (Triton 3.x), with the
+    launchers' contraction setting (``fp_fusion`` overrides it: tests/test_compile_check.py)."""
     fn = launch.kernel
-    kwargs = dict(launch.constexprs, num_warps=launch.num_warps)
+    fusion = tk.FP_FUSION if fp_fusion is None else fp_fusion
+    kwargs = dict(launch.constexprs, num_warps=launch.num_warps, enable_fp_fusion=fusion)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
@@ -145,50 +155,157 @@ def vector_widths(ptx: str) -> str:
                     for op, c in counts.items())
 
 
+_AMD_META = ("vgpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count", "group_segment_fixed_size",
+             "private_segment_fixed_size")
+_AMD_ACCESS = re.compile(r"\b(global|buffer)_(load|store)_(\w+)")
+_FMA = {"cuda": re.compile(r"\bfma\.rn(?:\.ftz)?(?:\.sat)?\.(?:f16|bf16|f32|f64)(?:x2)?\b"),
+        "hip": re.compile(r"\bv_(?:pk_)?fma(?:c|mk|ak)?_(?:f16|bf16|f32|f64)\w*"
+                          r"|\bv_fma_mix\w*|\bv_mac_f32\w*")}
+
+
+def amd_usage(amdgcn: str) -> dict:
+    """VGPRs, SGPRs, spills, LDS and scratch bytes from the code object's metadata."""
+    found = {}
+    for key in _AMD_META:
+        m = re.search(rf"\.{key}:\s+(\d+)", amdgcn)
+        found[key] = int(m.group(1)) if m else -1
+    return found
+
+
+def amd_widths(amdgcn: str) -> str:
+    """Global and buffer loads and stores by instruction, e.g. ``ld buffer.dwordx4x2 st global.bytex1``."""
+    counts: dict[str, dict[str, int]] = {"load": {}, "store": {}}
+    for space, op, width in _AMD_ACCESS.findall(amdgcn):
+        key = f"{space}.{width}"
+        counts[op][key] = counts[op].get(key, 0) + 1
+    return " ".join(f"{op[:2]} " + (" ".join(f"{k}x{v}" for k, v in sorted(c.items())) or "-")
+                    for op, c in (("ld", counts["load"]), ("st", counts["store"])))
+
+
+# AMD lowers some operations to short sequences that use FMAs by design (correctly rounded
+# IEEE division and square root: v_div_scale ... v_div_fixup, v_rsq + Newton steps; 64-bit
+# integer division through float32, scaling by 2^32 exactly) or folds a conversion into an add
+# as x * 1.0 + y (v_fma_mix_f32: an exact product, one rounding, as convert-then-add). Those
+# are not contractions of the kernels' own products; the fma column counts them apart.
+_EXPANSION_CONSTANTS = ("0x4f800000", "0xcf800000", "0x2f800000", "0x5f7ffffc")
+
+
+def fma_count(code: str, backend: str) -> tuple[int, int]:
+    """(contracted, expansion): fused floating-point multiply-adds in the PTX (cuda) or the
+    AMDGCN assembly (hip) that come from the kernels' arithmetic, and those inside the lowering
+    of division, square root and 64-bit integer division (AMD only; PTX keeps those as
+    div.rn / sqrt.rn / div.u64 instructions)."""
+    if backend == "cuda":
+        return len(_FMA["cuda"].findall(code)), 0
+    contracted = expansion = 0
+    in_div, sqrt_fmas = False, 0
+    for line in code.splitlines():
+        text = line.strip()
+        if text.startswith(("v_div_scale_f32", "v_div_scale_f64")):
+            in_div = True
+        if text.startswith("v_rsq_f64"):
+            sqrt_fmas += 7  # LLVM's float64 sqrt: v_rsq_f64 and 7 Newton FMAs (interleaved when several)
+        if _FMA["hip"].match(text):
+            sources = [t.strip() for t in text.split(None, 1)[1].split(",")][1:] if " " in text else []
+            by_one = len(sources) >= 2 and sources[1].lstrip("-") == "1.0"  # x * 1.0 + y: one rounding
+            newton = sqrt_fmas > 0 and "_f64" in text.split()[0]
+            if in_div or newton or by_one or any(c in text for c in _EXPANSION_CONSTANTS):
+                expansion += 1
+                sqrt_fmas -= newton
+            else:
+                contracted += 1
+        if text.startswith(("v_div_fixup_f32", "v_div_fixup_f64")):
+            in_div = False
+    return contracted, expansion
+
+
+def target_of(arch: str):
+    """GPUTarget for "80" / "90" (NVIDIA, warp 32) or "gfx942" / "gfx90a" (AMD, wavefront 64)."""
+    if arch.startswith("gfx"):
+        return GPUTarget("hip", arch, 64)
+    return GPUTarget("cuda", int(arch), 32)
+
+
+def compile_target(arch: str, dump: str | None = None) -> tuple[list[str], int, int, int]:
+    """Compile every variant for one target: (lines, compiled, failures, variants with an FMA)."""
+    target = target_of(arch)
+    backend = make_backend(target)
+    label = f"sm_{arch}" if target.backend == "cuda" else arch
+    lines, compiled, failures, fused, seen = [], 0, 0, 0, set()
+    for tag, launch in launches():
+        options, signature, constexprs, attrs = specialise(launch, backend)
+        key = (launch.name, str(signature), str(constexprs), str(attrs))
+        if key in seen:
+            continue
+        seen.add(key)
+        name = f"{launch.name} ({tag})" if tag else launch.name
+        try:
+            kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+            if target.backend == "cuda":
+                code = kernel.asm["ptx"]
+                use = ptxas_usage(code, int(arch))
+                usage = (f"regs {use['regs']:3d}  spills {use['spills']:6} stack {use['stack']}B  "
+                         f"shared {kernel.metadata.shared}B  warps {kernel.metadata.num_warps}  "
+                         f"{vector_widths(code)}")
+            else:
+                code = kernel.asm["amdgcn"]
+                use = amd_usage(code)
+                usage = (f"vgpr {use['vgpr_count']:3d} sgpr {use['sgpr_count']:3d}  spills "
+                         f"{use['vgpr_spill_count']}/{use['sgpr_spill_count']}  "
+                         f"lds {use['group_segment_fixed_size']}B  "
+                         f"scratch {use['private_segment_fixed_size']}B  "
+                         f"warps {kernel.metadata.num_warps}  {amd_widths(code)}")
+        except Exception as exc:  # noqa: BLE001 - report every variant, then fail
+            failures += 1
+            first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+            lines.append(f"{label} {name:44} FAILED: {first[0][:300]}")
+            continue
+        compiled += 1
+        fma, expansion = fma_count(code, target.backend)
+        if fma and not tk.FP_FUSION:
+            fused += 1
+        wrong = "  <- contraction is off" if fma and not tk.FP_FUSION else ""
+        lines.append(f"{label} {name:44} {usage}  fma {fma}" + (f" (+{expansion} exact)" if expansion
+                                                                  else "") + wrong)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            base = os.path.join(dump, f"{label}-" + re.sub(r"[^A-Za-z0-9_.=-]+", "_", name))
+            for ext in [k for k in ("ttir", "ttgir", "llir", "ptx", "amdgcn") if k in kernel.asm]:
+                with open(f"{base}.{ext}", "w") as fh:
+                    fh.write(kernel.asm[ext])
+    return lines, compiled, failures, fused
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--archs", default="80,90", help="compute capabilities, comma-separated")
-    p.add_argument("--dump", default=None, help="write each variant's ttir/ttgir/llir/ptx here")
+    p.add_argument("--archs", default="80,90,gfx942,gfx90a",
+                   help="targets, comma-separated: NVIDIA compute capabilities, AMD gfx names")
+    p.add_argument("--dump", default=None, help="write each variant's IRs and assembly here")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="targets compiled at once")
     args = p.parse_args(argv)
     from triton.backends.nvidia.compiler import get_ptxas
 
-    archs = [int(a) for a in args.archs.split(",")]
-    print(f"triton {triton.__version__}, torch {torch.__version__}; N = 2**26, W = 4; ptxas "
-          + ", ".join(f"sm_{a} {get_ptxas(a).version.strip().splitlines()[-1]}" for a in archs), flush=True)
-    failures, compiled, t0 = 0, 0, time.time()
-    for arch in archs:
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
-        seen = set()
-        for tag, launch in launches():
-            options, signature, constexprs, attrs = specialise(launch, backend)
-            key = (launch.name, str(signature), str(constexprs), str(attrs))
-            if key in seen:
-                continue
-            seen.add(key)
-            name = f"{launch.name} ({tag})" if tag else launch.name
-            try:
-                kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                                        options=options.__dict__)
-                use = ptxas_usage(kernel.asm["ptx"], arch)
-            except Exception as exc:  # noqa: BLE001 - report every variant, then fail
-                failures += 1
-                first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
-                print(f"sm_{arch} {name:44} FAILED: {first[0][:300]}", flush=True)
-                continue
-            compiled += 1
-            print(f"sm_{arch} {name:44} regs {use['regs']:3d}  spills {use['spills']:6} "
-                  f"stack {use['stack']}B  "
-                  f"shared {kernel.metadata.shared}B  warps {kernel.metadata.num_warps}  "
-                  f"{vector_widths(kernel.asm['ptx'])}", flush=True)
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                base = os.path.join(args.dump, f"sm_{arch}-" + re.sub(r"[^A-Za-z0-9_.=-]+", "_", name))
-                for ext in ("ttir", "ttgir", "llir", "ptx"):
-                    with open(f"{base}.{ext}", "w") as fh:
-                        fh.write(kernel.asm[ext])
-    print(f"{compiled} variants compiled, {failures} failed, {time.time() - t0:.0f} s", flush=True)
-    return 1 if failures or not compiled else 0
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
+    cuda = [a for a in archs if not a.startswith("gfx")]
+    print(f"triton {triton.__version__}, torch {torch.__version__}; N = 2**26, W = 4; fp fusion "
+          f"{'on' if tk.FP_FUSION else 'off'} (triton_kernels.FP_FUSION); ptxas "
+          + ", ".join(f"sm_{a} {get_ptxas(int(a)).version.strip().splitlines()[-1]}" for a in cuda),
+          flush=True)
+    t0 = time.time()
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = max(1, min(args.jobs, len(archs)))
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(compile_target, archs, [args.dump] * len(archs)))
+    compiled = failures = fused = 0
+    for lines, c, f, u in results:
+        print("\n".join(lines), flush=True)
+        compiled, failures, fused = compiled + c, failures + f, fused + u
+    print(f"{compiled} variants compiled for {', '.join(archs)}, {failures} failed, {fused} with an FMA "
+          f"while contraction is off, {time.time() - t0:.0f} s", flush=True)
+    return 1 if failures or fused or not compiled else 0
 
 
 if __name__ == "__main__":
