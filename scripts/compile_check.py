@@ -11,7 +11,7 @@ arch, 32))`` or ``GPUTarget("hip", arch, 64)`` (wavefront 64). One line per vari
 NVIDIA: registers, spills and stack (ptxas re-run on the PTX), shared memory, and the widths of
 its global loads and stores (``v4.b32x16``: sixteen 128-bit loads); AMD: VGPRs, SGPRs, spills,
 LDS and scratch (the code object's metadata) and its global/buffer load and store instructions
-(``buffer.dwordx4x2``: two 128-bit loads). Every line ends with ``fma N``: the fused
+(``buffer.dwordx4*2``: two 128-bit loads). Every line ends with ``fma N``: the fused
 floating-point multiply-adds in the generated code that come from the kernels' own arithmetic
 (PTX ``fma.rn.*``; AMD ``v_fma*``, ``v_fmac*``, ``v_pk_fma*``), which must be 0 since the
 launchers turn contraction off (``triton_kernels.FP_FUSION``; the comment there says why);
@@ -173,12 +173,13 @@ def amd_usage(amdgcn: str) -> dict:
 
 
 def amd_widths(amdgcn: str) -> str:
-    """Global and buffer loads and stores by instruction, e.g. ``ld buffer.dwordx4x2 st global.bytex1``."""
+    """Global and buffer loads and stores by instruction, e.g. ``ld buffer.dwordx4*2 st global.byte*1``
+    (two 128-bit buffer loads, one byte store)."""
     counts: dict[str, dict[str, int]] = {"load": {}, "store": {}}
     for space, op, width in _AMD_ACCESS.findall(amdgcn):
         key = f"{space}.{width}"
         counts[op][key] = counts[op].get(key, 0) + 1
-    return " ".join(f"{op[:2]} " + (" ".join(f"{k}x{v}" for k, v in sorted(c.items())) or "-")
+    return " ".join(f"{op} " + (" ".join(f"{k}*{v}" for k, v in sorted(c.items())) or "-")
                     for op, c in (("ld", counts["load"]), ("st", counts["store"])))
 
 
