@@ -105,7 +105,7 @@ def main() -> None:
             m = state_flat("exp_avg")
             inputs = [0.9 * m + 0.1 * g for g in grads]
             mean = (average(inputs) - 0.9 * m) / 0.1
-        if args.variant != "exact" and step > args.start_iter and step % 25 == 0:
+        if args.variant != "exact" and step > args.start_iter and (step % 25 == 0 or step == args.steps):
             z = inputs[0].norm()
             print(f"step {step} worker error / input {(worker[0][:n].norm() / z).item():.3f} "
                   f"server errors / input {(torch.cat(server).norm() / z).item():.3f} "
