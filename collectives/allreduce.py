@@ -190,10 +190,13 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None) -> torch.Tensor:
+def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None,
+                          transport=None) -> torch.Tensor:
     """The algorithm on validated arguments, W > 1; returns the W server scales (a view).
     (:func:`onebit.collectives.local.local_compressed_allreduce` is the same compute for
-    all ranks in one process.)"""
+    all ranks in one process.) ``transport``: None (torch.distributed over ``group``) or an
+    object with ``all_to_all(recv, msg)`` and ``all_gather(out, seg)`` that complete before
+    returning (a process group torch.distributed does not know: onebit.collectives.torchft)."""
     layout = Layout(worker_error.numel(), W, block)
     timer = CallTimer(tensor.device)  # compute ("codec") and collectives ("comm"), see telemetry
     with timer.stage("codec"):
@@ -201,12 +204,18 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
         msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
         recv = torch.empty_like(msg)
     with timer.stage("comm"), guard("compressed_allreduce (all_to_all)", group):
-        dist.all_to_all_single(recv, msg, group=group)
+        if transport is None:
+            dist.all_to_all_single(recv, msg, group=group)
+        else:
+            transport.all_to_all(recv, msg)
     with timer.stage("codec"):
         seg = server_reduce(recv, server_error, W, block=block)
         gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
     with timer.stage("comm"), guard("compressed_allreduce (all_gather)", group):
-        all_gather_single(gathered, seg, group)
+        if transport is None:
+            all_gather_single(gathered, seg, group)
+        else:
+            transport.all_gather(gathered, seg)
     with timer.stage("codec"):
         decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
         if not tensor.is_contiguous():

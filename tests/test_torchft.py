@@ -1,0 +1,119 @@
+"""onebit's 1-bit all-reduce inside torchft's DiLoCo (collectives/torchft.py): a lighthouse and
+two replicas (each its own Manager over OnebitProcessGroupGloo). Every sync's result equals
+onebit's single-process 1-bit all-reduce of the two replicas' pseudo-gradients with error
+buffers carried from sync to sync (bitwise), the replicas stay identical, bytes are counted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT
+
+torchft = pytest.importorskip("torchft")
+
+from onebit.collectives import compressed_bytes, local_compressed_allreduce, padded_numel  # noqa: E402
+
+W, BLOCK = 2, 128
+
+
+def _run(tmp_path, fragments: int, steps: int, sync_every: int) -> list[dict]:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=W)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    outs = [tmp_path / f"replica{r}.pt" for r in range(W)]
+    try:
+        script = str(ROOT / "tests" / "torchft_replica.py")
+        args = [str(fragments), str(steps), str(sync_every)]
+        procs = [subprocess.Popen([sys.executable, script, lighthouse.address(), str(r), str(outs[r]), *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for r in range(W)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        lighthouse.shutdown()
+    return [torch.load(o) for o in outs]
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_torchft_diloco_syncs_are_onebits_allreduce_with_error_feedback(tmp_path, fragments):
+    steps, sync_every = 12, 4
+    got = _run(tmp_path, fragments, steps, sync_every)
+    a, b = got
+    syncs = steps // (sync_every // fragments)
+    assert len(a["records"]) == len(b["records"]) == syncs
+    theta = [t.clone() for t in a["initial"]]
+    assert all(torch.equal(x, y) for x, y in zip(a["initial"], b["initial"], strict=True))
+    frag_params = [[0, 1, 2, 3]] if fragments == 1 else [[0, 1], [2, 3]]
+    errors = {i: ([torch.zeros(padded_numel(t.numel(), W, BLOCK)) for _ in range(W)],
+                  [torch.zeros(padded_numel(t.numel(), W, BLOCK) // W) for _ in range(W)])
+              for i, t in enumerate(theta)}
+    expected_bytes = 0
+    for k, (ra, rb) in enumerate(zip(a["records"], b["records"], strict=True)):
+        assert ra["fragment"] == rb["fragment"] == k % fragments
+        for i in frag_params[ra["fragment"]]:
+            deltas = [(theta[i] - r["before"][i]).reshape(-1).clone() for r in (ra, rb)]
+            assert not torch.equal(deltas[0], deltas[1])  # the replicas trained on different data
+            local_compressed_allreduce(deltas, *errors[i], block=BLOCK)
+            theta[i] = theta[i].add(deltas[0].view_as(theta[i]), alpha=-1.0)  # outer SGD, lr 1
+            # bitwise: the 1-bit mean with the error buffers of this tensor's previous syncs
+            assert torch.equal(ra["after"][i], theta[i]), (k, i)
+            assert torch.equal(rb["after"][i], theta[i]), (k, i)
+            expected_bytes += compressed_bytes(padded_numel(theta[i].numel(), W, BLOCK), W, BLOCK)
+    for r in got:
+        assert r["bytes"] == expected_bytes and r["calls"] == syncs * 4 // fragments
+        assert r["resets"] == 0
+    # the error buffers carried something: without them the later syncs would differ
+    assert any(float(e.abs().sum()) > 0 for we, _ in errors.values() for e in we)
+
+
+def test_misuse_raises_and_other_reductions_go_to_gloo():
+    import socket
+
+    from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
+
+    from onebit.collectives.torchft import OnebitProcessGroupGloo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = TCPStore("localhost", port, 1, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
+    pg = OnebitProcessGroupGloo()
+    pg.configure(f"localhost:{port}/test", "replica0", 0, 1)
+
+    def sum_opts():
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return opts
+
+    x = torch.randn(5)
+    with pytest.raises(RuntimeError, match=r"pg\.attach\(manager"):
+        pg.allreduce([x.clone()], sum_opts())
+    with pytest.raises(TypeError, match="manager: expected a torchft Manager"):
+        pg.attach(object())
+
+    class Steps:  # what the group reads from a Manager
+        step = 0
+
+        def current_step(self):
+            return self.step
+
+    manager = Steps()
+    with pytest.raises(ValueError, match="fragments"):
+        pg.attach(manager, fragments=0)
+    pg.attach(manager, fragments=1)
+    y = x.clone()
+    pg.allreduce([y], sum_opts()).wait()
+    assert torch.equal(y, x)  # one replica: the identity
+    ints = torch.arange(4)
+    pg.allreduce([ints], sum_opts()).wait()  # gloo's own all-reduce
+    assert torch.equal(ints, torch.arange(4))
+    manager.step = 1  # the next sync of the only fragment sends 6 elements where it sent 5
+    with pytest.raises(ValueError, match=r"fragments: call 0 of fragment 0's sync has 6 elements"):
+        pg.allreduce([torch.randn(6)], sum_opts())
+    assert pg.traffic.compressed == 0 and pg.resets == 0

@@ -1,0 +1,74 @@
+"""One torchft replica for tests/test_torchft.py: torchft's DiLoCo over onebit's
+OnebitProcessGroupGloo. Saves, for every sync, the fragment's local weights just before it and
+the weights right after it, and the process group's byte count.
+
+  python tests/torchft_replica.py LIGHTHOUSE REPLICA_ID OUT.pt FRAGMENTS STEPS SYNC_EVERY
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+from torchft import Manager
+from torchft.local_sgd import DiLoCo
+
+from onebit.collectives.torchft import OnebitProcessGroupGloo
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    lighthouse, rid, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    fragments, steps, sync_every = (int(a) for a in sys.argv[4:7])
+    torch.manual_seed(0)  # the same initial weights on every replica
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+    initial = [p.detach().clone() for p in model.parameters()]
+    parts = [model] if fragments == 1 else [model[0], model[2]]
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = [torch.optim.SGD(p.parameters(), lr=1.0) for p in parts]  # theta - D: checkable bitwise
+    records: list = []
+    before: dict = {}
+
+    def save_local(*_args) -> None:  # registered before DiLoCo's hook: runs before its sync
+        before["w"] = [p.detach().clone() for p in model.parameters()]
+
+    inner.register_step_post_hook(save_local)
+    port = free_port()
+    store = TCPStore("localhost", port, 1, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
+    pg = OnebitProcessGroupGloo(timeout=timedelta(seconds=30))
+    manager = Manager(pg=pg, min_replica_size=2, load_state_dict=lambda s: model.load_state_dict(s["m"]),
+                      state_dict=lambda: {"m": model.state_dict()}, replica_id=str(rid),
+                      store_addr="localhost", store_port=port, rank=0, world_size=1,
+                      lighthouse_addr=lighthouse, port=free_port(), timeout=timedelta(seconds=30),
+                      use_async_quorum=False, init_sync=False)  # both start from seed 0's weights
+    pg.attach(manager, fragments=fragments)
+    g = torch.Generator().manual_seed(100 + rid)  # each replica its own data
+    w = torch.randn(5, 12, generator=torch.Generator().manual_seed(7))
+    with DiLoCo(manager, parts, inner, outer, sync_every=sync_every, backup_device=torch.device("cpu"),
+                pin_memory=False):
+        for step in range(steps):
+            x = torch.randn(32, 12, generator=g)
+            loss = torch.nn.functional.cross_entropy(model(x), (x @ w.T).argmax(1))
+            loss.backward()
+            committed = manager.current_step()
+            inner.step()
+            inner.zero_grad()
+            if manager.current_step() != committed:  # this step synced a fragment
+                records.append({"step": step, "fragment": committed % fragments, "before": before["w"],
+                                "after": [p.detach().clone() for p in model.parameters()],
+                                "loss": float(loss)})
+    torch.save({"records": records, "bytes": pg.traffic.compressed, "calls": pg.traffic.compressed_calls,
+                "resets": pg.resets, "initial": initial}, out)
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
