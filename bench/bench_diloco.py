@@ -92,7 +92,8 @@ def child(args) -> None:
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
         opt = DiLoCo(model, inner, outer, sync_every=run["H"], compress=run["compress"],
                      fragments=run.get("fragments", 1), delay=run.get("delay", 0),
-                     mixing=args.mixing if run.get("fragments", 1) > 1 else 0.0)
+                     mixing=args.mixing if run.get("fragments", 1) > 1 else 0.0,
+                     momentum_form=args.form == "momentum", error_decay=args.error_decay)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -129,7 +130,7 @@ def launch(name: str, run: dict, link: str, args) -> dict:
            os.path.abspath(__file__), "--child", "--config", json.dumps(run), "--out", out,
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
              ("task", "seed", "steps", "lr", "outer_lr", "mixing", "batch", "context", "d_model", "layers",
-              "heads", "eval_batches")]]
+              "heads", "eval_batches", "form", "error_decay")]]
     ns = Namespace(LINKS[link]) if LINKS[link] is not None or can_shape() is None else None
     try:
         done = subprocess.run((ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd],
@@ -156,6 +157,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--mixing", type=float, default=0.5)
+    p.add_argument("--form", choices=["plain", "momentum"], default="plain",
+                   help="1-bit runs: compress the pseudo-gradient (plain) or it plus the outer momentum")
+    p.add_argument("--error-decay", type=float, default=0.5,
+                   help="1-bit runs: the error buffers times this after every sync")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
@@ -181,6 +186,7 @@ def main() -> None:
         for name in names:
             got = launch(name, table[name], link, args)
             row = {"run": name, "task": args.task, "seed": args.seed, "outer_lr": args.outer_lr, "link": link,
+                   "form": args.form, "error_decay": args.error_decay,
                    "steps": args.steps, "ranks": args.ranks, **table[name], **got}
             with open(args.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")

@@ -74,14 +74,17 @@ class DiLoCo:
     ``sync_every / fragments`` steps, each all-reduce started ``delay`` steps before it is
     applied, local weights merged as ``mixing * local + (1 - mixing) * global``).
     ``nonfinite``: "skip" (the fragment restarts from the global weights, counted in
-    ``skipped_syncs``) or "raise" (FloatingPointError after the same reset).
+    ``skipped_syncs``) or "raise" (FloatingPointError after the same reset). ``error_decay``:
+    the error buffers are multiplied by it after every sync (1.0: the full residual is sent
+    with the next sync); ``momentum_form``: compress the pseudo-gradient plus the outer SGD's
+    momentum (docs/ALGORITHMS.md section 10 measures both).
     """
 
     def __init__(
         self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
         outer_optimizer: torch.optim.Optimizer, sync_every: int, group=None, compress: bool = True, *,
         block: int | None = 128, fragments: int = 1, fragment_order: str = "strided", delay: int = 0,
-        mixing: float = 0.0, nonfinite: str = "skip",
+        mixing: float = 0.0, nonfinite: str = "skip", momentum_form: bool = False, error_decay: float = 0.5,
     ) -> None:
         check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
         check_instance("inner_optimizer", inner_optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
@@ -95,6 +98,10 @@ class DiLoCo:
         self.mixing = check_number("mixing", mixing, 0.0, 1.0)
         self.nonfinite = check_choice("nonfinite", nonfinite, ("skip", "raise"))
         self.compress = check_instance("compress", compress, bool, "a bool")
+        self.momentum_form = check_instance("momentum_form", momentum_form, bool, "a bool")
+        self.error_decay = check_number("error_decay", error_decay, 0.0)
+        if self.error_decay > 1.0:
+            raise ValueError(f"error_decay: expected a number in [0, 1], got {error_decay!r}")
         self.block = check_block(block)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -161,7 +168,8 @@ class DiLoCo:
                 off += k
         wait = self.delay > 0
         if self.compress:
-            self._add_momentum(f, buf, 1.0)  # each replica's outer momentum (section 10)
+            if self.momentum_form:
+                self._add_momentum(f, buf, 1.0)  # each replica's outer momentum (section 10)
             we, se = self._errors[f]
             with counting(self.traffic):
                 handle = compressed_allreduce(buf, we, se, self.group, block=self.block, async_op=wait)
@@ -196,7 +204,7 @@ class DiLoCo:
         self._in_flight = None
         f, mean = job.fragment, job.result
         idx = self.fragment_params[f]
-        if self.compress:
+        if self.compress and self.momentum_form:
             self._add_momentum(f, mean, -1.0)  # the pseudo-gradient that rebuilds the averaged momentum
         if not bool(torch.isfinite(mean).all()):  # the same on every replica (section 1.1)
             for i in idx:
@@ -230,6 +238,9 @@ class DiLoCo:
                 p.lerp_(local[n], self.mixing)
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
+        if self.compress and self.error_decay != 1.0:  # what this sync left over, decayed (section 10)
+            for buf in self._errors[f]:
+                buf.mul_(self.error_decay)
         self.syncs += 1
 
     @torch.no_grad()
@@ -275,6 +286,7 @@ class DiLoCo:
         return {"sync_every": self.sync_every, "fragments": self.fragments,
                 "fragment_order": self.fragment_order,
                 "delay": self.delay, "compress": self.compress, "block": self.block,
+                "momentum_form": self.momentum_form, "error_decay": self.error_decay,
                 "world_size": self.world_size, "numel": list(self._numel),
                 "mesh": None if self.hierarchy is None else [self.hierarchy.nodes, self.hierarchy.per_node]}
 
@@ -325,5 +337,6 @@ class DiLoCo:
 
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, compress={self.compress}, block={self.block}, "
+                f"momentum_form={self.momentum_form}, error_decay={self.error_decay}, "
                 f"fragments={self.fragments}, delay={self.delay}, mixing={self.mixing}, "
                 f"world_size={self.world_size})")
