@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torchft.process_group import ProcessGroupGloo
 
-from ..kernels._checks import check_int
+from ..kernels._checks import check_int, check_number
 from ..kernels.layout import check_block, padded_numel
 from .allreduce import _compressed_allreduce
 from .wire import Traffic, traffic
@@ -70,14 +70,19 @@ class OnebitProcessGroupGloo(ProcessGroupGloo):
     ``pg = OnebitProcessGroupGloo(); manager = Manager(pg=pg, ...); pg.attach(manager,
     fragments=len(model_fragments))``, then torchft's ``DiLoCo(manager, model_fragments, ...)``
     as usual. ``block``: block scales of that many elements (None: one per chunk), as
-    :func:`~onebit.collectives.compressed_allreduce`. Integer tensors and other reductions go
-    to gloo unchanged. ``traffic`` counts the 1-bit bytes this replica sent; ``resets`` the
-    times error buffers were dropped.
+    :func:`~onebit.collectives.compressed_allreduce`; ``error_decay``: the error buffers times
+    this after a committed sync, as ``onebit.optimizers.DiLoCo``'s (docs/ALGORITHMS.md 10).
+    Integer tensors and other reductions go to gloo unchanged. ``traffic`` counts the 1-bit
+    bytes this replica sent; ``resets`` the times error buffers were dropped.
     """
 
-    def __init__(self, timeout: timedelta = timedelta(seconds=60), *, block: int | None = 128) -> None:
+    def __init__(self, timeout: timedelta = timedelta(seconds=60), *, block: int | None = 128,
+                 error_decay: float = 0.5) -> None:
         super().__init__(timeout=timeout)
         self.block = check_block(block)
+        self.error_decay = check_number("error_decay", error_decay, 0.0)
+        if self.error_decay > 1.0:
+            raise ValueError(f"error_decay: expected a number in [0, 1], got {error_decay!r}")
         self.fragments = 1
         self.traffic = Traffic()
         self.resets = 0
@@ -139,6 +144,9 @@ class OnebitProcessGroupGloo(ProcessGroupGloo):
                 self.resets += 1
             entry = [torch.zeros(N, device=t.device), torch.zeros(N // W, device=t.device), step]
             self._errors[key] = entry
+        elif self.error_decay != 1.0:  # the last sync was committed: its residual, decayed
+            entry[0].mul_(self.error_decay)
+            entry[1].mul_(self.error_decay)
         entry[2] = step
         raw = _Raw(self.parent)
         scales = _compressed_allreduce(t, entry[0], entry[1], None, W, self.block, transport=raw)

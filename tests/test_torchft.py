@@ -57,6 +57,8 @@ def test_torchft_diloco_syncs_are_onebits_allreduce_with_error_feedback(tmp_path
     for k, (ra, rb) in enumerate(zip(a["records"], b["records"], strict=True)):
         assert ra["fragment"] == rb["fragment"] == k % fragments
         for i in frag_params[ra["fragment"]]:
+            for buf in (*errors[i][0], *errors[i][1]):
+                buf.mul_(0.5)  # error_decay's default, after each committed sync (a no-op at first)
             deltas = [(theta[i] - r["before"][i]).reshape(-1).clone() for r in (ra, rb)]
             assert not torch.equal(deltas[0], deltas[1])  # the replicas trained on different data
             local_compressed_allreduce(deltas, *errors[i], block=BLOCK)
@@ -96,6 +98,8 @@ def test_misuse_raises_and_other_reductions_go_to_gloo():
         pg.allreduce([x.clone()], sum_opts())
     with pytest.raises(TypeError, match="manager: expected a torchft Manager"):
         pg.attach(object())
+    with pytest.raises(ValueError, match=r"error_decay: expected a number in \[0, 1\]"):
+        OnebitProcessGroupGloo(error_decay=2.0)
 
     class Steps:  # what the group reads from a Manager
         step = 0
