@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,48 @@ def test_misuse_raises_and_other_reductions_go_to_gloo():
     with pytest.raises(ValueError, match=r"fragments: call 0 of fragment 0's sync has 6 elements"):
         pg.allreduce([torch.randn(6)], sum_opts())
     assert pg.traffic.compressed == 0 and pg.resets == 0
+
+
+def test_a_replica_that_joins_gets_the_weights_and_the_others_reset_their_error_buffers(tmp_path):
+    # two replicas start; after their second sync a third joins (torchft heals it: weights and
+    # DiLoCo state from a peer); from the next quorum on the 1-bit all-reduce runs over three,
+    # with error buffers started afresh (other chunks, other peers), and every replica holds
+    # the same weights after every sync
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10000)
+    ready = tmp_path / "joiner-ready"
+    script = str(ROOT / "tests" / "torchft_replica.py")
+    outs = [tmp_path / f"replica{r}.pt" for r in range(3)]
+
+    def start(r, extra):
+        env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+        args = [str(r), str(outs[r]), "1", "0", "4", "6"]  # 1 fragment, H = 4, until 6 syncs
+        return subprocess.Popen([sys.executable, script, lighthouse.address(), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    try:
+        procs = [start(r, {"ONEBIT_TEST_WAIT_FOR": str(ready)}) for r in range(2)]
+        marker, deadline = Path(f"{outs[0]}.syncs"), time.monotonic() + 120
+        while not (marker.exists() and marker.read_text() == "2") and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first two syncs over two replicas, then they wait for the third
+        procs.append(start(2, {"ONEBIT_TEST_READY": str(ready)}))
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        lighthouse.shutdown()
+    got = [torch.load(o) for o in outs]
+    by_sync: dict = {}
+    for r, res in enumerate(got):
+        assert res["records"] and res["records"][-1]["synced"] == 6, r
+        for rec in res["records"]:
+            by_sync.setdefault(rec["synced"], []).append((r, rec))
+    for s, recs in by_sync.items():
+        for _, rec in recs[1:]:
+            assert all(torch.equal(x, y) for x, y in zip(rec["after"], recs[0][1]["after"], strict=True)), s
+    early = [rec["W"] for rec in got[0]["records"]]
+    assert early[:2] == [2, 2] and early[-1] == 3, early  # the quorum grew after sync 2
+    assert all(rec["W"] == 3 for rec in got[2]["records"])
+    assert got[0]["resets"] >= 1 and got[1]["resets"] >= 1  # the quorum change dropped the buffers
+    assert len(by_sync[6]) == 3

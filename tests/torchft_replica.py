@@ -2,13 +2,20 @@
 OnebitProcessGroupGloo. Saves, for every sync, the fragment's local weights just before it and
 the weights right after it, and the process group's byte count.
 
-  python tests/torchft_replica.py LIGHTHOUSE REPLICA_ID OUT.pt FRAGMENTS STEPS SYNC_EVERY
+  python tests/torchft_replica.py LIGHTHOUSE REPLICA_ID OUT.pt FRAGMENTS STEPS SYNC_EVERY [SYNCS]
+
+With SYNCS, it trains until the Manager has committed that many syncs (a replica that joins
+late catches up by healing) instead of for STEPS steps, and writes the count to OUT.pt.syncs
+after every sync. Environment (tests/test_torchft.py's join test): ONEBIT_TEST_READY, a file
+to create once the Manager runs; ONEBIT_TEST_WAIT_FOR, a file to wait for after sync 2.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -28,6 +35,7 @@ def free_port() -> int:
 def main() -> None:
     lighthouse, rid, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     fragments, steps, sync_every = (int(a) for a in sys.argv[4:7])
+    until = int(sys.argv[7]) if len(sys.argv) > 7 else None
     torch.manual_seed(0)  # the same initial weights on every replica
     model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
     initial = [p.detach().clone() for p in model.parameters()]
@@ -50,11 +58,15 @@ def main() -> None:
                       lighthouse_addr=lighthouse, port=free_port(), timeout=timedelta(seconds=30),
                       use_async_quorum=False, init_sync=False)  # both start from seed 0's weights
     pg.attach(manager, fragments=fragments)
+    if os.environ.get("ONEBIT_TEST_READY"):
+        open(os.environ["ONEBIT_TEST_READY"], "w").close()
+    wait_for = os.environ.get("ONEBIT_TEST_WAIT_FOR")
     g = torch.Generator().manual_seed(100 + rid)  # each replica its own data
     w = torch.randn(5, 12, generator=torch.Generator().manual_seed(7))
     with DiLoCo(manager, parts, inner, outer, sync_every=sync_every, backup_device=torch.device("cpu"),
                 pin_memory=False):
-        for step in range(steps):
+        step = 0
+        while (step < steps) if until is None else (manager.current_step() < until):
             x = torch.randn(32, 12, generator=g)
             loss = torch.nn.functional.cross_entropy(model(x), (x @ w.T).argmax(1))
             loss.backward()
@@ -64,7 +76,15 @@ def main() -> None:
             if manager.current_step() != committed:  # this step synced a fragment
                 records.append({"step": step, "fragment": committed % fragments, "before": before["w"],
                                 "after": [p.detach().clone() for p in model.parameters()],
-                                "loss": float(loss)})
+                                "loss": float(loss), "synced": manager.current_step(), "W": pg.size(),
+                                "resets": pg.resets})
+                with open(out + ".syncs", "w") as fh:
+                    fh.write(str(manager.current_step()))
+                if wait_for and manager.current_step() == 2:  # let a late replica join here
+                    deadline = time.monotonic() + 60
+                    while not os.path.exists(wait_for) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+            step += 1
     torch.save({"records": records, "bytes": pg.traffic.compressed, "calls": pg.traffic.compressed_calls,
                 "resets": pg.resets, "initial": initial}, out)
     manager.shutdown(wait=False)
