@@ -48,9 +48,12 @@ def main() -> None:
 
     data = ratios(args.jsonl)
     panels = sorted({(t, lr) for t, lr, _, _ in data})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    cols = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, cols, figsize=(5.5 * cols, 8), squeeze=False)
     forms = sorted({f for *_, f in data})
-    for ax, (task, lr) in zip(axes[0], panels, strict=True):
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (task, lr) in zip(axes.flat, panels, strict=False):
         configs = sorted({c for t, l_, c, _ in data if (t, l_) == (task, lr)})
         width = 0.8 / len(forms)
         for i, form in enumerate(forms):
