@@ -128,28 +128,30 @@ def test_float32_pseudo_gradients_match_a_single_process_simulation(ranks, W):
         assert float((g["params"] - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("W,kw", [(3, {}), (4, {}), (4, {"momentum_form": True, "error_decay": 1.0})],
-                         ids=["3", "4", "4-momentum-form"])
-def test_one_bit_pseudo_gradients_train_within_3_percent_and_send_a_25th(ranks, W, kw):
+@pytest.mark.parametrize("W", [3, 4])
+def test_one_bit_pseudo_gradients_train_within_3_percent_and_send_a_25th(ranks, W):
     # Outer lr 0.3: float32 DiLoCo's better one on this task (0.429 against 0.457 at 0.7 after
     # 1000 steps, W = 4). At 0.7 the default (error decay 0.5) ends 1.02-1.04x float32's and the
     # momentum form 0.95-1.00x (docs/ALGORITHMS.md section 10, bench/RESULTS.md "DiLoCo").
+    # W = 4 also runs the momentum form against the same float32 run.
     H, steps = 10, 200
     pool = ranks(W)
     exact = pool.run(_body_train, H, steps, {"compress": False, "outer_lr": 0.3}, None, False)
-    onebit = pool.run(_body_train, H, steps, {"compress": True, "outer_lr": 0.3, **kw})
+    forms = [{}] if W == 3 else [{}, {"momentum_form": True, "error_decay": 1.0}]
     start = _val_loss(_model(), W)
-    for e, o in zip(exact, onebit, strict=True):
-        assert o["identical"] and o["syncs_seen"] == steps // H
-        assert math.isfinite(o["val"]) and o["val"] < 0.5 * start  # it learned
-        assert o["val"] <= 1.03 * e["val"], (o["val"], e["val"])
-        # counted bytes are the wire format's, element for element 1/25.6 of float32's at block
-        # 128; padding to a multiple of 128 W adds 0.9% (W = 3) and 3.8% (W = 4) at this size
-        per_sync = o["stats"]["bytes_compressed"] / o["stats"]["syncs"]
-        assert per_sync == compressed_bytes(o["N"], W, 128)
-        assert per_sync <= ring_allreduce_bytes(o["N"], W) / 25, per_sync
-        assert per_sync <= ring_allreduce_bytes(o["numel"], W) / 24, per_sync
-        assert e["stats"]["bytes_full"] == (steps // H) * ring_allreduce_bytes(e["numel"], W)
+    for kw in forms:
+        onebit = pool.run(_body_train, H, steps, {"compress": True, "outer_lr": 0.3, **kw})
+        for e, o in zip(exact, onebit, strict=True):
+            assert o["identical"] and o["syncs_seen"] == steps // H
+            assert math.isfinite(o["val"]) and o["val"] < 0.5 * start  # it learned
+            assert o["val"] <= 1.03 * e["val"], (kw, o["val"], e["val"])
+            # counted bytes are the wire format's, element for element 1/25.6 of float32's at
+            # block 128; padding to a multiple of 128 W adds 0.9% (W = 3) and 3.8% (W = 4) here
+            per_sync = o["stats"]["bytes_compressed"] / o["stats"]["syncs"]
+            assert per_sync == compressed_bytes(o["N"], W, 128)
+            assert per_sync <= ring_allreduce_bytes(o["N"], W) / 25, per_sync
+            assert per_sync <= ring_allreduce_bytes(o["numel"], W) / 24, per_sync
+            assert e["stats"]["bytes_full"] == (steps // H) * ring_allreduce_bytes(e["numel"], W)
 
 
 @pytest.mark.parametrize("kw", [

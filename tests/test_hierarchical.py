@@ -344,8 +344,8 @@ def test_optimizers_on_a_mesh_train_as_on_the_flat_group(ranks, M, L, name):
 def test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task(tmp_path):
     # the convergence suite's "words" task (bench/suite.py), W = 4 as 2 nodes x 2: OnebitAdam
     # on the mesh against Adam on exactly averaged gradients, final validation loss within 2%
-    # after 600 steps (Adam's validation loss has levelled off by then: 3.452 at 600, 3.464 at
-    # 1000; 1-bit compression runs from the freeze at step 120, 20% of the run)
+    # after 400 steps (measured: 1-bit 3.5095, Adam 3.4902; Adam 3.452 at 600, 3.464 at 1000;
+    # 1-bit compression runs from the freeze at step 80, 20% of the run)
     import json
     import os
     import subprocess
@@ -356,8 +356,8 @@ def test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task(tmp_path):
     for name, extra in (("adam", []), ("onebit_adam", ["--per-node", "2"])):
         log = tmp_path / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               os.path.join(root, "bench", "train_task.py"), "--task", "words", "--steps", "600",
-               "--optimizer", name, "--log-jsonl", str(log), "--eval-every", "600", *extra]  # at the end
+               os.path.join(root, "bench", "train_task.py"), "--task", "words", "--steps", "400",
+               "--optimizer", name, "--log-jsonl", str(log), "--eval-every", "400", *extra]  # at the end
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("TRITON_INTERPRET", None)
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
