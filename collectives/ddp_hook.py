@@ -36,7 +36,11 @@ bench/RESULTS.md "DDP hook".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import atexit
+import os
 import time
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -45,6 +49,7 @@ from ..kernels._checks import check_group, check_instance, check_int, check_numb
 from ..kernels.layout import check_block
 from ..optimizers._functional import sqrt_v_floors, stale_denominator
 from ._group import warn_collective
+from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, error_buffer_numel
 from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
@@ -91,15 +96,13 @@ class OnebitCompressHookState:
         self._mesh = process_group if is_mesh(process_group) else None
         process_group = flat_group(process_group)
         self.process_group = process_group
-        self.optimizer = None if optimizer is None else check_instance(
-            "optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
-        if hasattr(optimizer, "wants_averaged_gradients"):  # a onebit 1-bit optimizer
-            raise TypeError(
-                f"optimizer: {type(optimizer).__name__} compresses its own momentum; compressing its "
-                "gradients in a DDP hook as well would do it twice. Use "
-                "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
+        self.optimizer = optimizer  # checked and unwrapped by the setter
         self.variance_floor = check_number("variance_floor", variance_floor, low=0.0)
-        self.world_size = check_group(process_group)
+        # the default group of a program that has not called init_process_group yet (Lightning
+        # builds ddp_comm_state before fit creates the group): resolved at the hook's first call
+        deferred = process_group is None and not (dist.is_available() and dist.is_initialized())
+        self._world_size = None if deferred else check_group(process_group)
+        self._rank = None if deferred else _rank_of(process_group)
         self.start_iter = check_int("start_iter", start_iter, low=1)
         self.block = check_block(block)
         self.iter = 0
@@ -112,6 +115,41 @@ class OnebitCompressHookState:
         self._names: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, position), this process
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
+        self._warned_unused = False
+        _LIVE.add(self)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the process group; for the default group of a state built before
+        ``init_process_group``, resolved (and fixed) at the hook's first call."""
+        if self._world_size is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "onebit_compress_hook: called before torch.distributed.init_process_group; the "
+                    "state resolves its default group at the hook's first call and found none")
+            self._world_size = check_group(self.process_group)
+            self._rank = _rank_of(self.process_group)
+        return self._world_size
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer stepping the model (see the class's ``optimizer`` argument). May be set
+        after construction (e.g. in Lightning's ``configure_optimizers``); a wrapper that holds
+        the real optimizer as ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, Lightning's
+        ``LightningOptimizer``) is unwrapped."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        optimizer = unwrap_optimizer(optimizer)
+        if optimizer is not None:
+            check_instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+        if hasattr(optimizer, "wants_averaged_gradients"):  # a onebit 1-bit optimizer
+            raise TypeError(
+                f"optimizer: {type(optimizer).__name__} compresses its own momentum; compressing its "
+                "gradients in a DDP hook as well would do it twice. Use "
+                "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
+        self._optimizer = optimizer
 
     def stats(self) -> dict:
         """Iteration, stage, buckets with error buffers, error buffers started afresh because a
@@ -135,14 +173,20 @@ class OnebitCompressHookState:
     def __setstate__(self, state: dict) -> None:
         local = {k: v for k, v in self.__dict__.items()
                  if k in ("process_group", "optimizer") or k.startswith("_")}
+        state = {k: v for k, v in state.items() if k not in ("world_size", "optimizer")}  # this process's
         self.__dict__.update(state)
         self.__dict__.update(local)
         self.__dict__.setdefault("process_group", None)
-        self.__dict__.setdefault("optimizer", None)
+        self.__dict__.setdefault("_optimizer", None)
+        if "_world_size" not in self.__dict__:  # a state made by unpickling alone
+            self._world_size = None
+            self._rank = None
+            _LIVE.add(self)
         self.__dict__.setdefault("variance_floor", 0.1)
         self.__dict__.setdefault("_names", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
+        self.__dict__.setdefault("_warned_unused", False)
         self.__dict__.setdefault("_timing", Traffic())
         self.__dict__.setdefault("_mesh", None)
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
@@ -328,3 +372,31 @@ def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer:
     with counting(state._timing):
         return compressed_allreduce(buffer, worker_error, server_error, state.compress_group, async_op=True,
                                     block=state.block)
+
+
+def _rank_of(group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+_LIVE: "weakref.WeakSet[OnebitCompressHookState]" = weakref.WeakSet()
+
+
+@atexit.register
+def say_never_called() -> None:
+    """At interpreter exit: if hook states are still alive whose hook never ran, say so once, on
+    their group's rank 0 (a framework may have dropped the hook without a word: Lightning's
+    ``DDPStrategy(ddp_comm_hook=...)`` registers nothing on CPU)."""
+    unused = [s for s in list(_LIVE) if s.iter == 0 and not s._warned_unused]
+    for state in unused:
+        state._warned_unused = True
+    ranks = [s._rank if s._rank is not None else int(os.environ.get("RANK", "0")) for s in unused]
+    if unused and 0 in ranks:
+        warnings.warn(
+            f"onebit: {len(unused)} OnebitCompressHookState(s) were built but onebit_compress_hook never "
+            "ran with them, so no gradient was compressed: register the state with "
+            "model.register_comm_hook(state, onebit_compress_hook) on the DistributedDataParallel model "
+            "(Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only: use onebit.integrations."
+            "lightning.OnebitCallback; the Hugging Face Trainer: onebit.integrations.transformers.attach)",
+            RuntimeWarning, stacklevel=1)

@@ -593,15 +593,29 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
                 traffic=self.traffic,
             )
-            (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
-            for k, p in enumerate(params):
-                state = self.state[p]
-                state[flat_name] = self._reducer.views[k]
-                for name in self.DENSE_STATE:
-                    state.setdefault(name, torch.zeros_like(p, dtype=torch.float32))
-                for name, value in self.SCALAR_STATE.items():
-                    state.setdefault(name, torch.tensor(value, dtype=torch.float64, device=device))
+            self._bind_state()
         return self._reducer
+
+    def _bind_state(self) -> None:
+        """Point every compressed parameter's flat state at its view of the reducer's buckets and
+        give it the dense and scalar state it lacks. Run when the reducer is built and again
+        after ``load_state_dict``: torch's loading replaces ``self.state`` wholesale, so a reducer
+        built earlier (by ``state_dict()``, which Accelerate's ``load_state_dict(state_dict())``
+        round trip calls before the first step) would otherwise keep buckets nobody reads."""
+        reducer = self._reducer
+        assert reducer is not None
+        (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
+        for k, (p, _) in enumerate(self.compressed_params()):
+            state = self.state[p]
+            view = reducer.views[k]
+            old = state.get(flat_name)
+            if old is not None and old is not view:
+                view.copy_(old)
+            state[flat_name] = view
+            for name in self.DENSE_STATE:
+                state.setdefault(name, torch.zeros_like(p, dtype=torch.float32))
+            for name, value in self.SCALAR_STATE.items():
+                state.setdefault(name, torch.tensor(value, dtype=torch.float64, device=view.device))
 
     def dense_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -661,6 +675,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             g["exp_avg_mask"] = mask
         params = [p for g in self.param_groups for p in g["params"]]
         reducer = self.reducer()
+        self._bind_state()  # torch replaced self.state: the buckets' views go back in
         for key, values in pending["tensors"].items():
             p = params[key]
             state = self.state[p]
@@ -686,6 +701,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 se.copy_(se_saved)
             for b, tail in zip(reducer.buckets, extra.get("flat_tails", []), strict=False):
                 b.flat[b.n :].copy_(tail)
+            # this rank's own state, loaded after another's (a framework's rank-0 checkpoint, then
+            # onebit's per-rank file): nothing foreign is left to report
+            self._foreign_state = False
         else:
             reducer.reset_errors()
             for b in reducer.buckets:

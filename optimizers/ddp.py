@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives._group import warn_collective, warn_renamed
+from ..collectives._unwrap import unwrap_optimizer
 from ..collectives.telemetry import CallTimer
 from ..kernels._checks import check_instance
 from ._base import OnebitOptimizerBase
@@ -54,7 +55,9 @@ def warmup_averaging_hook(
 
 
 def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizerBase) -> None:
-    """Register :func:`warmup_averaging_hook` on ``model`` for ``optimizer`` (same process group)."""
+    """Register :func:`warmup_averaging_hook` on ``model`` for ``optimizer`` (same process group).
+    A framework's wrapper around the optimizer (``.optimizer`` holds it) is unwrapped."""
+    optimizer = unwrap_optimizer(optimizer)
     check_instance("model", model, DistributedDataParallel, "a DistributedDataParallel")
     check_instance("optimizer", optimizer, OnebitOptimizerBase, "a onebit optimizer")
     ddp_size = dist.get_world_size(model.process_group)
