@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, make_grads, make_optimizer, set_grads
+from helpers import make_grads, make_optimizer, set_grads
 
 from onebit.collectives import OnebitCompressHookState
 from onebit.optimizers import OnebitAdam
@@ -90,7 +90,7 @@ def _check_wrappers(AcceleratedOptimizer, LightningOptimizer):
 def _torchrun(tmp_path, code: str, nproc: int = 2) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(script)]
@@ -138,7 +138,7 @@ def test_a_hook_state_that_never_ran_says_so_once_at_exit(tmp_path):
     """
     script = tmp_path / "unused.py"
     script.write_text(textwrap.dedent(code))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("onebit_compress_hook never ran") == 1, run.stderr
