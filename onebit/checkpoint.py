@@ -35,7 +35,7 @@ from .collectives._failure import guard
 from .collectives._group import comm_device, group_size
 from .kernels._checks import check_instance, check_int
 
-__all__ = ["CheckpointError", "checkpoint_path", "load", "load_latest", "save", "steps_on_disk"]
+__all__ = ["CheckpointError", "checkpoint_path", "load", "load_latest", "load_step", "save", "steps_on_disk"]
 
 _STEP = re.compile(r"^step(\d{9})$")
 _FORMAT = 1
@@ -159,6 +159,34 @@ def load_latest(
             f"{payload['step']}; this is rank {rank} of {W} loading step {step}"
         )
     return step, payload["state"]
+
+
+def load_step(
+    directory: str | os.PathLike, step: int, *, group=None, map_location: Any = "cpu"
+) -> dict[str, Any] | None:
+    """This rank's state for ``step``, or None on every rank unless every rank of ``group`` has
+    that step on disk (a framework resuming from a named checkpoint, not the newest one).
+
+    A collective: every rank of ``group`` must call it. Raises CheckpointError when the file
+    was written by another rank or world size."""
+    step = _check_step(step)
+    rank, W = _rank(group)
+    have = int(step in steps_on_disk(directory, rank))
+    if W > 1:
+        t = torch.tensor([have], dtype=torch.int64, device=comm_device(group))
+        with guard("checkpoint step agreement", group):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        have = int(t[0])
+    if not have:
+        return None
+    path = checkpoint_path(directory, step, rank)
+    payload = load(path, map_location=map_location)
+    if (payload["rank"], payload["world_size"], payload["step"]) != (rank, W, step):
+        raise CheckpointError(
+            f"path: {path!r} was written by rank {payload['rank']} of {payload['world_size']} at step "
+            f"{payload['step']}; this is rank {rank} of {W} loading step {step}"
+        )
+    return payload["state"]
 
 
 def _newest_common(have: list[int], group, W: int) -> int | None:

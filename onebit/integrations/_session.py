@@ -145,9 +145,9 @@ class Session:
         group = self._group()
         candidates = list(dict.fromkeys(d for d in directories if d))
         for directory in candidates:
-            found = checkpoint.load_latest(directory, group=group)
-            if found is not None and found[0] == step:
-                self.load_state_dict(found[1])
+            found = checkpoint.load_step(directory, step, group=group)
+            if found is not None:
+                self.load_state_dict(found)
                 return directory
         warn_collective(
             f"onebit: resuming at step {step}, but no directory among {candidates} holds every rank's "
