@@ -5,6 +5,7 @@ accumulation, torch.compile and a second train() keep working."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -213,3 +214,73 @@ def test_lightning_resume_gives_each_rank_its_own_state(tmp_path):
     shutil.rmtree(tmp_path / "ckpt/onebit")  # the control: Lightning's rank-0 state alone
     without, err = run_script(tmp_path, code, "ckpt", "resume", torchrun=False)
     assert "no directory among" in err and FOREIGN in err, err[-3000:]
+
+
+CLIP_AND_SKIP = """
+import gc, json, math
+import torch, torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from onebit import OnebitAdam
+from onebit.integrations.transformers import attach
+
+
+class Poison(TrainerCallback):
+    # a non-finite gradient on rank 1 only, at the 6th optimizer step
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step == 5 and dist.get_rank() == 1:
+            next(model.parameters()).grad.view(-1)[0] = math.nan
+
+
+torch.manual_seed(0)
+data = torch.randint(0, 64, (512, 32), generator=torch.Generator().manual_seed(0))
+train = [{"input_ids": x, "labels": x} for x in data]
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+args = TrainingArguments("out", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False,
+                         max_steps=8, per_device_train_batch_size=4, max_grad_norm=0.05, logging_steps=1,
+                         report_to="none", save_strategy="no", disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[Poison()],
+                  optimizer_cls_and_kwargs=(OnebitAdam, {"lr": 1e-3, "freeze_step": 2}))
+attach(trainer)
+trainer.train()
+opt = trainer.optimizer.optimizer
+norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
+every = [None, None]
+dist.all_gather_object(every, norms)
+if dist.get_rank() == 0:
+    print(json.dumps(dict(norms=every, skipped=opt.skipped_steps, updates=opt.updates,
+                          scheduler=trainer.lr_scheduler.last_epoch, max_grad_norm=args.max_grad_norm)))
+del trainer, model, opt; gc.collect()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_hf_trainer_clips_by_the_agreed_norm_and_a_skipped_step_holds_the_schedule(tmp_path):
+    script = tmp_path / "clip.py"
+    script.write_text(textwrap.dedent(CLIP_AND_SKIP))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    run = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=600, env=_env(),
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{\"norms\"")][0])
+    norms = got["norms"]
+    assert len(norms[0]) == 8 and all(n > 0.05 for n in norms[0][:5]), norms  # the clip was active
+    # torch's clip on local gradients logs each rank's own norm after the freeze (step 3 on)
+    assert norms[0][:5] == norms[1][:5], norms
+    assert got["skipped"] == 1 and got["updates"] == 7, got  # rank 1's NaN skipped step 6 everywhere
+    assert got["scheduler"] == 7, got  # 8 optimizer calls, one skipped: the schedule moved 7 times
+    assert got["max_grad_norm"] == 0.05  # the Trainer's setting is back after train()
+
+
+def test_agreed_scaler_keeps_torchs_settings_and_scale():
+    import torch
+
+    from onebit.integrations._session import agreed_scaler
+    from onebit.optimizers import GradScaler
+
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25,
+                                        growth_interval=7)
+    agreed = agreed_scaler(torch_scaler)
+    assert isinstance(agreed, GradScaler)
+    assert agreed.state_dict() == torch_scaler.state_dict()
+    assert agreed.get_scale() == torch_scaler.get_scale() == 1024.0
