@@ -23,6 +23,7 @@ def make_tree() -> None:
     TREE.mkdir(parents=True, exist_ok=True)
     wanted = {p.name: p for p in (ROOT / "onebit").glob("*.py")}
     wanted.update({name: ROOT / name for name in SUBPACKAGES})
+    wanted["integrations"] = ROOT / "onebit" / "integrations"  # a folder of onebit/ itself
     for entry in TREE.iterdir():
         if entry.name not in wanted:
             entry.unlink()
