@@ -62,9 +62,11 @@ def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizer
     check_instance("optimizer", optimizer, OnebitOptimizerBase, "a onebit optimizer")
     ddp_size = dist.get_world_size(model.process_group)
     if ddp_size != optimizer.world_size:
+        hint = (" (it was built before init_process_group: build the optimizer once the process group "
+                "exists, e.g. after Accelerator() or fabric.launch())" if optimizer.world_size == 1 else "")
         raise ValueError(
             f"optimizer: its group has {optimizer.world_size} ranks but the model's DDP group has {ddp_size}"
-        )
+            + hint)
     if optimizer._overlap is not None:
         raise ValueError("optimizer: built with overlap=True, which starts its own all-reduces from "
                          "backward; use overlap=False under DDP")

@@ -284,3 +284,56 @@ def test_agreed_scaler_keeps_torchs_settings_and_scale():
     assert isinstance(agreed, GradScaler)
     assert agreed.state_dict() == torch_scaler.state_dict()
     assert agreed.get_scale() == torch_scaler.get_scale() == 1024.0
+
+
+LOOPS = """
+import gc, sys
+import torch, torch.distributed as dist
+from onebit import OnebitAdam
+from onebit.integrations import attach
+
+framework, which = sys.argv[1], sys.argv[2]
+if framework == "accelerate":
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)  # the process group exists from here on
+else:
+    import lightning_fabric as L
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = (OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bias_correction=True) if which == "onebit"
+       else torch.optim.AdamW(model.parameters(), lr=1e-2))
+if framework == "accelerate":
+    model, opt = acc.prepare(model, opt)
+    backward, rank = acc.backward, acc.process_index
+else:
+    model, opt = fabric.setup(model, opt)
+    backward, rank = fabric.backward, fabric.global_rank
+session = attach(model, opt, block=32)
+for t in range(12):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * t + rank))
+    backward(torch.nn.functional.cross_entropy(model(x), x[:, :4].argmax(1)))
+    norm = session.clip(0.5)
+    opt.step()
+    opt.zero_grad()
+every = [None, None]
+dist.all_gather_object(every, (float(norm), [p.detach().clone() for p in model.parameters()]))
+same = every[0][0] == every[1][0] and all(torch.equal(a, b) for a, b in zip(every[0][1], every[1][1]))
+session.save("state", 12)
+sent = (session.optimizer.stats() if which == "onebit" else session.hook_state.stats())["bytes_compressed"]
+if rank == 0:
+    print("loss 0.0 replicas identical", same, "bytes_compressed", sent, "weights x")
+del model, opt, session; gc.collect()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("framework,which", [("accelerate", "adamw"), ("accelerate", "onebit"),
+                                             ("fabric", "onebit")])
+def test_loops_around_accelerate_and_fabric(tmp_path, framework, which):
+    code = textwrap.dedent(LOOPS)
+    got, _ = run_script(tmp_path, code, framework, which, torchrun=framework == "accelerate")
+    assert got["same"] and got["sent"] > 0, got
+    assert (tmp_path / "state/step000000012/rank00001.pt").is_file()

@@ -42,18 +42,25 @@ def check_hook_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def find_ddp(model: Any) -> DistributedDataParallel | None:
     """The DistributedDataParallel inside what a framework holds: the model itself, or under
-    ``torch.compile``'s wrapper (``_orig_mod``); None without one (one process, FSDP, ...)."""
+    ``torch.compile``'s wrapper (``_orig_mod``) or Lightning Fabric's (``_forward_module``);
+    None without one (one process, FSDP, ...)."""
     for _ in range(4):
         if isinstance(model, DistributedDataParallel):
             return model
-        model = getattr(model, "_orig_mod", None)
+        model = getattr(model, "_orig_mod", None) or getattr(model, "_forward_module", None)
         if model is None:
             return None
     return None
 
 
 class Session:
-    """One training run's onebit wiring: the hook, the clip and the per-rank state."""
+    """One training run's onebit wiring: the hook, the clip and the per-rank state.
+
+    ``clip(max_norm)`` clips by the norm every rank agrees on (a 1-bit optimizer on several
+    ranks; otherwise the gradients are the same on every rank and torch's clip is already
+    agreed), ``save(directory, step)`` writes this rank's onebit state (not a collective),
+    ``load([directory], step)`` restores it on every rank (a collective), ``hook_state`` is the
+    compression hook's state (a torch optimizer) and ``optimizer`` the unwrapped optimizer."""
 
     def __init__(self, hook_options: dict[str, Any]) -> None:
         self.hook_options = check_hook_options(hook_options)
@@ -107,10 +114,16 @@ class Session:
         return opt is not None and opt.world_size > 1
 
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm every rank agrees on (``opt.clip_grad_norm_``); returns the norm."""
+        """Clip the optimizer's gradients by a norm every rank agrees on and return it: a 1-bit
+        optimizer's ``clip_grad_norm_``; torch's ``clip_grad_norm_`` for a torch optimizer, whose
+        gradients the hook left the same on every rank."""
         opt = self.onebit_optimizer
-        assert opt is not None
-        return opt.clip_grad_norm_(max_norm, norm_type)
+        if opt is not None:
+            return opt.clip_grad_norm_(max_norm, norm_type)
+        if self.optimizer is None:
+            raise RuntimeError("clip: called before the session was set up with an optimizer")
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     # -- per-rank state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
