@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..optimizers._functional import sqrt_v_floors, stale_denominator
+from ._frozen_adam import FrozenAdam, is_adam_type
 from ._group import warn_collective
 from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, error_buffer_numel
@@ -86,18 +87,31 @@ class OnebitCompressHookState:
             again); other parameters are compressed as gradients.
         variance_floor: with ``optimizer``, ``floor`` is this times the mean nonzero
             ``sqrt(v / (1 - b2^t))`` of each parameter (as the 1-bit optimizers' floor).
+        freeze_step: with an Adam-type ``optimizer`` (torch's Adam, AdamW): 1-bit Adam's
+            recipe (docs/ALGORITHMS.md section 8.2). ``freeze_step`` iterations of
+            full-precision averaging (in place of ``start_iter``), then the optimizer's variance
+            freezes and each rank compresses its own momentum in the frozen preconditioned
+            space; the optimizer's step uses the compressed average momentum and the frozen
+            denominator (set by step hooks on the optimizer). About 20-25% of the run, as the
+            1-bit optimizers' ``freeze_step``. Not with ``sync_each_batch`` accumulation (one
+            hook call per optimizer step). Clip with ``clip_grad_norm_`` of this state (or
+            ``onebit.integrations``): the gradient DDP hands over carries the momentum's 1-bit
+            noise, so its own norm is not the gradient's.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
-                 variance_floor: float = 0.1) -> None:
+                 variance_floor: float = 0.1, freeze_step: int | None = None) -> None:
         # a 2-D DeviceMesh: each bucket's compressed all-reduce is hierarchical (1-bit between
         # nodes only); the full-precision iterations average over all the mesh's ranks
         self._mesh = process_group if is_mesh(process_group) else None
         process_group = flat_group(process_group)
         self.process_group = process_group
-        self.optimizer = optimizer  # checked and unwrapped by the setter
         self.variance_floor = check_number("variance_floor", variance_floor, low=0.0)
+        self._frozen_adam = None if freeze_step is None else FrozenAdam(
+            check_int("freeze_step", freeze_step, low=1), self.variance_floor)
+        self._optimizer = None
+        self.optimizer = optimizer  # checked and unwrapped by the setter
         # the default group of a program that has not called init_process_group yet (Lightning
         # builds ddp_comm_state before fit creates the group): resolved at the hook's first call
         deferred = process_group is None and not (dist.is_available() and dist.is_initialized())
@@ -149,7 +163,49 @@ class OnebitCompressHookState:
                 f"optimizer: {type(optimizer).__name__} compresses its own momentum; compressing its "
                 "gradients in a DDP hook as well would do it twice. Use "
                 "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
+        fa = self._frozen_adam
+        if fa is not None:
+            if optimizer is not None and not is_adam_type(optimizer):
+                raise ValueError(f"freeze_step: needs an Adam-type optimizer= (groups with betas: Adam, "
+                                 f"AdamW), got {type(optimizer).__name__}")
+            fa.detach()
+            if optimizer is not None:
+                fa.attach(optimizer, lambda: self._names)
         self._optimizer = optimizer
+
+    @property
+    def freeze_step(self) -> int | None:
+        """Adam's full-precision iterations before its variance freezes (None: not in that mode)."""
+        return None if self._frozen_adam is None else self._frozen_adam.freeze_step
+
+    def _first_compressed(self) -> int:
+        return self.start_iter if self._frozen_adam is None else self._frozen_adam.freeze_step
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the optimizer's gradients between backward and step by a norm every rank agrees
+        on; returns it. Full-precision iterations: the averaged gradient's norm (the same on
+        every rank). ``freeze_step``'s compressed iterations: the root mean square over ranks of
+        each rank's own gradient norm (recorded by the hook; one float64 all-reduce), because
+        the gradient handed over carries the momentum's 1-bit noise (docs/ALGORITHMS.md 8.2)."""
+        max_norm = check_number("max_norm", max_norm, low=0.0)
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
+        opt = self.optimizer
+        if opt is None:
+            raise RuntimeError("clip_grad_norm_: the state has no optimizer=")
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        fa = self._frozen_adam
+        if fa is None or not fa.pending or fa.local_sq is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        sq = fa.local_sq.reshape(1).clone()
+        if self.world_size > 1:
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            dist.all_reduce(sq, group=group)
+        norm = (sq[0] / self.world_size).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
 
     def stats(self) -> dict:
         """Iteration, stage, buckets with error buffers, error buffers started afresh because a
@@ -159,7 +215,8 @@ class OnebitCompressHookState:
         completion), ``seconds_full`` (the full-precision iterations' all-reduces)."""
         timing = self._timing
         timing.resolve()
-        return {"iter": self.iter, "compressing": self.iter >= self.start_iter, "buckets": len(self.errors),
+        return {"iter": self.iter, "compressing": self.iter >= self._first_compressed(),
+                "buckets": len(self.errors),
                 "resets": self.resets, "bytes_full": self.bytes_full,
                 "bytes_compressed": self.bytes_compressed, "seconds_codec": timing.codec_seconds,
                 "seconds_comm": timing.comm_seconds, "seconds_full": timing.full_seconds}
@@ -168,12 +225,15 @@ class OnebitCompressHookState:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("process_group", "optimizer") and not k.startswith("_")}
         state["errors"] = {k: (w.clone(), s.clone()) for k, (w, s) in self.errors.items()}
+        if self._frozen_adam is not None:
+            state["frozen_adam"] = self._frozen_adam.state()
         return state
 
     def __setstate__(self, state: dict) -> None:
         local = {k: v for k, v in self.__dict__.items()
                  if k in ("process_group", "optimizer") or k.startswith("_")}
-        state = {k: v for k, v in state.items() if k not in ("world_size", "optimizer")}  # this process's
+        frozen = state.get("frozen_adam")
+        state = {k: v for k, v in state.items() if k not in ("world_size", "optimizer", "frozen_adam")}
         self.__dict__.update(state)
         self.__dict__.update(local)
         self.__dict__.setdefault("process_group", None)
@@ -192,6 +252,12 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.errors = {int(k): (w, s) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
+        self.__dict__.setdefault("_frozen_adam", None)
+        if frozen is not None:
+            if self._frozen_adam is None:
+                raise ValueError("state: saved with freeze_step (Adam's frozen variance); build the state "
+                                 f"with freeze_step={frozen['freeze_step']} before loading it")
+            self._frozen_adam.load(frozen)
 
     def _layout(self, bucket: dist.GradBucket) -> tuple[tuple[int, int], ...]:
         """The names of the bucket's parameters, naming them first if this is the first iteration."""
@@ -202,12 +268,13 @@ class OnebitCompressHookState:
         return tuple(self._names.get(id(p), (-1, -1)) for p in params)
 
     def _cover(self, layout: tuple[tuple[int, int], ...]) -> list[int] | None:
-        """Remembered buckets that together hold exactly the parameters of ``layout``."""
+        """Remembered buckets that together hold exactly the parameters of ``layout``: several,
+        or one that holds them in another order (a fresh DDP's first bucket after a resume)."""
         wanted = set(layout)
         if (-1, -1) in wanted or len(wanted) != len(layout):
             return None
         parts = sorted(i for i, names in self.layouts.items() if set(names) <= wanted)
-        if sum(len(self.layouts[i]) for i in parts) != len(layout) or len(parts) < 2:
+        if sum(len(self.layouts[i]) for i in parts) != len(layout) or not parts:
             return None
         return parts if set().union(*(self.layouts[i] for i in parts)) == wanted else None
 
@@ -282,6 +349,31 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     return d, c
 
 
+def _frozen_terms(state: OnebitCompressHookState, bucket: dist.GradBucket, layout):
+    """``(d, c)`` of section 8.2: the frozen denominators and ``b1 / (1 - b1) * exp_avg`` of the
+    bucket's parameters (1 and 0 where a parameter has none); None, None if none has them."""
+    opt, fa = state.optimizer, state._frozen_adam
+    groups = {id(p): group for group in opt.param_groups for p in group["params"]}
+    grads = bucket.gradients()
+    found = []
+    for i, (p, name) in enumerate(zip(bucket.parameters(), layout, strict=True)):
+        group = groups.get(id(p))
+        terms = None if group is None else fa.terms(opt, p, name, group)
+        if terms is not None and terms[0].shape == grads[i].shape:
+            found.append((i, *terms))
+    if not found:
+        return None, None
+    d = torch.ones_like(bucket.buffer(), dtype=torch.float32)
+    c = torch.zeros_like(bucket.buffer())
+    offsets = [0]
+    for g in grads:
+        offsets.append(offsets[-1] + g.numel())
+    for i, di, ci in found:
+        d[offsets[i]:offsets[i + 1]].copy_(di.reshape(-1))
+        c[offsets[i]:offsets[i + 1]].copy_(ci.reshape(-1))
+    return d, c
+
+
 def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, parts: list[int]):
     """Compress a bucket that holds several remembered buckets as those buckets: gather each
     one's gradients in its remembered order, compress with its own error buffers, scatter back."""
@@ -322,7 +414,7 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     buffer = bucket.buffer()
     W = state.world_size
     layout = state._layout(bucket)
-    compressing = state.iter >= state.start_iter
+    compressing = state.iter >= state._first_compressed()
     if bucket.is_last():
         state.iter += 1
         state._naming = False
@@ -343,7 +435,15 @@ def onebit_compress_hook(state: OnebitCompressHookState,
 
         return work.get_future().then(done)
     index = bucket.index()
-    d, c = _optimizer_terms(state, bucket)  # the same on every rank
+    fa = state._frozen_adam
+    if fa is not None and state.optimizer is not None:
+        if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
+            fa.freeze(state.optimizer, state._names)
+        fa.add_local(buffer)
+        fa.pending = True
+        d, c = _frozen_terms(state, bucket, layout)
+    else:
+        d, c = _optimizer_terms(state, bucket)  # the same on every rank
     if c is not None:
         buffer.add_(c)  # SGD: compress this rank's momentum, b * m + g (scaled by 1 / (1 - dampening))
     if d is not None:

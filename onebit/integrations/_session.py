@@ -21,12 +21,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint
 from ..collectives import OnebitCompressHookState, onebit_compress_hook
+from ..collectives._frozen_adam import is_adam_type
 from ..collectives._group import warn_collective
 from ..collectives._unwrap import unwrap_optimizer
 from ..optimizers import GradScaler, register_ddp_hook, warmup_averaging_hook
 from ..optimizers._base import OnebitOptimizerBase
 
-HOOK_OPTIONS = ("start_iter", "block", "variance_floor")
+HOOK_OPTIONS = ("start_iter", "block", "variance_floor", "freeze_step")
+ADAM_FREEZE = 0.25  # an Adam-type optimizer's default freeze_step, as a fraction of the run
 STATE_DIR = "onebit"  # inside a framework's checkpoint folder: <folder>/onebit/step<N>/rank<r>.pt
 
 
@@ -72,9 +74,12 @@ class Session:
     def onebit_optimizer(self) -> OnebitOptimizerBase | None:
         return self.optimizer if isinstance(self.optimizer, OnebitOptimizerBase) else None
 
-    def setup(self, model: Any, optimizer: torch.optim.Optimizer) -> None:
+    def setup(self, model: Any, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> None:
         """Register the hook that fits ``optimizer`` on the DDP model inside ``model``. Called
-        again for the same DDP (a second ``train()``/``fit()``), it keeps the hook and its state."""
+        again for the same DDP (a second ``train()``/``fit()``), it keeps the hook and its state.
+        An Adam-type torch optimizer gets 1-bit Adam's recipe (``freeze_step``, docs/ALGORITHMS.md
+        8.2), frozen after ``ADAM_FREEZE`` of ``total_steps`` unless ``freeze_step`` was given;
+        without either, the hook's gradient compression in Adam's preconditioned space."""
         self.optimizer = unwrap_optimizer(optimizer)
         self.ddp = ddp = find_ddp(model)
         if ddp is None:
@@ -94,8 +99,10 @@ class Session:
             return
         if hooks:
             raise ValueError(self._taken(hooks))
-        self.hook_state = OnebitCompressHookState(ddp.process_group, optimizer=self.optimizer,
-                                                  **self.hook_options)
+        options = dict(self.hook_options)
+        if "freeze_step" not in options and total_steps and is_adam_type(self.optimizer):
+            options["freeze_step"] = max(1, round(ADAM_FREEZE * total_steps))
+        self.hook_state = OnebitCompressHookState(ddp.process_group, optimizer=self.optimizer, **options)
         ddp.register_comm_hook(self.hook_state, onebit_compress_hook)
 
     @staticmethod
@@ -108,10 +115,13 @@ class Session:
     # -- clipping ----------------------------------------------------------------------------
     @property
     def clip_is_local(self) -> bool:
-        """Whether the framework's clip_grad_norm_ would see each rank's own gradients: with a
-        1-bit optimizer on several ranks (after its freeze; before it, to keep one code path)."""
+        """Whether the framework's clip_grad_norm_ would not see the averaged gradient: each
+        rank's own with a 1-bit optimizer on several ranks (after its freeze; before it, to
+        keep one code path), or the gradient rebuilt from 1-bit momentum (``freeze_step``)."""
         opt = self.onebit_optimizer
-        return opt is not None and opt.world_size > 1
+        if opt is not None:
+            return opt.world_size > 1
+        return self.hook_state is not None and self.hook_state.freeze_step is not None
 
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients by a norm every rank agrees on and return it: a 1-bit
@@ -122,6 +132,8 @@ class Session:
             return opt.clip_grad_norm_(max_norm, norm_type)
         if self.optimizer is None:
             raise RuntimeError("clip: called before the session was set up with an optimizer")
+        if self.hook_state is not None:
+            return self.hook_state.clip_grad_norm_(max_norm, norm_type)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 

@@ -71,7 +71,9 @@ class OnebitCallback(pl.Callback):
             raise ValueError(f"trainer: OnebitCallback handles one optimizer, configure_optimizers gave "
                              f"{len(trainer.optimizers)}")
         session = self.session
-        session.setup(trainer.strategy.model, trainer.optimizers[0])
+        total = trainer.estimated_stepping_batches
+        session.setup(trainer.strategy.model, trainer.optimizers[0],
+                      total_steps=int(total) if total != float("inf") else None)
         if (session.clip_is_local and trainer.gradient_clip_val
                 and trainer.gradient_clip_algorithm in (None, "norm")):
             self.gradient_clip_val, trainer.gradient_clip_val = trainer.gradient_clip_val, None

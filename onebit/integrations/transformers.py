@@ -77,7 +77,7 @@ class OnebitTrainerCallback(TrainerCallback):
     # -- start: hook, clip, resume -----------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         trainer, session = self.trainer, self.session
-        session.setup(trainer.model_wrapped, trainer.optimizer)
+        session.setup(trainer.model_wrapped, trainer.optimizer, total_steps=state.max_steps)
         if session.clip_is_local and args.max_grad_norm and args.max_grad_norm > 0:
             # the Trainer clips with torch's clip_grad_norm_ on local gradients; onebit clips
             # by the agreed norm in on_pre_optimizer_step instead (restored at on_train_end)

@@ -1,0 +1,136 @@
+"""1-bit Adam's recipe for a torch Adam-type optimizer behind the DDP hook (docs/ALGORITHMS.md 8.2).
+
+``OnebitCompressHookState(optimizer=adamw, freeze_step=F)``: F iterations of full-precision
+averaging (plain DDP), then the variance freezes and each rank compresses its own momentum in
+the frozen preconditioned space:
+
+    d   = max(sqrt(v_F), f) / sqrt(1 - b2^F) + eps       frozen at the end of iteration F
+    A   = compressed_allreduce((b1 * m + (1 - b1) * g_r) / d)
+    g~  = (d * A - b1 * m) / (1 - b1)                    what DDP hands the optimizer
+
+so that the optimizer's own ``m <- b1 m + (1 - b1) g~`` gives ``m = d * A``: the compressed
+average of the ranks' momenta. Inside the optimizer's ``step()`` (a step pre-hook) the state
+is set so that torch's Adam/AdamW computes exactly that momentum and the frozen denominator:
+``exp_avg <- m_new / b1``, ``exp_avg_sq <- ((d - eps) * sqrt(1 - b2^t))^2 / b2`` and a zero
+gradient for this one call (restored by the post-hook), because AdamW would otherwise square the
+1-bit noise of ``g~`` into its variance. A clip between backward and step scales ``g~``, that
+is each rank's gradient contribution, as it would scale the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..optimizers._functional import sqrt_v_floors, stale_denominator
+
+
+def is_adam_type(optimizer: torch.optim.Optimizer) -> bool:
+    """Adam-type: every group has ``betas``; SGD-type groups have ``momentum``."""
+    return bool(optimizer.param_groups) and all("betas" in g for g in optimizer.param_groups)
+
+
+def check_supported(optimizer: torch.optim.Optimizer) -> None:
+    for i, g in enumerate(optimizer.param_groups):
+        for key in ("amsgrad", "maximize"):
+            if g.get(key, False):
+                raise ValueError(f"optimizer: param_groups[{i}] has {key}=True, which freeze_step does not "
+                                 "support (the frozen variance replaces exp_avg_sq; maximize flips the "
+                                 "gradient the momentum is rebuilt from)")
+
+
+class FrozenAdam:
+    """The frozen denominators (by the hook's parameter names) and the step hooks."""
+
+    def __init__(self, freeze_step: int, variance_floor: float) -> None:
+        self.freeze_step = freeze_step
+        self.variance_floor = variance_floor
+        self.denominators: dict[tuple[int, int], torch.Tensor] = {}  # name -> d (float32, param shape)
+        self.pending = False  # this iteration's buckets were compressed in the frozen space
+        self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
+        self._handles: list[Any] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.denominators)
+
+    # -- the optimizer's step hooks ------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer, names) -> None:
+        """Hook ``optimizer.step``; ``names()`` maps id(parameter) to the hook's names."""
+        self.detach()
+        check_supported(optimizer)
+        self._handles = [optimizer.register_step_pre_hook(lambda opt, a, k: self._before(opt, names())),
+                         optimizer.register_step_post_hook(lambda opt, a, k: self._after(opt, names()))]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _before(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
+        self.local_sq = None
+        if not self.pending:
+            return
+        self.pending = False
+        self._saved = []
+        for group in opt.param_groups:
+            b1, b2 = group["betas"]
+            eps = group["eps"]
+            for p in group["params"]:
+                d = self.denominators.get(names.get(id(p), (-1, -1)))
+                entry = opt.state.get(p)
+                if d is None or p.grad is None or not entry or "exp_avg" not in entry:
+                    continue
+                t = float(entry["step"]) + 1.0  # torch counts the step before its bias corrections
+                m = entry["exp_avg"]
+                m.mul_(b1).add_(p.grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
+                target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
+                entry["exp_avg_sq"].copy_(target)  # the optimizer's b2 * v gives the frozen one
+                self._saved.append((p, p.grad.clone()))
+                p.grad.zero_()
+
+    def _after(self, opt: torch.optim.Optimizer, names) -> None:
+        for p, grad in self._saved:
+            p.grad.copy_(grad)
+        self._saved = []
+
+    # -- freezing --------------------------------------------------------------------------
+    def freeze(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
+        """Take each parameter's denominator from the optimizer's state now (after step F)."""
+        for group in opt.param_groups:
+            params = [p for p in group["params"] if opt.state.get(p) and "exp_avg_sq" in opt.state[p]
+                      and id(p) in names]
+            if not params:
+                continue
+            vs = [opt.state[p]["exp_avg_sq"].detach().float() for p in params]
+            floors = sqrt_v_floors(vs, self.variance_floor)
+            for p, v, floor in zip(params, vs, floors, strict=True):
+                steps = float(opt.state[p]["step"])
+                bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
+                self.denominators[names[id(p)]] = stale_denominator(v, floor, group["eps"], bc2)
+
+    def add_local(self, buffer: torch.Tensor) -> None:
+        """Count a bucket of this rank's own gradient into this iteration's squared norm."""
+        sq = buffer.detach().double().square().sum()
+        self.local_sq = sq if self.local_sq is None else self.local_sq + sq
+
+    def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
+        """``(d, c)`` of one parameter in a compressed iteration: the frozen denominator and
+        ``b1 / (1 - b1) * exp_avg``; None where the parameter has neither."""
+        d = self.denominators.get(name)
+        entry = opt.state.get(p)
+        if d is None or not entry or "exp_avg" not in entry:
+            return None
+        b1 = group["betas"][0]
+        return d, entry["exp_avg"].detach() * (b1 / (1.0 - b1))
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"freeze_step": self.freeze_step, "names": [list(n) for n in self.denominators],
+                "denominators": [d.clone() for d in self.denominators.values()]}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.denominators = {tuple(n): d for n, d in zip(state["names"], state["denominators"], strict=True)}

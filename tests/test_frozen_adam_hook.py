@@ -1,0 +1,115 @@
+"""AdamW behind the DDP hook with ``freeze_step`` (docs/ALGORITHMS.md section 8.2): plain DDP until
+the freeze, then the variance frozen and each rank's momentum compressed; torch's AdamW steps
+with the compressed average momentum and the frozen denominator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+
+F = 3  # freeze_step
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3))
+
+
+def _batch(t, r):
+    g = torch.Generator().manual_seed(1000 * t + r)
+    x = torch.randn(8, 12, generator=g) + 0.5 * r
+    return x, (x[:, :3] * (1 + r)).argmax(1)
+
+
+def _body(steps, hooked, resume_at=None, clip=None):
+    r = dist.get_rank()
+    model = DDP(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    state = None
+    if hooked:
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=16)
+        model.register_comm_hook(state, onebit_compress_hook)
+    out = []
+    for t in range(steps):
+        if resume_at is not None and t == resume_at:  # a fresh DDP, optimizer and state from the saved ones
+            saved = (model.module.state_dict(), opt.state_dict(), state.__getstate__())
+            model = DDP(_model())
+            model.module.load_state_dict(saved[0])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            opt.load_state_dict(saved[1])
+            state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=16)
+            state.__setstate__(saved[2])
+            model.register_comm_hook(state, onebit_compress_hook)
+        x, y = _batch(t, r)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            state.clip_grad_norm_(clip)
+        before = {p: opt.state[p]["exp_avg"].clone() for p in model.parameters() if p in opt.state}
+        handed = {p: p.grad.clone() for p in model.parameters()}
+        opt.step()
+        row = {"params": [p.detach().clone() for p in model.parameters()]}
+        if hooked and t >= F:
+            fa = state._frozen_adam
+            names = state._names
+            for p in model.parameters():
+                st, d = opt.state[p], fa.denominators[names[id(p)]]
+                b1, b2 = 0.9, 0.999
+                bc2 = 1 - b2 ** float(st["step"])
+                got = st["exp_avg_sq"].sqrt() / math.sqrt(bc2) + 1e-8
+                assert torch.allclose(got, d, rtol=1e-5, atol=0), "denominator not frozen"
+                want = before[p] * b1 + handed[p] * (1 - b1)
+                assert torch.allclose(st["exp_avg"], want, rtol=1e-5, atol=1e-7), "momentum not rebuilt"
+                assert torch.equal(p.grad, handed[p]), "gradient not restored after the step"
+        opt.zero_grad()
+        out.append(row)
+    stats = state.stats() if state is not None else None
+    return out, stats
+
+
+def test_freeze_step_trains_identical_replicas_with_a_frozen_denominator(ranks):
+    got = ranks(2).run(_body, 10, True)
+    plain = ranks(2).run(_body, F, False)
+    for r in range(2):
+        for t in range(10):
+            for a, b in zip(got[r][0][t]["params"], got[0][0][t]["params"], strict=True):
+                assert torch.equal(a, b), f"rank {r} step {t}: replicas differ"
+        for t in range(F):  # plain DDP until the freeze, bitwise
+            for a, b in zip(got[r][0][t]["params"], plain[r][0][t]["params"], strict=True):
+                assert torch.equal(a, b), f"step {t}: not plain DDP before the freeze"
+    s = got[0][1]
+    assert s["compressing"] and s["bytes_compressed"] > 0 and s["bytes_full"] > 0
+
+
+def test_freeze_step_resumes_bitwise_with_its_frozen_denominators(ranks):
+    whole = ranks(2).run(_body, 9, True)
+    resumed = ranks(2).run(_body, 9, True, 6)
+    for r in range(2):
+        for a, b in zip(resumed[r][0][-1]["params"], whole[r][0][-1]["params"], strict=True):
+            assert torch.equal(a, b), f"rank {r}: the resumed run differs"
+
+
+def test_agreed_clip_after_the_freeze(ranks):
+    got = ranks(2).run(_body, 8, True, None, 0.05)
+    for r in range(2):
+        for a, b in zip(got[r][0][-1]["params"], got[0][0][-1]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_freeze_step_refuses_what_it_cannot_do():
+    model = _model()
+    with pytest.raises(ValueError, match="freeze_step: needs an Adam-type"):
+        OnebitCompressHookState(optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                freeze_step=5)
+    with pytest.raises(ValueError, match="amsgrad"):
+        OnebitCompressHookState(optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True), freeze_step=5)
+    with pytest.raises(ValueError, match="freeze_step"):
+        OnebitCompressHookState(optimizer=torch.optim.AdamW(model.parameters()), freeze_step=0)
+    saved = OnebitCompressHookState(optimizer=torch.optim.AdamW(model.parameters()), freeze_step=5)
+    with pytest.raises(ValueError, match="freeze_step=5"):
+        OnebitCompressHookState().__setstate__(saved.__getstate__())
