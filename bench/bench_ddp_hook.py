@@ -102,8 +102,10 @@ def worker(args) -> None:
            else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
     state = None
     if args.hook == "onebit":
+        frozen = args.freeze_step if args.optimizer == "adamw" and args.freeze_step else None
         state = OnebitCompressHookState(start_iter=args.start_iter, block=_block(args.block),
-                                optimizer=opt if args.precondition else None)
+                                        optimizer=opt if args.precondition or frozen else None,
+                                        freeze_step=frozen)
         ddp.register_comm_hook(state, onebit_compress_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
@@ -149,6 +151,8 @@ def main() -> None:
     p.add_argument("--precondition", "--pass-optimizer", dest="precondition", action="store_true",
                    help="give the hook the optimizer (OnebitCompressHookState(optimizer=...)): AdamW "
                    "compresses g / d in Adam's preconditioned space, SGD compresses its momentum")
+    p.add_argument("--freeze-step", type=int, default=0, help="AdamW: OnebitCompressHookState("
+                   "freeze_step=N), 1-bit Adam's recipe behind the hook (docs/ALGORITHMS.md 8.2); 0: off")
     p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.1, 0.03],
                    help="SGD learning rates (plain DDP on the LM trains best at 0.5 of 0.03-1.0)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -174,6 +178,8 @@ def main() -> None:
             for hook in HOOKS:
                 tag = f"-block{args.block}" if hook == "onebit" else ""
                 tag += "-pre" if hook == "onebit" and args.precondition and optimizer == "adamw" else ""
+                frozen = hook == "onebit" and args.freeze_step and optimizer == "adamw"
+                tag += f"-frz{args.freeze_step}" if frozen else ""
                 tag += "-mom" if hook == "onebit" and args.precondition and optimizer == "sgd" else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
                 path = os.path.join(args.out, f"{name}.jsonl")
@@ -240,7 +246,8 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--hook", hook, "--lr", str(lr), "--log-jsonl", path, "--task", args.task, "--block", args.block,
            "--steps", str(args.steps), "--eval-every", str(args.eval_every),
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
-           "--seed", str(seed)] + (["--precondition"] if args.precondition else [])
+           "--seed", str(seed), "--freeze-step", str(args.freeze_step)] + (
+               ["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
         raise RuntimeError(f"{optimizer} {lr:g} {hook} failed:\n{out.stderr[-3000:]}")

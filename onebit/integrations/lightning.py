@@ -8,10 +8,13 @@ Lightning registers ``DDPStrategy(ddp_comm_hook=...)`` on CUDA only, before
 ``configure_optimizers`` runs; this callback does it at ``on_fit_start`` instead, when the
 DDP model and the optimizer both exist, on any device:
 
-* a torch optimizer gets the DDP compression hook with ``optimizer=`` (AdamW's preconditioned
-  space, SGD's momentum); a 1-bit optimizer gets its warm-up hook (``register_ddp_hook``);
-* with a 1-bit optimizer, ``gradient_clip_val`` (algorithm ``"norm"``) clips by the norm every
-  rank agrees on (``opt.clip_grad_norm_``) instead of torch's local ``clip_grad_norm_``;
+* a torch optimizer gets the DDP compression hook with ``optimizer=`` (SGD's momentum; an
+  Adam-type optimizer 1-bit Adam's recipe, ``freeze_step`` a quarter of the run by default:
+  docs/ALGORITHMS.md 8.2); a 1-bit optimizer gets its warm-up hook (``register_ddp_hook``);
+* where the framework's clip would not see the averaged gradient (a 1-bit optimizer, or an
+  Adam-type optimizer after its freeze), the clip uses the norm every rank agrees on;
+  ``gradient_clip_val`` (algorithm ``"norm"``) is applied that way instead of torch's
+  ``clip_grad_norm_``;
 * every rank's onebit state (error buffers, counters, the hook's state) is written beside the
   checkpoint, ``<dirpath>/onebit/step<global step>/rank<r>.pt`` (Lightning writes rank 0's
   checkpoint only), named in the checkpoint, and restored when ``fit(ckpt_path=...)`` resumes;
@@ -44,7 +47,8 @@ __all__ = ["OnebitCallback"]
 
 
 class OnebitCallback(pl.Callback):
-    """See the module's docstring. ``hook_options``: ``start_iter``, ``block``,
+    """See the module's docstring. ``hook_options``: ``freeze_step`` (an Adam-type optimizer's
+    full-precision steps; default a quarter of the run), ``start_iter``, ``block``,
     ``variance_floor`` of :class:`~onebit.collectives.OnebitCompressHookState`. ``state_dir``:
     where each rank writes its state (default: the checkpoint callback's ``dirpath``, else the
     Trainer's ``default_root_dir``); ``keep``: steps kept there per rank (at least 2)."""

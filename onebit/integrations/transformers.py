@@ -9,12 +9,14 @@
 the Trainer has built the optimizer and Accelerate the DDP model):
 
 * gives a torch optimizer the DDP compression hook (``onebit_compress_hook`` with the
-  optimizer unwrapped from Accelerate's ``AcceleratedOptimizer`` as ``optimizer=``), and a
-  1-bit optimizer its warm-up hook (``register_ddp_hook``);
-* with a 1-bit optimizer, turns the Trainer's gradient clipping (``max_grad_norm``, on by
-  default) into ``opt.clip_grad_norm_`` with the same ``max_grad_norm``: after the freeze each
-  rank holds its own gradient, and torch's clip would scale each rank by its own factor. The
-  logged ``grad_norm`` is then the agreed norm;
+  optimizer unwrapped from Accelerate's ``AcceleratedOptimizer`` as ``optimizer=``; an
+  Adam-type one follows 1-bit Adam's recipe with ``freeze_step`` a quarter of ``max_steps`` by
+  default: docs/ALGORITHMS.md 8.2), and a 1-bit optimizer its warm-up hook (``register_ddp_hook``);
+* where torch's clip would not see the averaged gradient (a 1-bit optimizer: after its freeze
+  each rank holds its own gradient; an Adam-type optimizer behind the hook after its freeze:
+  the gradient carries the momentum's 1-bit noise), turns the Trainer's gradient clipping
+  (``max_grad_norm``, on by default) into a clip by the norm every rank agrees on, with the same
+  ``max_grad_norm``. The logged ``grad_norm`` is then the agreed norm;
 * saves every rank's onebit state (the optimizer's error buffers and counters, the hook's
   state) inside the Trainer's checkpoint folder, ``checkpoint-<step>/onebit/``, and restores it
   on ``train(resume_from_checkpoint=...)`` (the Trainer saves rank 0's ``optimizer.pt`` only and
@@ -49,7 +51,7 @@ __all__ = ["OnebitTrainerCallback", "attach"]
 def attach(trainer: Trainer, **hook_options: Any) -> OnebitTrainerCallback:
     """Wire onebit into ``trainer`` (see the module's docstring); returns the callback added.
 
-    ``hook_options``: ``start_iter``, ``block``, ``variance_floor`` of
+    ``hook_options``: ``freeze_step``, ``start_iter``, ``block``, ``variance_floor`` of
     :class:`~onebit.collectives.OnebitCompressHookState` (used with a torch optimizer). Call it
     once per Trainer, before ``train()``."""
     if not isinstance(trainer, Trainer):
