@@ -337,3 +337,29 @@ def test_loops_around_accelerate_and_fabric(tmp_path, framework, which):
     got, _ = run_script(tmp_path, code, framework, which, torchrun=framework == "accelerate")
     assert got["same"] and got["sent"] > 0, got
     assert (tmp_path / "state/step000000012/rank00001.pt").is_file()
+
+
+SCALER = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from onebit.integrations.transformers import attach
+from onebit.optimizers import GradScaler
+
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+trainer = Trainer(model=model, args=TrainingArguments("out", use_cpu=True, report_to="none"))
+# what Accelerate makes for fp16 on CUDA (on CPU it makes none): torch's scaler, local overflow check
+trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=5)
+attach(trainer)
+scaler = trainer.accelerator.scaler
+assert isinstance(scaler, GradScaler) and scaler.get_scale() == 512.0, scaler
+assert scaler.get_growth_interval() == 5
+print("scaler replaced")
+"""
+
+
+def test_attach_replaces_accelerates_local_scaler(tmp_path):
+    script = tmp_path / "scaler.py"
+    script.write_text(textwrap.dedent(SCALER))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env=_env(), cwd=tmp_path)
+    assert run.returncode == 0 and "scaler replaced" in run.stdout, run.stderr[-3000:]
