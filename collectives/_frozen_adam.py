@@ -134,3 +134,27 @@ class FrozenAdam:
 
     def load(self, state: dict[str, Any]) -> None:
         self.denominators = {tuple(n): d for n, d in zip(state["names"], state["denominators"], strict=True)}
+
+
+def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
+    """``(d, c)`` of section 8.2: the frozen denominators and ``b1 / (1 - b1) * exp_avg`` of the
+    bucket's parameters (1 and 0 where a parameter has none); None, None if none has them."""
+    groups = {id(p): group for group in opt.param_groups for p in group["params"]}
+    grads = bucket.gradients()
+    found = []
+    for i, (p, name) in enumerate(zip(bucket.parameters(), layout, strict=True)):
+        group = groups.get(id(p))
+        terms = None if group is None else fa.terms(opt, p, name, group)
+        if terms is not None and terms[0].shape == grads[i].shape:
+            found.append((i, *terms))
+    if not found:
+        return None, None
+    d = torch.ones_like(bucket.buffer(), dtype=torch.float32)
+    c = torch.zeros_like(bucket.buffer())
+    offsets = [0]
+    for g in grads:
+        offsets.append(offsets[-1] + g.numel())
+    for i, di, ci in found:
+        d[offsets[i]:offsets[i + 1]].copy_(di.reshape(-1))
+        c[offsets[i]:offsets[i + 1]].copy_(ci.reshape(-1))
+    return d, c

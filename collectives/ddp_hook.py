@@ -36,11 +36,7 @@ bench/RESULTS.md "DDP hook".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
-import atexit
-import os
 import time
-import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -48,8 +44,9 @@ import torch.distributed as dist
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..optimizers._functional import sqrt_v_floors, stale_denominator
-from ._frozen_adam import FrozenAdam, is_adam_type
+from ._frozen_adam import FrozenAdam, frozen_terms, is_adam_type
 from ._group import warn_collective
+from ._unused import LIVE, rank_of
 from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, error_buffer_numel
 from .mesh import flat_group, hierarchy, is_mesh
@@ -116,7 +113,7 @@ class OnebitCompressHookState:
         # builds ddp_comm_state before fit creates the group): resolved at the hook's first call
         deferred = process_group is None and not (dist.is_available() and dist.is_initialized())
         self._world_size = None if deferred else check_group(process_group)
-        self._rank = None if deferred else _rank_of(process_group)
+        self._rank = None if deferred else rank_of(process_group)
         self.start_iter = check_int("start_iter", start_iter, low=1)
         self.block = check_block(block)
         self.iter = 0
@@ -130,7 +127,7 @@ class OnebitCompressHookState:
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
         self._warned_unused = False
-        _LIVE.add(self)
+        LIVE.add(self)
 
     @property
     def world_size(self) -> int:
@@ -142,7 +139,7 @@ class OnebitCompressHookState:
                     "onebit_compress_hook: called before torch.distributed.init_process_group; the "
                     "state resolves its default group at the hook's first call and found none")
             self._world_size = check_group(self.process_group)
-            self._rank = _rank_of(self.process_group)
+            self._rank = rank_of(self.process_group)
         return self._world_size
 
     @property
@@ -241,7 +238,7 @@ class OnebitCompressHookState:
         if "_world_size" not in self.__dict__:  # a state made by unpickling alone
             self._world_size = None
             self._rank = None
-            _LIVE.add(self)
+            LIVE.add(self)
         self.__dict__.setdefault("variance_floor", 0.1)
         self.__dict__.setdefault("_names", {})
         self.__dict__.setdefault("_naming", True)
@@ -349,31 +346,6 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     return d, c
 
 
-def _frozen_terms(state: OnebitCompressHookState, bucket: dist.GradBucket, layout):
-    """``(d, c)`` of section 8.2: the frozen denominators and ``b1 / (1 - b1) * exp_avg`` of the
-    bucket's parameters (1 and 0 where a parameter has none); None, None if none has them."""
-    opt, fa = state.optimizer, state._frozen_adam
-    groups = {id(p): group for group in opt.param_groups for p in group["params"]}
-    grads = bucket.gradients()
-    found = []
-    for i, (p, name) in enumerate(zip(bucket.parameters(), layout, strict=True)):
-        group = groups.get(id(p))
-        terms = None if group is None else fa.terms(opt, p, name, group)
-        if terms is not None and terms[0].shape == grads[i].shape:
-            found.append((i, *terms))
-    if not found:
-        return None, None
-    d = torch.ones_like(bucket.buffer(), dtype=torch.float32)
-    c = torch.zeros_like(bucket.buffer())
-    offsets = [0]
-    for g in grads:
-        offsets.append(offsets[-1] + g.numel())
-    for i, di, ci in found:
-        d[offsets[i]:offsets[i + 1]].copy_(di.reshape(-1))
-        c[offsets[i]:offsets[i + 1]].copy_(ci.reshape(-1))
-    return d, c
-
-
 def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, parts: list[int]):
     """Compress a bucket that holds several remembered buckets as those buckets: gather each
     one's gradients in its remembered order, compress with its own error buffers, scatter back."""
@@ -441,7 +413,7 @@ def onebit_compress_hook(state: OnebitCompressHookState,
             fa.freeze(state.optimizer, state._names)
         fa.add_local(buffer)
         fa.pending = True
-        d, c = _frozen_terms(state, bucket, layout)
+        d, c = frozen_terms(state.optimizer, fa, bucket, layout)
     else:
         d, c = _optimizer_terms(state, bucket)  # the same on every rank
     if c is not None:
@@ -472,31 +444,3 @@ def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer:
     with counting(state._timing):
         return compressed_allreduce(buffer, worker_error, server_error, state.compress_group, async_op=True,
                                     block=state.block)
-
-
-def _rank_of(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
-
-
-_LIVE: "weakref.WeakSet[OnebitCompressHookState]" = weakref.WeakSet()
-
-
-@atexit.register
-def say_never_called() -> None:
-    """At interpreter exit: if hook states are still alive whose hook never ran, say so once, on
-    their group's rank 0 (a framework may have dropped the hook without a word: Lightning's
-    ``DDPStrategy(ddp_comm_hook=...)`` registers nothing on CPU)."""
-    unused = [s for s in list(_LIVE) if s.iter == 0 and not s._warned_unused]
-    for state in unused:
-        state._warned_unused = True
-    ranks = [s._rank if s._rank is not None else int(os.environ.get("RANK", "0")) for s in unused]
-    if unused and 0 in ranks:
-        warnings.warn(
-            f"onebit: {len(unused)} OnebitCompressHookState(s) were built but onebit_compress_hook never "
-            "ran with them, so no gradient was compressed: register the state with "
-            "model.register_comm_hook(state, onebit_compress_hook) on the DistributedDataParallel model "
-            "(Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only: use onebit.integrations."
-            "lightning.OnebitCallback; the Hugging Face Trainer: onebit.integrations.transformers.attach)",
-            RuntimeWarning, stacklevel=1)
