@@ -71,7 +71,14 @@ class FrozenAdam:
         self._handles = []
 
     def _before(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
+        # without a closure the gradients exist now; with one (Lightning) backward has not run
+        # yet and prepare() is called after it, before the update (this rank's norm is stale)
+        if self.pending:
+            self.prepare(opt, names)
         self.local_sq = None
+
+    def prepare(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
+        """Set the optimizer's state for the update on this iteration's (clipped) gradients."""
         if not self.pending:
             return
         self.pending = False
@@ -96,6 +103,13 @@ class FrozenAdam:
         for p, grad in self._saved:
             p.grad.copy_(grad)
         self._saved = []
+        if self.pending:  # the gradients came from a closure inside step() and nobody prepared
+            self.pending = False
+            raise RuntimeError(
+                "optimizer.step(closure): onebit_compress_hook with freeze_step compressed this step's "
+                "gradients inside the closure, after the step's pre-hook, so the optimizer stepped with "
+                "its own variance; call state.prepare_step() at the end of the closure (after backward "
+                "and any clip). onebit.integrations.lightning.OnebitCallback does it for Lightning")
 
     # -- freezing --------------------------------------------------------------------------
     def freeze(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:

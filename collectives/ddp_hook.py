@@ -175,6 +175,15 @@ class OnebitCompressHookState:
         """Adam's full-precision iterations before its variance freezes (None: not in that mode)."""
         return None if self._frozen_adam is None else self._frozen_adam.freeze_step
 
+    def prepare_step(self) -> None:
+        """With ``freeze_step`` and ``optimizer.step(closure)``: call at the end of the closure,
+        after backward and any clip, so that the optimizer's state is set before its update
+        (without a closure the optimizer's step pre-hook does it; Lightning's OnebitCallback
+        calls this). Does nothing otherwise."""
+        fa = self._frozen_adam
+        if fa is not None and self.optimizer is not None:
+            fa.prepare(self.optimizer, self._names)
+
     def _first_compressed(self) -> int:
         return self.start_iter if self._frozen_adam is None else self._frozen_adam.freeze_step
 

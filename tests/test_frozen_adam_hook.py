@@ -113,3 +113,37 @@ def test_freeze_step_refuses_what_it_cannot_do():
     saved = OnebitCompressHookState(optimizer=torch.optim.AdamW(model.parameters()), freeze_step=5)
     with pytest.raises(ValueError, match="freeze_step=5"):
         OnebitCompressHookState().__setstate__(saved.__getstate__())
+
+
+def _body_closure(steps, prepare):
+    r = dist.get_rank()
+    model = DDP(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=16)
+    model.register_comm_hook(state, onebit_compress_hook)
+    for t in range(steps):
+        x, y = _batch(t, r)
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if prepare:
+                state.prepare_step()  # as Lightning's OnebitCallback does, after backward
+            return loss
+
+        try:
+            opt.step(closure)
+        except RuntimeError as e:
+            return t, str(e)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
+    plain = ranks(2).run(_body, 8, True)
+    got = ranks(2).run(_body_closure, 8, True)
+    for r in range(2):
+        for a, b in zip(got[r], plain[r][0][-1]["params"], strict=True):
+            assert torch.equal(a, b), f"rank {r}: the closure run differs"
+    failed = ranks(2).run(_body_closure, 8, False)
+    assert failed[0][0] == F and "state.prepare_step()" in failed[0][1], failed[0]

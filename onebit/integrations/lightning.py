@@ -87,10 +87,13 @@ class OnebitCallback(pl.Callback):
             trainer.gradient_clip_val, self.gradient_clip_val = self.gradient_clip_val, None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        # after backward and the scaler's unscale_, where Lightning would clip next
+        # inside optimizer.step(closure), after backward and the scaler's unscale_, where
+        # Lightning would clip next and before the optimizer's update
         if self.gradient_clip_val is not None:
             norm = self.session.clip(float(self.gradient_clip_val))
             pl_module.log("grad_norm", norm.float(), on_step=True, on_epoch=False, rank_zero_only=True)
+        if self.session.hook_state is not None:
+            self.session.hook_state.prepare_step()  # freeze_step: the state for this update
 
     # -- checkpoints -------------------------------------------------------------------------
     def _directory(self, trainer) -> str:
