@@ -151,14 +151,7 @@ def load_latest(
     step = _newest_common(have, group, W)
     if step is None:
         return None
-    path = checkpoint_path(directory, step, rank)
-    payload = load(path, map_location=map_location)
-    if (payload["rank"], payload["world_size"], payload["step"]) != (rank, W, step):
-        raise CheckpointError(
-            f"path: {path!r} was written by rank {payload['rank']} of {payload['world_size']} at step "
-            f"{payload['step']}; this is rank {rank} of {W} loading step {step}"
-        )
-    return step, payload["state"]
+    return step, _load_own(directory, step, rank, W, map_location)
 
 
 def load_step(
@@ -179,6 +172,11 @@ def load_step(
         have = int(t[0])
     if not have:
         return None
+    return _load_own(directory, step, rank, W, map_location)
+
+
+def _load_own(directory, step: int, rank: int, W: int, map_location: Any) -> dict[str, Any]:
+    """This rank's state for ``step``; CheckpointError if another rank or world size wrote it."""
     path = checkpoint_path(directory, step, rank)
     payload = load(path, map_location=map_location)
     if (payload["rank"], payload["world_size"], payload["step"]) != (rank, W, step):

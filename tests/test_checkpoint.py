@@ -121,3 +121,19 @@ def _body_empty(directory):
 def test_no_common_step_gives_none_on_every_rank(ranks, tmp_path):
     save({"x": 1}, tmp_path, 1)  # single-process file: rank 0 only
     assert ranks(3).run(_body_empty, str(tmp_path)) == [None, None, None]
+
+
+def _body_step(directory, lagging_rank):
+    r = dist.get_rank()
+    for step in (3, 6):
+        if not (step == 6 and r == lagging_rank):
+            save({"rank": r, "step": step}, directory, step, keep=3)
+    return [checkpoint.load_step(directory, s) for s in (3, 6, 9)]
+
+
+def test_load_step_loads_a_named_step_only_where_every_rank_has_it(ranks, tmp_path):
+    # a framework resuming from checkpoint-3 while step 6 is on disk too (load_latest would take 6)
+    got = ranks(3).run(_body_step, str(tmp_path), -1)
+    assert got == [[{"rank": r, "step": 3}, {"rank": r, "step": 6}, None] for r in range(3)]
+    got = ranks(3).run(_body_step, str(tmp_path / "lag"), 1)  # rank 1 never wrote step 6
+    assert got == [[{"rank": r, "step": 3}, None, None] for r in range(3)]
