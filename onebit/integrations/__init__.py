@@ -26,12 +26,17 @@ def attach(model: Any, optimizer: Any, **hook_options: Any) -> Session:
     ``model, opt = fabric.setup(model, opt)`` (Lightning Fabric), or a plain DDP model.
 
     Registers the DDP hook that fits the optimizer (see :class:`Session`) and returns the
-    session. In the loop, clip with ``session.clip(max_norm)`` in place of the framework's
-    ``clip_grad_norm_``/``clip_gradients`` (with a 1-bit optimizer the framework's clip sees
-    each rank's own gradients); checkpoint with ``session.save(directory, step)`` on every rank
-    beside the framework's own checkpoint, and ``session.load([directory], step)`` on resume,
-    after the framework restored the optimizer. fp16: give Accelerate onebit's GradScaler before
-    ``prepare`` (``accelerator.scaler = onebit.optimizers.GradScaler("cuda")``)."""
+    session. For an Adam-type torch optimizer pass ``freeze_step`` (about a quarter of your
+    run: 1-bit Adam's recipe, docs/ALGORITHMS.md 8.2); without it the hook compresses Adam's
+    preconditioned gradient, 5-8% behind plain DDP on the demo's LM.
+
+    In the loop, clip with ``session.clip(max_norm)`` in place of the framework's
+    ``clip_grad_norm_`` / ``clip_gradients``: with a 1-bit optimizer the framework's clip sees
+    each rank's own gradients, after ``freeze_step`` the momentum's 1-bit noise. Checkpoint
+    with ``session.save(directory, step)`` on every rank beside the framework's own
+    checkpoint, and ``session.load([directory], step)`` on resume, after the framework
+    restored the optimizer. fp16: give Accelerate onebit's GradScaler before ``prepare``
+    (``accelerator.scaler = onebit.optimizers.GradScaler("cuda")``)."""
     session = Session(hook_options)
     session.setup(model, optimizer)
     return session

@@ -58,9 +58,8 @@ def find_ddp(model: Any) -> DistributedDataParallel | None:
 class Session:
     """One training run's onebit wiring: the hook, the clip and the per-rank state.
 
-    ``clip(max_norm)`` clips by the norm every rank agrees on (a 1-bit optimizer on several
-    ranks; otherwise the gradients are the same on every rank and torch's clip is already
-    agreed), ``save(directory, step)`` writes this rank's onebit state (not a collective),
+    ``clip(max_norm)`` clips by the norm every rank agrees on (see :meth:`clip`),
+    ``save(directory, step)`` writes this rank's onebit state (not a collective),
     ``load([directory], step)`` restores it on every rank (a collective), ``hook_state`` is the
     compression hook's state (a torch optimizer) and ``optimizer`` the unwrapped optimizer."""
 
@@ -125,8 +124,9 @@ class Session:
 
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients by a norm every rank agrees on and return it: a 1-bit
-        optimizer's ``clip_grad_norm_``; torch's ``clip_grad_norm_`` for a torch optimizer, whose
-        gradients the hook left the same on every rank."""
+        optimizer's ``clip_grad_norm_``; with the compression hook, the hook state's (torch's on
+        the averaged gradient, the same on every rank, or after ``freeze_step`` the ranks' agreed
+        gradient norm)."""
         opt = self.onebit_optimizer
         if opt is not None:
             return opt.clip_grad_norm_(max_norm, norm_type)
