@@ -153,6 +153,8 @@ def main() -> None:
                    "compresses g / d in Adam's preconditioned space, SGD compresses its momentum")
     p.add_argument("--freeze-step", type=int, default=0, help="AdamW: OnebitCompressHookState("
                    "freeze_step=N), 1-bit Adam's recipe behind the hook (docs/ALGORITHMS.md 8.2); 0: off")
+    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[lr for o, lr in PAIRS if o == "adamw"],
+                   help="AdamW's learning rates (default: the demo's 2e-3)")
     p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.1, 0.03],
                    help="SGD learning rates (plain DDP on the LM trains best at 0.5 of 0.03-1.0)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -170,7 +172,7 @@ def main() -> None:
     if args.out is None:
         args.out = os.path.join(HERE, "out", "ddp_hook" + ("" if args.task == "lm" else f"-{args.task}"))
     os.makedirs(args.out, exist_ok=True)
-    pairs = [(o, lr) for o, lr in PAIRS if o in args.optimizers and o != "sgd"]
+    pairs = [("adamw", lr) for lr in args.adamw_lrs] if "adamw" in args.optimizers else []
     pairs = [("sgd", lr) for lr in args.sgd_lrs if "sgd" in args.optimizers] + pairs
     logs = {}
     for seed in args.seeds:
