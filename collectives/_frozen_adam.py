@@ -128,18 +128,18 @@ class FrozenAdam:
 
     def add_local(self, buffer: torch.Tensor) -> None:
         """Count a bucket of this rank's own gradient into this iteration's squared norm."""
-        sq = buffer.detach().double().square().sum()
+        sq = torch.linalg.vector_norm(buffer.detach(), dtype=torch.float64).square()  # no float64 copy
         self.local_sq = sq if self.local_sq is None else self.local_sq + sq
 
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
-        """``(d, c)`` of one parameter in a compressed iteration: the frozen denominator and
-        ``b1 / (1 - b1) * exp_avg``; None where the parameter has neither."""
+        """``(d, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: the frozen
+        denominator, ``exp_avg`` and the factor of ``c``; None where the parameter has neither."""
         d = self.denominators.get(name)
         entry = opt.state.get(p)
         if d is None or not entry or "exp_avg" not in entry:
             return None
         b1 = group["betas"][0]
-        return d, entry["exp_avg"].detach() * (b1 / (1.0 - b1))
+        return d, entry["exp_avg"].detach(), b1 / (1.0 - b1)
 
     # -- checkpoint ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())
-    for i, di, ci in found:
-        d[offsets[i]:offsets[i + 1]].copy_(di.reshape(-1))
-        c[offsets[i]:offsets[i + 1]].copy_(ci.reshape(-1))
+    for i, di, mi, factor in found:  # written in place: no per-parameter temporaries
+        d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
+        torch.mul(mi, factor, out=c[offsets[i]:offsets[i + 1]].view_as(mi))
     return d, c
