@@ -35,7 +35,8 @@ from .collectives._failure import guard
 from .collectives._group import comm_device, group_size
 from .kernels._checks import check_instance, check_int
 
-__all__ = ["CheckpointError", "checkpoint_path", "load", "load_latest", "load_step", "save", "steps_on_disk"]
+__all__ = ["CheckpointError", "RankState", "checkpoint_path", "load", "load_latest", "load_step", "save",
+           "steps_on_disk"]
 
 _STEP = re.compile(r"^step(\d{9})$")
 _FORMAT = 1
@@ -206,3 +207,56 @@ def _newest_common(have: list[int], group, W: int) -> int | None:
         if int(t[0]):
             return step
         candidate = max((s for s in have if s < step), default=-1)
+
+
+class RankState:
+    """Each rank's own onebit state in a ``torch.distributed.checkpoint`` (DCP) checkpoint.
+
+    DCP writes a tensor that every rank holds under the same key once (it counts as replicated),
+    and torch's ``get_optimizer_state_dict`` keeps only ``state`` and ``param_groups``: both
+    lose the per-rank error-feedback buffers and counters. ``RankState(opt, hooks, ...)`` is a
+    DCP ``Stateful`` that files them under a key of this rank's own (``rank00003``), so every
+    rank writes and reads its own. Objects: 1-bit optimizers (their ``rank_state()``), hooks and
+    hook states (their ``state_dict()``), or a dict of them (``register_fsdp_hooks``'s)::
+
+        state = {"model": model_sd, "optim": optim_sd, "onebit": onebit.checkpoint.RankState(opt)}
+        dcp.save(state, checkpoint_id=path)      # and dcp.load(state, checkpoint_id=path), then
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    Loading applies the state at once; an optimizer loaded afterwards from a state without its
+    ``"onebit"`` entry (``set_state_dict``) keeps it. Resuming needs the same world size and mesh.
+    """
+
+    def __init__(self, *objects: Any) -> None:
+        if not objects:
+            raise ValueError("objects: expected at least one optimizer, hook or dict of hooks")
+        self.objects = objects
+
+    def _named(self) -> list[tuple[str, Any]]:
+        out = []
+        for i, obj in enumerate(self.objects):
+            items = obj.items() if isinstance(obj, dict) else [("", obj)]
+            for name, item in items:
+                if not (hasattr(item, "rank_state") or hasattr(item, "state_dict")):
+                    raise TypeError(f"objects: {type(item).__name__} has neither rank_state() nor state_dict()")
+                out.append((f"{i}.{name}" if name else str(i), item))
+        return out
+
+    @staticmethod
+    def _key() -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0:05d}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self._key(): {name: item.rank_state() if hasattr(item, "rank_state") else item.state_dict()
+                              for name, item in self._named()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        mine = state_dict.get(self._key())
+        if mine is None:
+            raise CheckpointError(f"state_dict: no entry {self._key()!r} (the checkpoint holds "
+                                  f"{sorted(state_dict)}); resume at the world size that saved it")
+        for name, item in self._named():
+            if hasattr(item, "load_rank_state"):
+                item.load_rank_state(mine[name])
+            else:
+                item.load_state_dict(mine[name])

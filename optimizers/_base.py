@@ -34,6 +34,7 @@ from ._clip import clip_grads_
 from ._freeze import DEFAULT_FREEZE, FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
 from ._overlap import BackwardOverlap
+from ._sharded import Sharding, local_params, to_local
 
 
 def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
@@ -83,6 +84,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
     COUNTERS: tuple[str, ...] = ()
     FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
     UPDATE_CLIP: float | None = UPDATE_CLIP  # update_clip's default with compression="preconditioned"
+    SHARDED = False  # supports DTensor (FSDP2/HSDP) parameters (optimizers/_sharded.py)
 
     def __init__(
         self, params, defaults: dict[str, Any], *, group, bucket_cap_mb: float,
@@ -115,6 +117,14 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self._foreign_state = False  # a loaded state came from another rank: said at the next step
         super().__init__(params, defaults)
         self.process_group = group
+        # DTensor parameters (HSDP): compress across the mesh's replicate dimension, agree over
+        # all its ranks (the control group); FSDP averages the warm-up's gradients itself
+        self._sharding = Sharding.detect(self.param_groups, group, type(self).__name__, self.SHARDED)
+        self.control_group = group
+        if self._sharding is not None:
+            self.process_group, self.world_size = self._sharding.replicate_group, self._sharding.replicas
+            self.control_group = self._sharding.control_group
+            self._sharding.adopt([p for g in self.param_groups for p in g["params"]])
         self.skipped_steps = 0  # steps skipped for non-finite gradients (saved with the state)
         self._grads_verified = False  # set by onebit's GradScaler around the step it lets through
         self._reducer: BucketedReducer | None = None
@@ -122,7 +132,9 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.traffic = Traffic()
         self._last_seconds: tuple[int, dict[str, float]] = (0, {})  # updates, seconds at the last stats()
         self._pending: dict[str, Any] | None = None
-        self.external_averaging = False  # set by register_ddp_hook: DDP averages when asked
+        self._rank_state_loaded: dict[str, Any] | None = None  # load_rank_state's, for the next load
+        # set by register_ddp_hook: DDP averages when asked; FSDP does for DTensor parameters
+        self.external_averaging = self._sharding is not None
         self._overlap: BackwardOverlap | None = None  # set by subclasses that offer overlap=True
         self._overlapped = False  # this step's compressed all-reduces ran from backward
         self.register_state_dict_post_hook(OnebitOptimizerBase._add_extra_state)
@@ -184,6 +196,29 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
         Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
+        with local_params(self):  # DTensor parameters: the maths runs on the local slices
+            self._step(check)
+        if self._sharding is not None:  # FSDP all-reduces across replicas only when asked
+            self._sharding.reduction.full(self.wants_averaged_gradients())
+        return loss
+
+    def _state_initialisation(self) -> bool:
+        """torch.distributed.checkpoint's ``_init_optim_state`` (and torchtitan's checkpoint) builds an
+        optimizer's state with one ``step()`` at lr 0 on zero gradients before the first real one:
+        recognised here, it builds the state and counts no update."""
+        if self.state or getattr(self, "updates", 0) or self.skipped_steps:
+            return False
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        if any(g.get("lr", 0.0) != 0 for g in self.param_groups) or not params:
+            return False
+        if any(p.grad is None or bool(p.grad.any()) for p, _ in params):
+            return False
+        self.reducer()
+        return True
+
+    def _step(self, check: bool) -> None:
+        if self._state_initialisation():
+            return
         if not self._ddp_checked:
             self._ddp_checked = True
             if self.world_size > 1 and not self.external_averaging:
@@ -197,8 +232,11 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             if check:
                 self.verify_ranks()
             if self._gradients_usable():
+                averaged = self._sharding is not None and self.wants_averaged_gradients()
                 self._take_step()
-            return loss
+                if averaged:
+                    self._count_fsdp_all_reduce()
+            return
         try:  # overlap=True: finish the collectives backward started, then agree and update
             if self._grads_verified:
                 raise ValueError("overlap: the compressed all-reduces started in backward, before GradScaler "
@@ -218,11 +256,22 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         finally:
             self._overlapped = False
             overlap.done()
-        return loss
+
+    def _count_fsdp_all_reduce(self) -> None:
+        """Count the full-precision all-reduce across replicas that FSDP made for this step's
+        gradients (each parameter's slice padded to FSDP's equal row blocks), as the DDP hook counts
+        DDP's."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p, numel in zip(params, self._sharding.padded_numels, strict=True):
+            if p.grad is not None:
+                self.count_sent(numel, p.grad.element_size())
 
     def _enable_overlap(self, wanted, fill) -> None:
         """``overlap=True``: launch the compressed buckets from backward (see ``_overlap``).
         ``fill(k, p, group, view)`` writes compressed parameter k's contribution into its view."""
+        if self._sharding is not None:
+            raise ValueError("overlap: not with DTensor (FSDP2/HSDP) parameters, whose gradients FSDP hands "
+                             "over after backward; use overlap=False")
         pairs, views = self.compressed_params(), self.reducer().views
 
         def fill_one(k: int) -> None:
@@ -305,7 +354,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 self._say_foreign_state(None)
             return True
         ok = self._local_gradients_finite()
-        if self.world_size == 1:
+        control, size = self.control_group, self._control_size()
+        if size == 1:
             bad = [] if ok else [0]
             if foreign:
                 self._say_foreign_state(1)
@@ -314,7 +364,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             # W elements or an all-gather); only when some rank is bad, a second one names them.
             # Bits 32 and up count the ranks that loaded another rank's state since their last
             # step (said once for the group, on rank 0).
-            device, group = comm_device(self.process_group), self.process_group
+            device, group = comm_device(control), control
             count = torch.tensor([(0 if ok else 1) + (int(foreign) << 32)], dtype=torch.int64, device=device)
             with CallTimer(device, self.traffic).stage("control"), guard("non-finite gradient check", group):
                 dist.all_reduce(count, group=group)
@@ -324,12 +374,12 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 self._say_foreign_state(total >> 32)
             bad = []
             if total & 0xFFFFFFFF:
-                flags = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+                flags = torch.zeros(size, dtype=torch.int64, device=device)
                 flags[dist.get_rank(group)] = 0 if ok else 1
                 timer = CallTimer(device, self.traffic)
                 with timer.stage("control"), guard("non-finite gradient check", group):
                     dist.all_reduce(flags, group=group)
-                self.count_sent(self.world_size, 8, control=True)
+                self.count_sent(size, 8, control=True)
                 bad = flags.nonzero().flatten().tolist()
         if not bad:
             return True
@@ -338,7 +388,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if self.nonfinite == "raise":
             raise FloatingPointError(f"step: {what}; no parameter or state was changed on any rank")
         self.skipped_steps += 1
-        warn_collective(f"onebit: step skipped on every rank: {what}", RuntimeWarning, self.process_group)
+        warn_collective(f"onebit: step skipped on every rank: {what}", RuntimeWarning, control)
         return False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -350,9 +400,11 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         times it where minibatch noise dominates); every rank scales by ``min(1, max_norm /
         (norm + 1e-6))``. One float64 all-reduce (counted in ``stats()['bytes_control']``);
         returns the norm (float64, bitwise the same on every rank). See docs/migrating.md."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        norm = clip_grads_(params, max_norm, norm_type, self.process_group)
-        if self.world_size > 1:
+        with local_params(self):
+            params = [p for g in self.param_groups for p in g["params"]]
+            # DTensor parameters: every replica's norm sums its slices over the shard ranks
+            norm = clip_grads_(params, max_norm, norm_type, self.control_group, replicas=self.world_size)
+        if self._control_size() > 1:
             self.count_sent(1, 8, control=True)
         return norm
 
@@ -374,7 +426,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if ranks is None:
             warn_user(message, RuntimeWarning)
         else:
-            warn_collective(message, RuntimeWarning, self.process_group)
+            warn_collective(message, RuntimeWarning, self.control_group)
 
     def _communicate_average(self) -> bool:
         """Average in step() unless a DDP hook already did it for this step."""
@@ -417,7 +469,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                     f"{self.auto_mask:g} x their tensor's mean (they had (almost) no gradient: "
                     f"always-zero features, dead units, unused embedding rows); Adam gives them "
                     f"(almost) no update either. opt.stats() counts them; auto_mask=None restores "
-                    f"the reference's behaviour", RuntimeWarning, self.process_group,
+                    f"the reference's behaviour", RuntimeWarning, self.control_group,
                 )
         return self._masks
 
@@ -488,7 +540,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         self.schedule.observe(
             self.updates,
             [self.state[p][self.VARIANCE_STATE] for p, _ in self.compressed_params()],
-            self.process_group,
+            self.control_group,
             self,
         )
 
@@ -537,7 +589,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         # the reference's default freeze is what keeps this run from compressing
         if default and left and left == schedule.steps_left(self.updates) and not self._default_warned:
             self._default_warned = True
-            warn_collective(self._not_compressed_message(), RuntimeWarning, self.process_group)
+            warn_collective(self._not_compressed_message(), RuntimeWarning, self.control_group)
         return out
 
     def _seconds(self) -> dict[str, float]:
@@ -582,19 +634,23 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
 
     def reducer(self) -> BucketedReducer:
         if self._reducer is None:
-            params = [p for p, _ in self.compressed_params()]
-            devices = {p.device for p in params}
-            if len(devices) > 1:
-                names = sorted(map(str, devices))
-                raise ValueError(f"params: expected all parameters on one device, got {names}")
-            device = devices.pop() if devices else torch.device("cpu")
-            self._reducer = BucketedReducer(
-                [p.shape for p in params], device, group=self.process_group, mesh=self._mesh,
-                bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
-                traffic=self.traffic,
-            )
-            self._bind_state()
+            with local_params(self):
+                self._build_reducer()
         return self._reducer
+
+    def _build_reducer(self) -> None:
+        params = [p for p, _ in self.compressed_params()]
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            names = sorted(map(str, devices))
+            raise ValueError(f"params: expected all parameters on one device, got {names}")
+        device = devices.pop() if devices else torch.device("cpu")
+        self._reducer = BucketedReducer(
+            [p.shape for p in params], device, group=self.process_group, mesh=self._mesh,
+            bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
+            traffic=self.traffic,
+        )
+        self._bind_state()
 
     def _bind_state(self) -> None:
         """Point every compressed parameter's flat state at its view of the reducer's buckets and
@@ -604,6 +660,10 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         round trip calls before the first step) would otherwise keep buckets nobody reads."""
         reducer = self._reducer
         assert reducer is not None
+        with local_params(self):
+            self._bind_views(reducer)
+
+    def _bind_views(self, reducer: BucketedReducer) -> None:
         (flat_name,) = self.FLAT_STATE  # one compressed quantity per parameter
         for k, (p, _) in enumerate(self.compressed_params()):
             state = self.state[p]
@@ -626,13 +686,19 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
 
     # -- state_dict -----------------------------------------------------------------
     def _rank(self) -> int:
-        if self.world_size == 1 or not dist.is_initialized():
+        if self._control_size() == 1 or not dist.is_initialized():
             return 0
-        return dist.get_rank(self.process_group)
+        return dist.get_rank(self.control_group)
+
+    def _control_size(self) -> int:
+        """Ranks that agree on every step: the group's, or all the mesh's with DTensor parameters."""
+        return self.world_size if self._sharding is None else dist.get_world_size(self.control_group)
 
     def _mesh_shape(self) -> list[int] | None:
         """[nodes, ranks per node] on a 2-D mesh (the error buffers' layout), else None."""
-        h = self.hierarchy
+        h, sharding = self.hierarchy, self._sharding
+        if sharding is not None:  # HSDP: [replicas, shards]
+            return [sharding.replicas, sharding.shards]
         return None if h is None else [h.nodes, h.per_node]
 
     def _add_extra_state(self, state_dict: dict) -> dict:
@@ -649,6 +715,15 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
             "counters": {name: getattr(self, name) for name in self.COUNTERS + ("skipped_steps",)},
             "traffic": self.traffic.state(),
         }
+        sharding = self._sharding
+        if sharding is not None:  # DTensor parameters: their state as DTensors (what DCP saves per slice)
+            params = [p for g in self.param_groups for p in g["params"]]
+            for key, entry in list(state_dict["state"].items()):
+                entry = state_dict["state"][key] = dict(entry)  # torch's entry is self.state's own dict
+                for name in self.FLAT_STATE + self.DENSE_STATE:
+                    if name in entry:  # bucket views cloned: torch.save fails on DTensors over views
+                        local = entry[name].clone() if name in self.FLAT_STATE else entry[name]
+                        entry[name] = sharding.wrap(local, params[key])
         return state_dict
 
     def _stash_loaded_state(self, state_dict: dict) -> dict:
@@ -658,10 +733,12 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         masks = [g.get("exp_avg_mask") for g in self.param_groups]
         tensors = {}
         new_state = {}
+        # keys are the saved param_groups' ids: positions, or names (torch's DCP helpers use FQNs)
+        position = {key: i for i, key in enumerate(k for g in state_dict["param_groups"] for k in g["params"])}
         for key, entry in state_dict["state"].items():
             entry = dict(entry)
             names = self.FLAT_STATE + self.DENSE_STATE + tuple(self.SCALAR_STATE)
-            tensors[key] = {n: entry.pop(n) for n in names if n in entry}
+            tensors[position[key]] = {n: to_local(entry.pop(n)) for n in names if n in entry}
             new_state[key] = entry
         state_dict["state"] = new_state
         self._pending = {"extra": extra, "tensors": tensors, "masks": masks}
@@ -686,6 +763,25 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                     dtype = torch.float64 if name in self.SCALAR_STATE else torch.float32
                     state[name] = value.to(device=p.device, dtype=dtype).clone()
         extra = pending["extra"]
+        if extra is None:  # DCP's optimizer state keeps no "onebit" entry: RankState brought this rank's
+            extra = self._rank_state_loaded
+        self._rank_state_loaded = None
+        self._apply_rank_state(extra)
+
+    def rank_state(self) -> dict:
+        """This rank's own part of the state (error buffers, bucket layout, counters): the
+        ``"onebit"`` entry of ``state_dict()``, which torch's and torchtitan's DCP helpers drop.
+        :class:`onebit.checkpoint.RankState` saves it in a DCP checkpoint."""
+        return self._add_extra_state({"state": {}})["onebit"]
+
+    def load_rank_state(self, extra: dict) -> None:
+        """Restore :meth:`rank_state` now, and again at the next ``load_state_dict`` whose state
+        has no ``"onebit"`` entry (torch's ``set_optimizer_state_dict`` loads one after DCP)."""
+        self._apply_rank_state(extra)
+        self._rank_state_loaded = extra
+
+    def _apply_rank_state(self, extra: dict | None) -> None:
+        reducer = self.reducer()
         same = (
             extra is not None
             and extra.get("rank") == self._rank()
@@ -714,6 +810,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
                 setattr(self, name, value)
             self.traffic = Traffic(**extra.get("traffic", {}))
             reducer.traffic = self.traffic
+        if self._sharding is not None:  # the loaded counters decide FSDP's next reduction
+            self._sharding.reduction.full(self.wants_averaged_gradients())
 
 
 TIMED = ("codec", "comm", "full", "control")  # stats()'s seconds_* and ms_per_step_* (see telemetry)

@@ -41,6 +41,7 @@ class OnebitAdam(WarmupThenCompress):
     FLAT_STATE = ("exp_avg",)
     DENSE_STATE = ("exp_avg_sq",)
     COUNTERS = ("updates", "freeze_state")
+    SHARDED = True  # DTensor parameters (HSDP): optimizers/_sharded.py
 
     def __init__(
         self,

@@ -161,3 +161,64 @@ def block_inputs(W: int, n: int, N: int, seed: int, kind: str):
     we = [torch.randn(N, generator=g) * 0.1 for _ in range(W)]
     se = [torch.randn(N // W, generator=g) * 0.1 for _ in range(W)]
     return xs, we, se
+
+
+class WireCounter:
+    """Bytes this rank sends over ``group``, counted from outside onebit: torch.distributed's
+    collectives are wrapped while the context is open (FSDP's and onebit's calls alike), each
+    call's bytes by the ring algorithm's count (all-reduce 2(G-1)/G of the tensor, all-to-all and
+    reduce-scatter (G-1)/G of the input, all-gather G-1 times the input). ``bytes`` sums them;
+    ``calls`` counts them by collective."""
+
+    NAMES = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor",
+             "all_gather_single", "all_gather")
+
+    def __init__(self, group) -> None:
+        self.group, self.bytes, self.calls = group, 0, {}
+
+    def _count(self, name, args, kwargs) -> None:
+        group = kwargs.get("group")
+        if group is not self.group:
+            return
+        G = dist.get_world_size(group)
+        if name == "all_gather":
+            t = args[1] if len(args) > 1 else kwargs["tensor"]
+            sent = (G - 1) * t.nelement() * t.element_size()
+        else:
+            t = args[-1] if name != "all_reduce" else args[0]
+            if name == "all_to_all_single" or name == "reduce_scatter_tensor":
+                t = args[1]
+            n = t.nelement() * t.element_size()
+            sent = {"all_reduce": 2 * (G - 1) * n // G, "all_to_all_single": (G - 1) * n // G,
+                    "reduce_scatter_tensor": (G - 1) * n // G}.get(name, (G - 1) * n)
+        self.bytes += sent
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def __enter__(self):
+        import onebit.collectives._group as onebit_group
+
+        self._saved = {}
+        for name in self.NAMES:
+            real = getattr(dist, name, None)
+            if real is None:
+                continue
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                self._count(_name, args, kwargs)
+                return _real(*args, **kwargs)
+
+            self._saved[(dist, name)] = real
+            setattr(dist, name, counted)
+        real = onebit_group._all_gather
+        self._saved[(onebit_group, "_all_gather")] = real
+
+        def gathered(*args, **kwargs):
+            self._count("all_gather_into_tensor", args, kwargs)
+            return real(*args, **kwargs)
+
+        onebit_group._all_gather = gathered
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (module, name), real in self._saved.items():
+            setattr(module, name, real)

@@ -1,0 +1,97 @@
+"""FSDP2's own all-reduce across HSDP replicas, switched off while onebit compresses instead.
+
+On a 2-D mesh ``("replicate", "shard")`` FSDP2 reduce-scatters every gradient inside the shard
+group, then all-reduces the shard across the replicas in full precision (torch 2.13,
+``_fsdp_collectives.foreach_reduce``), then hands it to ``.grad``. That all-reduce is the
+traffic over the slow links, and the one a 1-bit optimizer or hook replaces. torch offers no
+public switch that skips it and still hands the shard over: ``set_requires_all_reduce(False)``
+keeps the shard back for a later all-reduce (gradient accumulation), so ``.grad`` never sees it.
+
+:class:`ReplicaReduction` therefore swaps, per FSDP parameter group, the replicate process group
+that FSDP all-reduces over (``FSDPParamGroup.mesh_info.replicate_process_group``) for a group of
+this rank alone, and back. An all-reduce over one rank sends nothing, and FSDP's averaging
+factor (shard size x replicate group size) then counts the shard group only: ``.grad`` holds
+the replica's own mean gradient, which is what the optimizer or hook compresses. Everything
+else FSDP does (all-gathers, reduce-scatters inside the replica, mixed precision, resharding)
+is untouched. The attribute is a torch internal: :func:`fsdp_param_groups` checks that it is
+there and says which torch it was written for when it is not.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ReplicaReduction", "fsdp_modules_of", "fsdp_param_groups", "solo_group"]
+
+_SOLO: dict[int, dist.ProcessGroup] = {}
+
+
+def solo_group() -> dist.ProcessGroup:
+    """A process group of this rank alone (made once per process; only this rank takes part, and
+    its hashed name leaves torch's group counter, which names the shared groups, unchanged)."""
+    rank = dist.get_rank()
+    found = _SOLO.get(rank)
+    if found is None:
+        found = _SOLO[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return found
+
+
+def fsdp_modules_of(params) -> list[torch.nn.Module]:
+    """The FSDP2 modules (``fully_shard`` applied) that manage any of ``params`` (found among
+    the garbage collector's objects once: a fraction of a second)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ids = {id(p) for p in params}
+    found = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), FSDPModule):
+            group = _param_group(obj)
+            if group is not None and any(id(fp.sharded_param) in ids for fp in group.fsdp_params):
+                found.append(obj)
+    return found
+
+
+def _param_group(module):
+    state = module._get_fsdp_state()
+    return getattr(state, "_fsdp_param_group", None)
+
+
+def fsdp_param_groups(modules) -> list:
+    """The FSDP parameter groups of ``modules`` (those that manage parameters); ValueError when
+    this torch's FSDP2 lacks the internals :class:`ReplicaReduction` switches."""
+    groups = [g for g in (_param_group(m) for m in modules) if g is not None]
+    for g in groups:
+        info = getattr(g, "mesh_info", None)
+        if info is None or not hasattr(info, "shard_process_group"):
+            raise ValueError(
+                f"model: this torch ({torch.__version__}) has no FSDPParamGroup.mesh_info with a shard "
+                "group; onebit's FSDP2 support was written against torch 2.13's internals")
+    return groups
+
+
+def is_hsdp(group) -> bool:
+    """Whether FSDP all-reduces this parameter group's shards across replicas itself."""
+    return hasattr(group.mesh_info, "replicate_process_group")
+
+
+class ReplicaReduction:
+    """``full(True)``: FSDP all-reduces across replicas as it was built to; ``full(False)``: it
+    does not, and ``.grad`` holds each replica's own mean (module docstring). Only HSDP
+    parameter groups are touched; the setting applies from the next backward on."""
+
+    def __init__(self, modules) -> None:
+        self.infos = [g.mesh_info for g in fsdp_param_groups(modules) if is_hsdp(g)]
+        self.original = [info.replicate_process_group for info in self.infos]
+        self.replicas = {dist.get_world_size(pg) for pg in self.original}
+        self.is_full = True
+
+    def full(self, on: bool) -> None:
+        if bool(on) == self.is_full:
+            return
+        solo = None if on else solo_group()
+        for info, original in zip(self.infos, self.original, strict=True):
+            info.replicate_process_group = original if on else solo
+        self.is_full = bool(on)
