@@ -9,14 +9,14 @@ from ._deprecated import OnebitHookState, onebit_hook
 from ._failure import CollectiveError
 from .allreduce import compressed_allreduce, error_buffers
 from .ddp_hook import OnebitCompressHookState, onebit_compress_hook
-from .fsdp_hook import OnebitAllReduceHook, register_fsdp_hooks
+from .fsdp_hook import FSDPHooks, OnebitAllReduceHook, register_fsdp_hooks
 from .local import local_compressed_allreduce
 from .mesh import node_mesh
 from .replicas import ReplicaMismatchError, fingerprints, verify_replicas
 from .wire import compressed_bytes, ring_allreduce_bytes, traffic
 
 __all__ = [
-    "CollectiveError", "OnebitAllReduceHook", "OnebitCompressHookState", "ReplicaMismatchError",
+    "CollectiveError", "FSDPHooks", "OnebitAllReduceHook", "OnebitCompressHookState", "ReplicaMismatchError",
     "compressed_allreduce", "compressed_bytes", "error_buffers", "fingerprints",
     "local_compressed_allreduce", "node_mesh", "onebit_compress_hook", "padded_numel", "register_fsdp_hooks",
     "ring_allreduce_bytes", "traffic", "verify_replicas",

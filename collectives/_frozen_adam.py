@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..optimizers._functional import sqrt_v_floors, stale_denominator
+from ._fsdp_replicas import to_local
 
 
 def is_adam_type(optimizer: torch.optim.Optimizer) -> bool:
@@ -92,16 +93,16 @@ class FrozenAdam:
                 if d is None or p.grad is None or not entry or "exp_avg" not in entry:
                     continue
                 t = float(entry["step"]) + 1.0  # torch counts the step before its bias corrections
-                m = entry["exp_avg"]
-                m.mul_(b1).add_(p.grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
+                m, grad = to_local(entry["exp_avg"]), to_local(p.grad)  # DTensors (FSDP2): their slices
+                m.mul_(b1).add_(grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
                 target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
-                entry["exp_avg_sq"].copy_(target)  # the optimizer's b2 * v gives the frozen one
-                self._saved.append((p, p.grad.clone()))
-                p.grad.zero_()
+                to_local(entry["exp_avg_sq"]).copy_(target)  # the optimizer's b2 * v gives the frozen one
+                self._saved.append((grad, grad.clone()))
+                grad.zero_()
 
     def _after(self, opt: torch.optim.Optimizer, names) -> None:
-        for p, grad in self._saved:
-            p.grad.copy_(grad)
+        for grad, saved in self._saved:
+            grad.copy_(saved)
         self._saved = []
         if self.pending:  # the gradients came from a closure inside step() and nobody prepared
             self.pending = False
@@ -119,7 +120,7 @@ class FrozenAdam:
                       and id(p) in names]
             if not params:
                 continue
-            vs = [opt.state[p]["exp_avg_sq"].detach().float() for p in params]
+            vs = [to_local(opt.state[p]["exp_avg_sq"]).detach().float() for p in params]
             floors = sqrt_v_floors(vs, self.variance_floor)
             for p, v, floor in zip(params, vs, floors, strict=True):
                 steps = float(opt.state[p]["step"])
@@ -139,7 +140,7 @@ class FrozenAdam:
         if d is None or not entry or "exp_avg" not in entry:
             return None
         b1 = group["betas"][0]
-        return d, entry["exp_avg"].detach(), b1 / (1.0 - b1)
+        return d, to_local(entry["exp_avg"]).detach(), b1 / (1.0 - b1)
 
     # -- checkpoint ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

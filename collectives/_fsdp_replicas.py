@@ -24,9 +24,25 @@ import gc
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReplicaReduction", "fsdp_modules_of", "fsdp_param_groups", "solo_group"]
+__all__ = ["ReplicaReduction", "fsdp_modules_of", "fsdp_param_groups", "is_dtensor", "solo_group", "to_local"]
 
 _SOLO: dict[int, dist.ProcessGroup] = {}
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def to_local(t):
+    """A DTensor's local slice (an alias: writing to it writes the DTensor); anything else as is."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def solo_group() -> dist.ProcessGroup:

@@ -1,26 +1,36 @@
-"""FSDP2 with 1-bit compression between replica groups (HSDP-style).
+"""FSDP2 with 1-bit compression between replicas (HSDP), for any optimizer.
 
     from onebit.collectives import register_fsdp_hooks
     mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    hooks = register_fsdp_hooks(model, mesh.get_group("replicate"))
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    hooks = register_fsdp_hooks(model, optimizer=opt, freeze_step=steps // 4)
+    ...
+    loss.backward(); hooks.clip_grad_norm_(1.0); opt.step()
 
-Each FSDP module reduce-scatters its gradients in full precision inside its shard group (fast
-links, e.g. one node); the hook then averages that gradient shard across the replica group
-(the slow links) with ``compressed_allreduce``, with worker and server error buffers of its
-own, one hook per FSDP module. FSDP applies its own division by the shard group's size
-afterwards, so the result is the average over all ranks, as native HSDP gives it.
+Each FSDP module reduce-scatters its gradients in full precision inside the replica (the shard
+group: fast links, e.g. one node); the hook then averages that gradient block across the
+replicas (the slow links) with ``compressed_allreduce``, with worker and server error buffers of
+its own, one hook per FSDP module (docs/ALGORITHMS.md 11.2). On a 2-D mesh FSDP's own
+all-reduce across replicas is switched off for good (:mod:`onebit.collectives._fsdp_replicas`),
+and the replicate group is the mesh's. The older form, ``fully_shard`` over the 1-D shard mesh
+with the replicate group passed as ``process_group``, works as before.
 
-Limits: FSDP calls the hook synchronously and expects the reduced shard in place when it
-returns, so on gloo the compressed all-reduce blocks the backward pass for its duration (on
-CUDA it is queued on FSDP's all-reduce stream, which is what overlaps with backward). The
-mesh must be 1-D in FSDP's eyes (``mesh["shard"]``): with a 2-D mesh FSDP would all-reduce
-across replicas itself, in full precision, before calling the hook. Gradient accumulation
-with ``set_requires_all_reduce(False)`` skips the hook on the accumulating steps, as it skips
-FSDP's own all-reduce. It compresses gradients, as the DDP hook does: see that module's
-note on which optimizers and learning rates suit gradient compression.
+``reduce="mean"`` gives the replicas' mean, what HSDP gives; ``reduce="sum"`` their sum, for
+trainers that scale the loss by the global token count and set FSDP's gradient divide factor to
+1 (torchtitan). ``optimizer=`` with ``freeze_step``: torch's Adam/AdamW behind the hooks with
+1-bit Adam's recipe (ALGORITHMS 8.2): ``freeze_step`` iterations in full precision, then each
+rank compresses its momentum block in the frozen preconditioned space, and the optimizer steps
+with the compressed mean momentum and the frozen variance. Clip with ``hooks.clip_grad_norm_``.
+
+Limits: FSDP calls the hook synchronously and expects the block in place when it returns, so on
+gloo the compressed all-reduce blocks the backward pass for its duration (on CUDA it is queued
+on FSDP's all-reduce stream, which is what overlaps with backward). Gradient accumulation with
+``set_requires_all_reduce(False)`` skips the hook on the accumulating steps, as it skips FSDP's
+own all-reduce. Without ``optimizer=`` it compresses gradients, as the DDP hook does: see that
+module's note on which optimizers and learning rates suit gradient compression.
 """
 
 from __future__ import annotations
@@ -28,21 +38,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels._checks import check_group, check_instance, check_int
+from ..kernels._checks import check_choice, check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
+from ._frozen_adam import FrozenAdam, is_adam_type
+from ._fsdp_replicas import ReplicaReduction, fsdp_param_groups, is_hsdp
+from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, error_buffer_numel
 from .ddp_hook import HOOK_BLOCK
 from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
 from .wire import Traffic, compressed_bytes, ring_allreduce_bytes
 
-__all__ = ["OnebitAllReduceHook", "register_fsdp_hooks"]
+__all__ = ["FSDPHooks", "OnebitAllReduceHook", "register_fsdp_hooks"]
+
+REDUCTIONS = ("mean", "sum")
 
 
 class OnebitAllReduceHook:
-    """``hook(reduce_output)`` for ``FSDPModule.set_all_reduce_hook``: averages the gradient
-    shard over ``process_group`` (the replica group) in place, with 1-bit compression after
-    ``start_iter`` full-precision calls.
+    """``hook(reduce_output)`` for ``FSDPModule.set_all_reduce_hook``: replaces the gradient block
+    in place by its mean (``reduce="sum"``: sum) over ``process_group`` (the replica group), with
+    1-bit compression after ``start_iter`` full-precision calls.
 
     ``block``: elements per scale (see ``OnebitCompressHookState``; default 64). ``state_dict()`` /
     ``load_state_dict()`` checkpoint the error buffers and counters. ``process_group`` may be a
@@ -51,19 +66,21 @@ class OnebitAllReduceHook:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, start_iter: int = 0,
-                 block: int | None = HOOK_BLOCK) -> None:
+                 block: int | None = HOOK_BLOCK, *, reduce: str = "mean") -> None:
         self._mesh = process_group if is_mesh(process_group) else None
         process_group = flat_group(process_group)
         self.process_group = process_group
         self.world_size = check_group(process_group)
         self.start_iter = check_int("start_iter", start_iter)
         self.block = check_block(block)
+        self.reduce = check_choice("reduce", reduce, REDUCTIONS)
         self.iter = 0
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
         self.bytes_full = 0
         self.bytes_compressed = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
+        self._terms = None  # set by FSDPHooks with optimizer=: (d, c) of this module's block (8.2)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         W = self.world_size
@@ -72,23 +89,40 @@ class OnebitAllReduceHook:
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             with CallTimer(reduce_output.device, self._timing).stage("full"):
                 dist.all_reduce(reduce_output, group=group)
-            reduce_output.div_(W)
+            if self.reduce == "mean":
+                reduce_output.div_(W)
             self.bytes_full += ring_allreduce_bytes(reduce_output.numel(), W, reduce_output.element_size())
         elif W > 1:
-            group = self.process_group if self._mesh is None else self._mesh
-            N = error_buffer_numel(reduce_output.numel(), group, self.block)
-            servers = W if self._mesh is None else hierarchy(self._mesh).nodes
-            if self.worker_error is None or self.worker_error.numel() != N:
-                if self.worker_error is not None:
-                    raise ValueError(f"reduce_output: expected {self.worker_error.numel()} elements padded "
-                                     f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
-                self.worker_error = torch.zeros(N, device=reduce_output.device)
-                self.server_error = torch.zeros(N // servers, device=reduce_output.device)
-            with counting(self._timing):
-                compressed_allreduce(reduce_output, self.worker_error, self.server_error, group,
-                                     block=self.block)
-            self.bytes_compressed += compressed_bytes(N, servers, self.block) if servers > 1 else 0
+            if self.reduce == "sum":
+                reduce_output.mul_(W)  # the mean of W times each block is their sum
+            d, c = (None, None) if self._terms is None else self._terms(reduce_output)
+            if c is not None:
+                reduce_output.add_(c)  # this rank's momentum in the frozen space: (g + c) / d
+            if d is not None:
+                reduce_output.div_(d)
+            self._compressed_mean(reduce_output)
+            if d is not None:
+                reduce_output.mul_(d)
+            if c is not None:
+                reduce_output.sub_(c)
         self.iter += 1
+
+    def _compressed_mean(self, reduce_output: torch.Tensor) -> None:
+        group = self.process_group if self._mesh is None else self._mesh
+        N = error_buffer_numel(reduce_output.numel(), group, self.block)
+        servers = self._servers()
+        if self.worker_error is None or self.worker_error.numel() != N:
+            if self.worker_error is not None:
+                raise ValueError(f"reduce_output: expected {self.worker_error.numel()} elements padded "
+                                 f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
+            self.worker_error = torch.zeros(N, device=reduce_output.device)
+            self.server_error = torch.zeros(N // servers, device=reduce_output.device)
+        with counting(self._timing):
+            compressed_allreduce(reduce_output, self.worker_error, self.server_error, group, block=self.block)
+        self.bytes_compressed += compressed_bytes(N, servers, self.block) if servers > 1 else 0
+
+    def _servers(self) -> int:
+        return self.world_size if self._mesh is None else hierarchy(self._mesh).nodes
 
     def stats(self) -> dict:
         """Calls, stage, bytes this rank sent, and the seconds spent (as
@@ -109,7 +143,7 @@ class OnebitAllReduceHook:
     def load_state_dict(self, state: dict) -> None:
         check_instance("state", state, dict, "a dict from state_dict()")
         worker, server = state.get("worker_error"), state.get("server_error")
-        servers = self.world_size if self._mesh is None else hierarchy(self._mesh).nodes
+        servers = self._servers()
         if (worker is None) != (server is None) or (
                 worker is not None and server.numel() * servers != worker.numel()):
             raise ValueError("state: expected both error buffers, the server's 1/world_size (on a mesh: "
@@ -120,27 +154,181 @@ class OnebitAllReduceHook:
         self.server_error = None if server is None else server.clone()
 
 
+class FSDPHooks(dict):
+    """What :func:`register_fsdp_hooks` returns: the hooks by FSDP module name (a dict, as before),
+    plus what the optimizer's side needs: ``clip_grad_norm_``, ``prepare_step``, ``stats()``, and
+    ``rank_state()`` / ``load_rank_state()`` (this rank's error buffers, counters and frozen
+    denominators: per rank, see :class:`onebit.checkpoint.RankState`)."""
+
+    def __init__(self, hooks: dict[str, OnebitAllReduceHook], *, optimizer=None,
+                 frozen: FrozenAdam | None = None, control_group=None, replicas: int = 1,
+                 layouts=None) -> None:
+        super().__init__(hooks)
+        self.optimizer = optimizer
+        self._frozen_adam = frozen
+        self.control_group = control_group
+        self.replicas = replicas
+        self._layouts = layouts or {}  # hook name -> the FSDP parameter group (its parameters' blocks)
+        self._names: dict[int, tuple[int, int]] = {}
+        for i, group in enumerate(self._layouts.values()):
+            for j, fp in enumerate(group.fsdp_params):
+                self._names[id(fp.sharded_param)] = (i, j)
+        if frozen is not None:
+            frozen.attach(optimizer, lambda: self._names)
+            for name, hook in self.items():
+                hook._terms = self._make_terms(hook, self._layouts[name])
+
+    @property
+    def freeze_step(self) -> int | None:
+        return None if self._frozen_adam is None else self._frozen_adam.freeze_step
+
+    def _make_terms(self, hook: OnebitAllReduceHook, group):
+        fa, opt = self._frozen_adam, self.optimizer
+        groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+
+        def terms(block: torch.Tensor):
+            if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
+                fa.freeze(opt, self._names)
+            fa.add_local(block)
+            fa.pending = True
+            d = torch.ones_like(block, dtype=torch.float32)
+            c = torch.zeros_like(block)
+            offset = 0
+            for fp in group.fsdp_params:
+                p = fp.sharded_param
+                S = fp.mesh_info.shard_mesh_size
+                chunk = -(-p.size(0) // S) * (p.numel() // p.size(0)) if p.dim() and p.size(0) else p.numel()
+                n = fp.sharded_size.numel()
+                found = groups.get(id(p))
+                t = None if found is None else fa.terms(opt, p, self._names.get(id(p)), found)
+                if t is not None and n:
+                    di, mi, factor = t
+                    d[offset:offset + n].copy_(di.reshape(-1))
+                    torch.mul(mi.reshape(-1), factor, out=c[offset:offset + n])
+                offset += chunk
+            if offset != block.numel():
+                raise RuntimeError(
+                    f"freeze_step: an FSDP module's gradient block has {block.numel()} elements where its "
+                    f"parameters' blocks make {offset}; every parameter of a module must get a gradient in "
+                    "every step with optimizer= and freeze_step")
+            return d, c
+
+        return terms
+
+    def prepare_step(self) -> None:
+        """With ``freeze_step`` and ``optimizer.step(closure)``: call at the end of the closure
+        (as ``OnebitCompressHookState.prepare_step``). Does nothing otherwise."""
+        if self._frozen_adam is not None:
+            self._frozen_adam.prepare(self.optimizer, self._names)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the optimizer's gradients by a norm every rank agrees on; returns it. Full-precision
+        iterations: the mean gradient's norm. ``freeze_step``'s compressed iterations: the root
+        mean square over replicas of each replica's own gradient norm (its blocks' squared norms
+        summed over all the mesh's ranks, divided by the replicas), because the gradient handed
+        over carries the momentum's 1-bit noise (ALGORITHMS 8.2, 11)."""
+        max_norm = check_number("max_norm", max_norm, low=0.0)
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
+        opt = self.optimizer
+        if opt is None:
+            raise RuntimeError("clip_grad_norm_: register_fsdp_hooks was given no optimizer=")
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        fa = self._frozen_adam
+        if fa is None or not fa.pending or fa.local_sq is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        sq = fa.local_sq.reshape(1).clone()
+        dist.all_reduce(sq, group=self.control_group)
+        norm = (sq[0] / self.replicas).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
+    def stats(self) -> dict:
+        """The hooks' counters summed (``iter`` and ``compressing`` of the first hook)."""
+        per = [h.stats() for h in self.values()]
+        out = dict(per[0]) if per else {}
+        for key in ("bytes_full", "bytes_compressed", "seconds_codec", "seconds_comm", "seconds_full"):
+            out[key] = sum(s[key] for s in per)
+        return out
+
+    def rank_state(self) -> dict:
+        fa = self._frozen_adam
+        return {"hooks": {name: h.state_dict() for name, h in self.items()},
+                "frozen_adam": None if fa is None else fa.state()}
+
+    def load_rank_state(self, state: dict) -> None:
+        for name, h in self.items():
+            h.load_state_dict(state["hooks"][name])
+        if state.get("frozen_adam") is not None:
+            if self._frozen_adam is None:
+                raise ValueError("state: saved with freeze_step; register the hooks with freeze_step too")
+            self._frozen_adam.load(state["frozen_adam"])
+
+
 def register_fsdp_hooks(
-    model: torch.nn.Module, process_group: dist.ProcessGroup | None, start_iter: int = 0,
-    block: int | None = HOOK_BLOCK,
-) -> dict[str, OnebitAllReduceHook]:
-    """Give every FSDP module inside ``model`` (``fully_shard`` applied with the shard mesh)
-    its own :class:`OnebitAllReduceHook` over ``process_group``; returns them by module name.
-    Modules that manage no parameter of their own (a root whose parameters all sit in sharded
-    children) get none: FSDP never calls them."""
+    model: torch.nn.Module, process_group: dist.ProcessGroup | None = None, start_iter: int = 0,
+    block: int | None = HOOK_BLOCK, *, reduce: str = "mean", optimizer: torch.optim.Optimizer | None = None,
+    freeze_step: int | None = None, variance_floor: float = 0.1,
+) -> FSDPHooks:
+    """Give every FSDP module inside ``model`` its own :class:`OnebitAllReduceHook`; returns them
+    by module name (an :class:`FSDPHooks`). Modules that manage no parameter of their own (a root
+    whose parameters all sit in sharded children) get none: FSDP never calls them.
+
+    ``model`` sharded over a 2-D mesh ``("replicate", "shard")`` (HSDP): ``process_group`` may
+    be left out (the mesh's replicate group; FSDP's own all-reduce across replicas is switched
+    off). Sharded over a 1-D shard mesh: ``process_group`` is the replicate group (or a 2-D mesh
+    of replicas: hierarchical). ``optimizer`` + ``freeze_step``: module docstring."""
     from torch.distributed.fsdp import FSDPModule
 
     check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
-    check_group(flat_group(process_group))
-    hooks = {}
+    reduce = check_choice("reduce", reduce, REDUCTIONS)
     sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise ValueError("model: expected a module with fully_shard applied (no FSDPModule inside)")
+    owned = []
     for name, module in sharded:
         inner = {id(p) for other_name, other in sharded if other is not module
                  and other_name.startswith(f"{name}." if name else "") for p in other.parameters()}
-        if all(id(p) in inner for p in module.parameters()):
-            continue  # manages no parameter of its own (e.g. a root over sharded blocks): never called
-        hooks[name] = OnebitAllReduceHook(process_group, start_iter, block)
+        if not all(id(p) in inner for p in module.parameters()):  # else: manages none of its own
+            owned.append((name, module))
+    groups = dict(zip([n for n, _ in owned], fsdp_param_groups([m for _, m in owned]), strict=True))
+    hsdp = [g for g in groups.values() if is_hsdp(g)]
+    control_group, replicas = None, None
+    if hsdp:
+        if len(hsdp) != len(groups):
+            raise ValueError("model: expected every FSDP module on the same kind of mesh (some are HSDP)")
+        replicate = hsdp[0].mesh_info.replicate_process_group
+        if process_group is not None and (is_mesh(process_group) or sorted(dist.get_process_group_ranks(
+                process_group)) != sorted(dist.get_process_group_ranks(replicate))):
+            raise ValueError("process_group: the model is sharded over a 2-D (HSDP) mesh, whose replicate "
+                             "group the hooks use; leave process_group out")
+        process_group = replicate
+        control_group = flat_group(hsdp[0].mesh_info.mesh)
+    elif process_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("process_group: the model is sharded over a 1-D mesh; pass the replicate group "
+                         "(the ranks holding the same shard), or shard over a 2-D mesh (\"replicate\", "
+                         "\"shard\")")
+    replicas = check_group(flat_group(process_group))
+    optimizer = unwrap_optimizer(optimizer)
+    frozen = None
+    if optimizer is not None or freeze_step is not None:
+        if optimizer is None or freeze_step is None or not is_adam_type(optimizer):
+            raise ValueError("optimizer: the FSDP hooks take optimizer= together with freeze_step, for "
+                             "torch's Adam-type optimizers (Adam, AdamW): 1-bit Adam's recipe, "
+                             f"docs/ALGORITHMS.md 8.2 (got optimizer={type(optimizer).__name__}, "
+                             f"freeze_step={freeze_step!r})")
+        if hasattr(optimizer, "wants_averaged_gradients"):  # a onebit 1-bit optimizer
+            raise ValueError(f"optimizer: {type(optimizer).__name__} compresses its own momentum on HSDP; "
+                             "use it without the hooks")
+        frozen = FrozenAdam(check_int("freeze_step", freeze_step, low=1),
+                            check_number("variance_floor", variance_floor, low=0.0))
+        start_iter = frozen.freeze_step
+    hooks = {name: OnebitAllReduceHook(process_group, start_iter, block, reduce=reduce) for name, _ in owned}
+    if hsdp:
+        ReplicaReduction([m for _, m in owned]).full(False)
+    for name, module in owned:
         module.set_all_reduce_hook(hooks[name])
-    return hooks
+    return FSDPHooks(hooks, optimizer=optimizer, frozen=frozen, control_group=control_group,
+                     replicas=replicas, layouts=groups if frozen is not None else None)

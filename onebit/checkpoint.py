@@ -23,6 +23,7 @@ Typical use (``save`` every K steps; on start, ``load_latest`` on every rank)::
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -235,10 +236,11 @@ class RankState:
     def _named(self) -> list[tuple[str, Any]]:
         out = []
         for i, obj in enumerate(self.objects):
-            items = obj.items() if isinstance(obj, dict) else [("", obj)]
+            items = obj.items() if isinstance(obj, dict) and not hasattr(obj, "rank_state") else [("", obj)]
             for name, item in items:
                 if not (hasattr(item, "rank_state") or hasattr(item, "state_dict")):
-                    raise TypeError(f"objects: {type(item).__name__} has neither rank_state() nor state_dict()")
+                    raise TypeError(f"objects: {type(item).__name__} has neither rank_state() nor "
+                                    "state_dict()")
                 out.append((f"{i}.{name}" if name else str(i), item))
         return out
 
@@ -247,14 +249,26 @@ class RankState:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0:05d}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key(): {name: item.rank_state() if hasattr(item, "rank_state") else item.state_dict()
-                              for name, item in self._named()}}
+        """``{"rank<r>": bytes}``: this rank's states, serialised (``torch.save``), so that the
+        structure DCP plans with is the same before and after the states grow buffers."""
+        payload = {name: item.rank_state() if hasattr(item, "rank_state") else item.state_dict()
+                   for name, item in self._named()}
+        buffer = io.BytesIO()
+        torch.save({"format": _FORMAT, "states": payload}, buffer)
+        return {self._key(): buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        mine = state_dict.get(self._key())
-        if mine is None:
+        blob = state_dict.get(self._key())
+        if blob is None:
             raise CheckpointError(f"state_dict: no entry {self._key()!r} (the checkpoint holds "
                                   f"{sorted(state_dict)}); resume at the world size that saved it")
+        if isinstance(blob, io.BytesIO):
+            blob = blob.getvalue()
+        try:  # weights only: a checkpoint cannot run code here
+            mine = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)["states"]
+        except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"state_dict: the entry {self._key()!r} is not a onebit RankState "
+                                  f"({e})") from e
         for name, item in self._named():
             if hasattr(item, "load_rank_state"):
                 item.load_rank_state(mine[name])

@@ -734,7 +734,8 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         tensors = {}
         new_state = {}
         # keys are the saved param_groups' ids: positions, or names (torch's DCP helpers use FQNs)
-        position = {key: i for i, key in enumerate(k for g in state_dict["param_groups"] for k in g["params"])}
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        position = {key: i for i, key in enumerate(saved)}
         for key, entry in state_dict["state"].items():
             entry = dict(entry)
             names = self.FLAT_STATE + self.DENSE_STATE + tuple(self.SCALAR_STATE)
@@ -751,7 +752,7 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         for g, mask in zip(self.param_groups, pending["masks"], strict=True):
             g["exp_avg_mask"] = mask
         params = [p for g in self.param_groups for p in g["params"]]
-        reducer = self.reducer()
+        self.reducer()
         self._bind_state()  # torch replaced self.state: the buckets' views go back in
         for key, values in pending["tensors"].items():
             p = params[key]

@@ -22,7 +22,8 @@ from ..collectives._group import comm_device, group_size
 from ..kernels._checks import check_number
 
 
-def agreed_norm(grads: list[torch.Tensor], norm_type: float, group, replicas: int | None = None) -> torch.Tensor:
+def agreed_norm(grads: list[torch.Tensor], norm_type: float, group,
+                replicas: int | None = None) -> torch.Tensor:
     """The p-mean over the group's ranks of the local ``norm_type``-norms of ``grads`` (float64,
     0-dim, on the gradients' device; bitwise the same on every rank). ``replicas``: the group's
     ranks hold slices of that many replicas (HSDP: the sums over a replica's slices make its

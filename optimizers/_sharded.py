@@ -27,18 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..collectives._fsdp_replicas import ReplicaReduction, fsdp_modules_of
+from ..collectives._fsdp_replicas import ReplicaReduction, fsdp_modules_of, is_dtensor, to_local
 from ..collectives.mesh import flat_group
 
-__all__ = ["Sharding", "local_params"]
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
+__all__ = ["Sharding", "local_params", "to_local"]
 
 
 @dataclass(eq=False)
@@ -60,7 +52,7 @@ class Sharding:
         """None for ordinary tensors; for DTensor parameters, the Sharding, or ValueError (or
         TypeError) saying what is not supported."""
         params = [p for g in param_groups for p in g["params"]]
-        dts = [p for p in params if _is_dtensor(p)]
+        dts = [p for p in params if is_dtensor(p)]
         if not dts:
             return None
         if len(dts) != len(params):
@@ -107,14 +99,6 @@ class Sharding:
 
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
-
-
-def to_local(t):
-    """A DTensor's local slice (an alias: writing to it writes the DTensor); anything else as is."""
-    if _is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local()
-    return t
 
 
 @contextlib.contextmanager

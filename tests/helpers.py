@@ -167,7 +167,8 @@ class WireCounter:
     """Bytes this rank sends over ``group``, counted from outside onebit: torch.distributed's
     collectives are wrapped while the context is open (FSDP's and onebit's calls alike), each
     call's bytes by the ring algorithm's count (all-reduce 2(G-1)/G of the tensor, all-to-all and
-    reduce-scatter (G-1)/G of the input, all-gather G-1 times the input). ``bytes`` sums them;
+    reduce-scatter (G-1)/G of the input, all-gather G-1 times the input), for every group over
+    ``group``'s ranks. ``bytes`` sums them;
     ``calls`` counts them by collective."""
 
     NAMES = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor",
@@ -175,10 +176,11 @@ class WireCounter:
 
     def __init__(self, group) -> None:
         self.group, self.bytes, self.calls = group, 0, {}
+        self.ranks = sorted(dist.get_process_group_ranks(group))
 
     def _count(self, name, args, kwargs) -> None:
-        group = kwargs.get("group")
-        if group is not self.group:
+        group = kwargs.get("group") or dist.group.WORLD  # any group over the same ranks (two meshes)
+        if sorted(dist.get_process_group_ranks(group)) != self.ranks:
             return
         G = dist.get_world_size(group)
         if name == "all_gather":

@@ -60,15 +60,17 @@ def _all_equal(t):
     return all(torch.equal(parts[0], q) for q in parts)
 
 
-def _train(model, opt, steps, start=0, clip=None, wire=None, per_step=None):
+def _train(model, opt, steps, start=0, clip=None, wire=None, per_step=None, *, optimizer=None):
+    """``opt`` clips (a 1-bit optimizer, or the FSDP hooks) and steps ``optimizer`` (default: itself)."""
+    optimizer = opt if optimizer is None else optimizer
     for step in range(start, steps):
-        opt.zero_grad()
+        optimizer.zero_grad()
         if wire is not None:
             before = wire.bytes
         _loss(model, step).backward()
         if clip is not None:
             opt.clip_grad_norm_(clip)
-        opt.step()
+        optimizer.step()
         if per_step is not None:
             per_step.append(wire.bytes - before)
 
