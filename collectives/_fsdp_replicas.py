@@ -64,21 +64,24 @@ def fsdp_modules_of(params) -> list[torch.nn.Module]:
     found = []
     for obj in gc.get_objects():
         if issubclass(type(obj), FSDPModule):
-            group = _param_group(obj)
-            if group is not None and any(id(fp.sharded_param) in ids for fp in group.fsdp_params):
+            if any(id(fp.sharded_param) in ids for g in _param_groups(obj) for fp in g.fsdp_params):
                 found.append(obj)
     return found
 
 
-def _param_group(module):
+def _param_groups(module) -> list:
     state = module._get_fsdp_state()
-    return getattr(state, "_fsdp_param_group", None)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before the plural (one group per module)
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def fsdp_param_groups(modules) -> list:
     """The FSDP parameter groups of ``modules`` (those that manage parameters); ValueError when
     this torch's FSDP2 lacks the internals :class:`ReplicaReduction` switches."""
-    groups = [g for g in (_param_group(m) for m in modules) if g is not None]
+    groups = [g for m in modules for g in _param_groups(m)]
     for g in groups:
         info = getattr(g, "mesh_info", None)
         if info is None or not hasattr(info, "shard_process_group"):
@@ -95,19 +98,27 @@ def is_hsdp(group) -> bool:
 
 class ReplicaReduction:
     """``full(True)``: FSDP all-reduces across replicas as it was built to; ``full(False)``: it
-    does not, and ``.grad`` holds each replica's own mean (module docstring). Only HSDP
-    parameter groups are touched; the setting applies from the next backward on."""
+    does not (module docstring). Only HSDP parameter groups are touched; the setting applies
+    from the next backward on.
+
+    Off, ``.grad`` holds the replica's own estimate of what FSDP's all-reduce would have
+    given, on the same scale: with FSDP's default averaging, the replica's mean; with a divide
+    factor F set (``set_gradient_divide_factor``, torchtitan's F = 1 with the loss divided by
+    the global token count: a sum over all ranks), R times the replica's sum / F, by setting
+    the factor to F / R while off. The mean over replicas of those blocks is then FSDP's result
+    in both conventions (docs/ALGORITHMS.md 11.1)."""
 
     def __init__(self, modules) -> None:
-        self.infos = [g.mesh_info for g in fsdp_param_groups(modules) if is_hsdp(g)]
-        self.original = [info.replicate_process_group for info in self.infos]
-        self.replicas = {dist.get_world_size(pg) for pg in self.original}
+        self.groups = [g for g in fsdp_param_groups(modules) if is_hsdp(g)]
+        self.original = [(g.mesh_info.replicate_process_group, g.gradient_divide_factor) for g in self.groups]
         self.is_full = True
 
     def full(self, on: bool) -> None:
         if bool(on) == self.is_full:
             return
         solo = None if on else solo_group()
-        for info, original in zip(self.infos, self.original, strict=True):
-            info.replicate_process_group = original if on else solo
+        for g, (replicate, factor) in zip(self.groups, self.original, strict=True):
+            g.mesh_info.replicate_process_group = replicate if on else solo
+            if factor is not None:
+                g.gradient_divide_factor = factor if on else factor / dist.get_world_size(replicate)
         self.is_full = bool(on)

@@ -95,7 +95,9 @@ class OnebitAllReduceHook:
         elif W > 1:
             if self.reduce == "sum":
                 reduce_output.mul_(W)  # the mean of W times each block is their sum
-            d, c = (None, None) if self._terms is None else self._terms(reduce_output)
+            d, c, post = (None, None, None) if self._terms is None else self._terms(reduce_output)
+            if post is not None:  # FSDP divides after the hook: the momentum terms need the final scale
+                reduce_output.div_(post)
             if c is not None:
                 reduce_output.add_(c)  # this rank's momentum in the frozen space: (g + c) / d
             if d is not None:
@@ -105,6 +107,8 @@ class OnebitAllReduceHook:
                 reduce_output.mul_(d)
             if c is not None:
                 reduce_output.sub_(c)
+            if post is not None:
+                reduce_output.mul_(post)
         self.iter += 1
 
     def _compressed_mean(self, reduce_output: torch.Tensor) -> None:
@@ -173,8 +177,10 @@ class FSDPHooks(dict):
         for i, group in enumerate(self._layouts.values()):
             for j, fp in enumerate(group.fsdp_params):
                 self._names[id(fp.sharded_param)] = (i, j)
+        self._called: set[OnebitAllReduceHook] = set()  # hooks that ran since the optimizer's last step
         if frozen is not None:
             frozen.attach(optimizer, lambda: self._names)
+            optimizer.register_step_post_hook(lambda *_: self._called.clear())
             for name, hook in self.items():
                 hook._terms = self._make_terms(hook, self._layouts[name])
 
@@ -187,6 +193,13 @@ class FSDPHooks(dict):
         groups = {id(p): g for g in opt.param_groups for p in g["params"]}
 
         def terms(block: torch.Tensor):
+            if fa.pending and hook in self._called:
+                raise RuntimeError(
+                    "freeze_step: an FSDP module's hook ran twice before the optimizer's step (gradient "
+                    "accumulation that reduces every micro-batch); the momentum terms must enter once per "
+                    "step. Skip the reduction on all but the last micro-batch (FSDPModule."
+                    "set_requires_all_reduce(False)), or use OnebitAdam, which accumulates locally")
+            self._called.add(hook)
             if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
                 fa.freeze(opt, self._names)
             fa.add_local(block)
@@ -211,7 +224,7 @@ class FSDPHooks(dict):
                     f"freeze_step: an FSDP module's gradient block has {block.numel()} elements where its "
                     f"parameters' blocks make {offset}; every parameter of a module must get a gradient in "
                     "every step with optimizer= and freeze_step")
-            return d, c
+            return d, c, _post_division(group, block)
 
         return terms
 
@@ -267,6 +280,20 @@ class FSDPHooks(dict):
             self._frozen_adam.load(state["frozen_adam"])
 
 
+def _post_division(group, block: torch.Tensor) -> float | None:
+    """The factor FSDP divides the block by after the hook returns (sum reductions on gloo, or a
+    float16 reduction: torch 2.13 ``_get_gradient_divide_factors``); None when it divides before."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    except ImportError:  # pragma: no cover - another torch: FSDP's defaults divide before the hook
+        return None
+    replicate = getattr(group.mesh_info, "replicate_process_group", None)
+    _, post, _, _ = _get_gradient_divide_factors(
+        group.mesh_info.shard_process_group, replicate, block.dtype, block.device.type,
+        group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+    return None if post is None or post == 1 else float(post)
+
+
 def register_fsdp_hooks(
     model: torch.nn.Module, process_group: dist.ProcessGroup | None = None, start_iter: int = 0,
     block: int | None = HOOK_BLOCK, *, reduce: str = "mean", optimizer: torch.optim.Optimizer | None = None,
@@ -293,7 +320,13 @@ def register_fsdp_hooks(
                  and other_name.startswith(f"{name}." if name else "") for p in other.parameters()}
         if not all(id(p) in inner for p in module.parameters()):  # else: manages none of its own
             owned.append((name, module))
-    groups = dict(zip([n for n, _ in owned], fsdp_param_groups([m for _, m in owned]), strict=True))
+    groups = {}
+    for name, module in owned:
+        found = fsdp_param_groups([module])
+        if len(found) != 1:
+            raise ValueError(f"model: FSDP module {name!r} has {len(found)} parameter groups; the hooks take "
+                             "one per module (one fully_shard call per module, one dtype)")
+        groups[name] = found[0]
     hsdp = [g for g in groups.values() if is_hsdp(g)]
     control_group, replicas = None, None
     if hsdp:

@@ -110,17 +110,26 @@ def test_onebit_adam_trains_on_hsdp_and_compresses_across_replicas(ranks):
     assert got[0]["local"][0].shape != got[1]["local"][0].shape  # 19 and 18 rows
 
 
-def _body_local_gradient(freeze: int):
+def _body_local_gradient(freeze: int, sum_convention: bool):
     """After the freeze, ``.grad`` must be the replica's own mean gradient (its two shard ranks'
-    batches), not the mean over all ranks: checked against the unsharded model's gradient."""
+    batches), not the mean over all ranks: checked against the unsharded model's gradient.
+    ``sum_convention``: torchtitan's, FSDP's divide factor 1 and each rank's loss divided by the
+    world size (FSDP sums); the optimizer must see the same gradients on the same scale."""
+    from torch.distributed.fsdp import FSDPModule
+
     mesh = _mesh()
     model = _model(mesh)
+    if sum_convention:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (NCCL does)
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=freeze)
     worst = {}
     for step in range(freeze + 2):
         opt.zero_grad()
         full = [p.full_tensor().detach().clone().requires_grad_() for p in model.parameters()]
-        _loss(model, step).backward()
+        (_loss(model, step) / (dist.get_world_size() if sum_convention else 1)).backward()
         replica = dist.get_rank() // 2
         ranks = [2 * replica, 2 * replica + 1] if step >= freeze else list(range(4))
         want = _reference_grads(full, step, ranks)
@@ -147,8 +156,9 @@ def _reference_grads(full, step, ranks):
     return total
 
 
-def test_gradient_after_the_freeze_is_the_replicas_own_mean(ranks):
-    for worst in ranks(4).run(_body_local_gradient, 3):
+@pytest.mark.parametrize("sum_convention", [False, True])
+def test_gradient_after_the_freeze_is_the_replicas_own_mean(ranks, sum_convention):
+    for worst in ranks(4).run(_body_local_gradient, 3, sum_convention):
         assert worst["warm-up"] < 1e-5 and worst["compressed"] < 1e-5, worst
 
 

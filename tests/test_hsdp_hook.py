@@ -114,3 +114,36 @@ def test_hsdp_hook_arguments(ranks):
     assert out["reduce"].startswith("reduce:")
     assert out["no_freeze"].startswith("optimizer: the FSDP hooks take optimizer= together with freeze_step")
     assert out["group"].startswith("process_group: the model is sharded over a 2-D (HSDP) mesh")
+
+
+def _body_conventions(freeze: int, steps: int):
+    """torchtitan's convention (FSDP's divide factor 1, each rank's loss divided by the world
+    size: FSDP sums; on gloo the division then comes after the hook) trains AdamW behind the hooks
+    along the same path as FSDP's default averaging, up to rounding."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = _mesh()
+    paths = []
+    for sum_convention in (False, True):
+        model = _model(mesh)
+        if sum_convention:
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        hooks = register_fsdp_hooks(model, optimizer=opt, freeze_step=freeze)
+        scale = dist.get_world_size() if sum_convention else 1
+        for step in range(steps):
+            opt.zero_grad()
+            (_loss(model, step) / scale).backward()
+            hooks.clip_grad_norm_(1.0)
+            opt.step()
+        paths.append(_full(model))
+    moved = (paths[0] - _full(_model(mesh))).abs().max().item()
+    return (paths[0] - paths[1]).abs().max().item(), moved
+
+
+def test_hooks_follow_fsdps_sum_convention(ranks):
+    for gap, moved in ranks(4).run(_body_conventions, 3, 8):
+        assert moved > 1e-2 and gap < 1e-4 * moved, (gap, moved)
