@@ -27,5 +27,8 @@ fi
 stamp="$venv/.onebit-installed"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "${pip[@]}" install -e "$root[test]"
+  # torchtitan without its trainer's dependencies (datasets, wandb, tensorboard): the tests use
+  # its optimizer container on CPU; the `torchtitan` extra installs all of it
+  "${pip[@]}" install --no-deps "torchtitan==0.3.0"
   touch "$stamp"
 fi
