@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_hsdp import _all_equal, _full, _loss, _mesh, _model
 
 pytest.importorskip("torchtitan")

@@ -43,7 +43,6 @@ from torchtitan.config.override import derive, override
 from ..checkpoint import RankState
 from ..collectives import register_fsdp_hooks
 from ..optimizers import OnebitAdam
-from ..optimizers._clip import clip_grads_
 
 __all__ = ["OnebitOptimizersContainer", "adamw_hooks", "onebit_adam"]
 
