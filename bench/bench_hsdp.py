@@ -9,7 +9,8 @@ dropout 0.2, batch 16 per rank, 600 steps, lr 2e-3, weight decay 0.01, no clippi
   adamw_hook  AdamW + register_fsdp_hooks(model, optimizer=opt, freeze_step=150)
 
 For each run: the final validation loss (the same on every rank), whether the full tensors are
-bitwise identical on all ranks, and the bytes each rank sent across replicas per step, counted
+bitwise identical on all ranks, the share of coordinates that did not move in the last 100
+steps, and the bytes each rank sent across replicas per step, counted
 from outside onebit (tests/helpers.py WireCounter: every torch.distributed call over the
 replicate group's ranks, FSDP's and onebit's).
 
@@ -79,8 +80,11 @@ def _rank(rank: int, world: int, init: str, run: str, seed: int, args, out: str)
     torch.manual_seed(seed * 7919 + rank)  # dropout masks: each rank its own
     per_step = []
     start = time.perf_counter()
+    window = None
     with WireCounter(mesh.get_group("replicate")) as wire:
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if step == args.steps - 100:
+                window = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
             i = torch.randint(0, len(yt), (args.batch,), generator=g)
             opt.zero_grad()
             before = wire.bytes
@@ -92,7 +96,8 @@ def _rank(rank: int, world: int, init: str, run: str, seed: int, args, out: str)
     with torch.no_grad():
         val = torch.nn.functional.cross_entropy(model(xv), yv).item()
         acc = (model(xv).argmax(1) == yv).float().mean().item()
-    flat = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    stalled = float((flat == window).float().mean())  # coordinates that did not move in the last 100 steps
     parts = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(parts, flat)
     identical = all(torch.equal(parts[0], q) for q in parts)
@@ -101,7 +106,8 @@ def _rank(rank: int, world: int, init: str, run: str, seed: int, args, out: str)
     row = {"run": run, "seed": seed, "val_loss": val, "val_acc": acc, "identical": identical,
            "bytes_per_step_warmup": statistics.mean(per_step[1:F]),
            "bytes_per_step_after": statistics.mean(per_step[F:]), "bytes_total": sum(per_step),
-           "bytes_compressed_own_count": stats.get("bytes_compressed", 0), "seconds": seconds}
+           "bytes_compressed_own_count": stats.get("bytes_compressed", 0), "seconds": seconds,
+           "stalled_last_100": stalled}
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(row, fh)
@@ -139,7 +145,8 @@ def main() -> None:
                 fh.write(json.dumps(row) + "\n")
             print(f"seed {seed} {run:12s} val {row['val_loss']:.4f} acc {row['val_acc']:.3f} identical "
                   f"{row['identical']} bytes/step warm-up {row['bytes_per_step_warmup']:.0f} after "
-                  f"{row['bytes_per_step_after']:.0f} ({row['seconds']:.0f} s)", flush=True)
+                  f"{row['bytes_per_step_after']:.0f} stalled {row['stalled_last_100']:.4f} "
+                  f"({row['seconds']:.0f} s)", flush=True)
     print("\n| seed | run | val loss | / AdamW | bytes/step after freeze | / AdamW's | identical |")
     print("|---|---|---|---|---|---|---|")
     for seed in args.seeds:

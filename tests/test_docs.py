@@ -72,15 +72,16 @@ def test_mkdocs_builds_strict_with_every_public_name(tmp_path):
     html = (site / "api" / "index.html").read_text()
     import onebit.collectives
     import onebit.integrations.lightning
+    import onebit.integrations.torchtitan
     import onebit.integrations.transformers
     import onebit.kernels
     import onebit.optimizers
 
     for module in (onebit.kernels, onebit.collectives, onebit.optimizers, onebit.integrations.transformers,
-                   onebit.integrations.lightning):
+                   onebit.integrations.lightning, onebit.integrations.torchtitan):
         missing = [n for n in module.__all__ if f'id="{module.__name__}.{n}"' not in html]
         assert not missing, f"{module.__name__}: no API entry for {missing}"
     for page in ("optimizers", "migrating", "distributed", "speedup", "ALGORITHMS", "failures", "benchmarks",
-                 "hf-trainer", "lightning"):
+                 "hf-trainer", "lightning", "sharded"):
         assert (site / page / "index.html").exists(), page
     assert (site / "bench" / "RESULTS" / "index.html").exists()

@@ -51,13 +51,17 @@ def main() -> None:
     inner.register_step_post_hook(save_local)
     port = free_port()
     store = TCPStore("localhost", port, 1, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
-    pg = OnebitProcessGroupGloo(timeout=timedelta(seconds=30))
-    manager = Manager(pg=pg, min_replica_size=2, load_state_dict=lambda s: model.load_state_dict(s["m"]),
-                      state_dict=lambda: {"m": model.state_dict()}, replica_id=str(rid),
-                      store_addr="localhost", store_port=port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, port=free_port(), timeout=timedelta(seconds=30),
-                      use_async_quorum=False, init_sync=False)  # both start from seed 0's weights
-    pg.attach(manager, fragments=fragments)
+    if os.environ.get("ONEBIT_TEST_TORCHTITAN"):  # the Manager torchtitan builds, through onebit's override
+        manager, pg = via_torchtitan(lighthouse, rid, port, fragments)
+        manager.set_state_dict_fns(lambda s: model.load_state_dict(s["m"]), lambda: {"m": model.state_dict()})
+    else:
+        pg = OnebitProcessGroupGloo(timeout=timedelta(seconds=30))
+        manager = Manager(pg=pg, min_replica_size=2, load_state_dict=lambda s: model.load_state_dict(s["m"]),
+                          state_dict=lambda: {"m": model.state_dict()}, replica_id=str(rid),
+                          store_addr="localhost", store_port=port, rank=0, world_size=1,
+                          lighthouse_addr=lighthouse, port=free_port(), timeout=timedelta(seconds=30),
+                          use_async_quorum=False, init_sync=False)  # both start from seed 0's weights
+        pg.attach(manager, fragments=fragments)
     if os.environ.get("ONEBIT_TEST_READY"):
         open(os.environ["ONEBIT_TEST_READY"], "w").close()
     wait_for = os.environ.get("ONEBIT_TEST_WAIT_FOR")
@@ -88,6 +92,22 @@ def main() -> None:
     torch.save({"records": records, "bytes": pg.traffic.compressed, "calls": pg.traffic.compressed_calls,
                 "resets": pg.resets, "initial": initial}, out)
     manager.shutdown(wait=False)
+
+
+def via_torchtitan(lighthouse: str, rid: int, port: int, fragments: int):
+    """torchtitan's TorchFTManager as its torchft trainer builds it from the fault-tolerance
+    config, with onebit's override applied (torchtitan reads the rest from the environment)."""
+    from torchtitan.experiments.torchft.config.job_config import FaultTolerance
+
+    from onebit.integrations.torchtitan import onebit_torchft
+
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      TORCHFT_LIGHTHOUSE=lighthouse, TORCHFT_MANAGER_PORT=str(free_port()))
+    config = FaultTolerance(enable=True, semi_sync_method="diloco", replica_id=rid, group_size=2,
+                            min_replica_size=2, process_group_timeout_ms=30000, num_fragments=fragments)
+    ft = onebit_torchft(config).build()
+    assert isinstance(ft.onebit_pg, OnebitProcessGroupGloo) and ft.manager._pg is ft.onebit_pg
+    return ft.manager, ft.onebit_pg
 
 
 if __name__ == "__main__":

@@ -28,6 +28,12 @@ denominators under a key of the rank's own (``onebit.rank00003``), so torchtitan
 checkpoints resume exactly; torchtitan's ``init_optim_state`` step (lr 0, zero gradients) makes
 no onebit update. Tensor, context and pipeline parallelism are not supported (the parameters
 must be placed ``(Replicate(), Shard(0))``).
+
+torchtitan's torchft experiment (``--module torchft...``, ``--fault_tolerance.enable``) picks its
+process group by name and cannot take one; ``onebit_torchft`` (below) makes its gloo group
+:class:`~onebit.collectives.torchft.OnebitProcessGroupGloo` and attaches it to the Manager with
+the run's fragment count, so torchft's DiLoCo (``--fault_tolerance.semi_sync_method diloco``)
+sends 1-bit error-compensated pseudo-gradients (docs/diloco.md, "torchft").
 """
 
 from __future__ import annotations
@@ -39,12 +45,15 @@ from typing import Any
 import torch
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
+from torchtitan.experiments.torchft.config.job_config import FaultTolerance
+from torchtitan.experiments.torchft.manager import TorchFTManager
 
 from ..checkpoint import RankState
 from ..collectives import register_fsdp_hooks
 from ..optimizers import OnebitAdam
 
-__all__ = ["OnebitOptimizersContainer", "adamw_hooks", "onebit_adam"]
+__all__ = ["OnebitOptimizersContainer", "OnebitTorchFTManager", "adamw_hooks", "onebit_adam",
+           "onebit_torchft"]
 
 _KEY = "onebit."
 
@@ -148,6 +157,8 @@ def _options(freeze_step: int, block: int | None, max_norm: float | None) -> dic
 @override(target=OptimizersContainer.Config, description="onebit: OnebitAdam (1-bit Adam) on HSDP")
 def onebit_adam(cfg: OptimizersContainer.Config, *, freeze_step: int = 100, block: int | None = 64,
                 max_norm: float | None = None) -> OnebitOptimizersContainer.Config:
+    """torchtitan override (``--override.imports 'onebit.integrations.torchtitan.onebit_adam={...}'``):
+    OnebitAdam in place of the Adam/AdamW parameter groups (module docstring)."""
     return derive(cfg, OnebitOptimizersContainer.Config, mode="onebit_adam",
                   **_options(freeze_step, block, max_norm))
 
@@ -155,5 +166,59 @@ def onebit_adam(cfg: OptimizersContainer.Config, *, freeze_step: int = 100, bloc
 @override(target=OptimizersContainer.Config, description="onebit: AdamW behind 1-bit FSDP hooks (HSDP)")
 def adamw_hooks(cfg: OptimizersContainer.Config, *, freeze_step: int = 100, block: int | None = 64,
                 max_norm: float | None = None) -> OnebitOptimizersContainer.Config:
+    """torchtitan override (``--override.imports 'onebit.integrations.torchtitan.adamw_hooks={...}'``):
+    torchtitan's AdamW behind ``register_fsdp_hooks(optimizer=..., freeze_step=...)`` (module
+    docstring)."""
     return derive(cfg, OnebitOptimizersContainer.Config, mode="adamw_hooks",
                   **_options(freeze_step, block, max_norm))
+
+
+class OnebitTorchFTManager(TorchFTManager):
+    """torchtitan's ``TorchFTManager`` whose gloo process group is ``OnebitProcessGroupGloo``,
+    attached to the Manager with the run's fragment count (semi-sync DiLoCo only)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FaultTolerance):
+        onebit_block: int | None = 128
+        """Elements per scale of the 1-bit all-reduce (OnebitProcessGroupGloo's ``block``)."""
+        onebit_error_decay: float = 0.5
+        """The error buffers' decay between syncs (OnebitProcessGroupGloo's ``error_decay``)."""
+
+    def __init__(self, config: Config) -> None:
+        if not config.enable:
+            super().__init__(config)
+            return
+        if config.semi_sync_method != "diloco" or config.process_group != "gloo":
+            raise ValueError(
+                "fault_tolerance: onebit_torchft sends DiLoCo's pseudo-gradients 1-bit; it needs "
+                f"semi_sync_method='diloco' and process_group='gloo', got {config.semi_sync_method!r} "
+                f"and {config.process_group!r} (in torchft's synchronous mode every gradient would go "
+                "through the group: use onebit_adam or adamw_hooks for that)")
+        import torchft
+
+        from ..collectives.torchft import OnebitProcessGroupGloo
+
+        made: list = []
+
+        def gloo(timeout):
+            made.append(OnebitProcessGroupGloo(timeout=timeout, block=config.onebit_block,
+                                               error_decay=config.onebit_error_decay))
+            return made[-1]
+
+        real = torchft.ProcessGroupGloo
+        torchft.ProcessGroupGloo = gloo  # TorchFTManager looks it up when it builds the group
+        try:
+            super().__init__(config)
+        finally:
+            torchft.ProcessGroupGloo = real
+        fragments = len(config.module_fqns_per_model_fragment) or config.num_fragments
+        self.onebit_pg = made[0]
+        self.onebit_pg.attach(self.manager, fragments=fragments)
+
+
+@override(target=TorchFTManager.Config, description="onebit: DiLoCo's pseudo-gradients 1-bit through torchft")
+def onebit_torchft(cfg, *, block: int | None = 128, error_decay: float = 0.5):
+    """torchtitan override (``--override.imports 'onebit.integrations.torchtitan.onebit_torchft'``)
+    of the torchft experiment's fault-tolerance config: its gloo process group becomes onebit's
+    1-bit one for DiLoCo (module docstring)."""
+    return derive(cfg, OnebitTorchFTManager.Config, onebit_block=block, onebit_error_decay=error_decay)
