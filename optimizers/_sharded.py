@@ -82,6 +82,11 @@ class Sharding:
             raise ValueError(
                 f"params: expected HSDP placements (Replicate(), Shard(0)) on a 2-D mesh (fully_shard with "
                 f"mesh dims (\"replicate\", \"shard\")), got {placements}")
+        if mesh.size(0) == 1:
+            raise ValueError(
+                f"params: {name} got parameters on a mesh with one replica ({tuple(mesh.mesh.shape)}): no "
+                "replica holds the same slice, so there is nothing to compress. Use torch.optim.AdamW, or "
+                "more than one replica")
         replicate, shards = mesh.get_group(0), mesh.size(1)
         padded = [-(-p.size(0) // shards) * (p.numel() // p.size(0)) if p.dim() and p.size(0) else p.numel()
                   for p in params]

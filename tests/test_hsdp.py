@@ -190,12 +190,13 @@ def _body_refusals():
             out[name] = None
         except (ValueError, TypeError) as e:
             out[name] = str(e)
-    flat = _model(_mesh((4,)))
-    try:
-        OnebitAdam(flat.parameters())
-        out["fsdp"] = None
-    except ValueError as e:
-        out["fsdp"] = str(e)
+    for name, shape in (("fsdp", (4,)), ("one_replica", (1, 4))):
+        sharded = _model(_mesh(shape))
+        try:
+            OnebitAdam(sharded.parameters())
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -206,6 +207,7 @@ def test_what_hsdp_does_not_support_is_refused_clearly(ranks):
     assert out["group"].startswith("group: DTensor parameters bring their own mesh")
     assert out["overlap"].startswith("overlap: not with DTensor")
     assert out["fsdp"].startswith("params: OnebitAdam got parameters sharded over a 1-D mesh (pure FSDP)")
+    assert out["one_replica"].startswith("params: OnebitAdam got parameters on a mesh with one replica")
 
 
 @pytest.mark.parametrize("cut", [2, 6])  # in the warm-up, and after the freeze
