@@ -40,7 +40,30 @@ def poison(monkeypatch):
     yield
 
 
+# Modules whose tests start processes of their own (torchrun, torchft replicas, the demo, the
+# benchmarks) or several ranks: the full suite's tier. `scripts/test.sh --quick` runs the rest.
+PROCESS_MODULES = {"test_advise", "test_bench_smoke", "test_compile_check", "test_demo", "test_docs",
+                   "test_packaging", "test_rank_failure", "test_soak", "test_torchft", "test_trainers"}
+
+
+def _starts_processes(item) -> bool:
+    """The test's own code imports subprocess or spawns (several ranks, torchrun, replicas)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        return False
+    return "subprocess" in source or "spawn(" in source
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        ranks = "ranks" in getattr(item, "fixturenames", ())
+        if module in PROCESS_MODULES or ranks or _starts_processes(item):
+            item.add_marker(slow)  # several processes: not in the quick tier
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
