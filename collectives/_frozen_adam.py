@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..optimizers._functional import sqrt_v_floors, stale_denominator
+from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._fsdp_replicas import to_local
 
 

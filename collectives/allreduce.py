@@ -149,7 +149,7 @@ def _on_mesh(tensor, worker_error, server_error, h, check: bool, raise_on_nonfin
     _check_modes(async_op, raise_on_nonfinite)
     if check:
         verify_agreement(tensor, N, h.flat, block)
-    hierarchical_allreduce(tensor, worker_error, server_error, h, block)
+    hierarchical_allreduce(tensor, worker_error, server_error, h, block, compressed_allreduce)
     if raise_on_nonfinite and not bool(torch.isfinite(tensor).all()):
         raise FloatingPointError("tensor: a rank's input was not finite; error buffers were left unchanged")
     return _done(tensor) if async_op else tensor

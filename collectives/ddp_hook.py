@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
-from ..optimizers._functional import sqrt_v_floors, stale_denominator
+from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._frozen_adam import FrozenAdam, frozen_terms, is_adam_type
 from ._group import warn_collective
 from ._unused import LIVE, rank_of

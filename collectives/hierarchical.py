@@ -82,9 +82,10 @@ def intra_bytes(s: int, h: Hierarchy) -> int:
 
 
 def hierarchical_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                           h: Hierarchy, block: int | None) -> torch.Tensor:
-    """The algorithm (module docstring) on validated arguments; ``tensor`` in place."""
-    from .allreduce import compressed_allreduce  # allreduce.py dispatches meshes here
+                           h: Hierarchy, block: int | None, compressed_allreduce) -> torch.Tensor:
+    """The algorithm (module docstring) on validated arguments; ``tensor`` in place.
+    ``compressed_allreduce``: the flat 1-bit all-reduce for step 2 (allreduce.py, which
+    dispatches meshes here, passes its own: this module does not import it)."""
 
     n, L, M = tensor.numel(), h.per_node, h.nodes
     if n == 0 or h.world_size == 1:

@@ -35,6 +35,7 @@ from ._freeze import DEFAULT_FREEZE, FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
 from ._overlap import BackwardOverlap
 from ._sharded import Sharding, local_params, to_local
+from .ddp import adopt_ddp_model
 
 
 def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
@@ -222,8 +223,6 @@ class OnebitOptimizerBase(torch.optim.Optimizer):
         if not self._ddp_checked:
             self._ddp_checked = True
             if self.world_size > 1 and not self.external_averaging:
-                from .ddp import adopt_ddp_model  # ddp.py imports this module
-
                 adopt_ddp_model(self)
             if self.world_size > 1 and self.replicas_identical:
                 self._verify_first_replicas()

@@ -19,18 +19,26 @@ from ..collectives._group import warn_collective, warn_renamed
 from ..collectives._unwrap import unwrap_optimizer
 from ..collectives.telemetry import CallTimer
 from ..kernels._checks import check_instance
-from ._base import OnebitOptimizerBase
+
+# This module does not import _base (which imports it for adopt_ddp_model): a 1-bit optimizer
+# is recognised by what it offers.
+OnebitOptimizer = torch.optim.Optimizer  # annotations; _is_onebit() is the check
+
+
+def _is_onebit(optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "wants_averaged_gradients") \
+        and hasattr(optimizer, "external_averaging")
 
 __all__ = ["onebit_comm_hook", "register_ddp_hook", "warmup_averaging_hook"]
 
 
 def warmup_averaging_hook(
-    optimizer: OnebitOptimizerBase, bucket: dist.GradBucket
+    optimizer: OnebitOptimizer, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """The hook that ``register_ddp_hook`` installs: a DDP bucket averaged in full precision
     over the optimizer's group when the optimizer wants averaged gradients (warm-up, 0/1 Adam's
     variance steps), else returned as it is, with no communication."""
-    if not isinstance(optimizer, OnebitOptimizerBase):
+    if not _is_onebit(optimizer):
         raise TypeError(
             f"warmup_averaging_hook: its state must be a onebit 1-bit optimizer, got "
             f"{type(optimizer).__name__}; install it with onebit.optimizers.register_ddp_hook(model, "
@@ -54,12 +62,13 @@ def warmup_averaging_hook(
     return fut
 
 
-def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizerBase) -> None:
+def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizer) -> None:
     """Register :func:`warmup_averaging_hook` on ``model`` for ``optimizer`` (same process group).
     A framework's wrapper around the optimizer (``.optimizer`` holds it) is unwrapped."""
     optimizer = unwrap_optimizer(optimizer)
     check_instance("model", model, DistributedDataParallel, "a DistributedDataParallel")
-    check_instance("optimizer", optimizer, OnebitOptimizerBase, "a onebit optimizer")
+    if not _is_onebit(optimizer):
+        raise TypeError(f"optimizer: expected a onebit optimizer, got {type(optimizer).__name__}")
     ddp_size = dist.get_world_size(model.process_group)
     if ddp_size != optimizer.world_size:
         hint = (" (it was built before init_process_group: build the optimizer once the process group "
@@ -75,14 +84,14 @@ def register_ddp_hook(model: DistributedDataParallel, optimizer: OnebitOptimizer
 
 
 def onebit_comm_hook(
-    optimizer: OnebitOptimizerBase, bucket: dist.GradBucket
+    optimizer: OnebitOptimizer, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Deprecated name of :func:`warmup_averaging_hook` (renamed in 0.2.0)."""
     warn_renamed("onebit_comm_hook", "onebit.optimizers.warmup_averaging_hook", optimizer.process_group)
     return warmup_averaging_hook(optimizer, bucket)
 
 
-def adopt_ddp_model(optimizer: OnebitOptimizerBase) -> None:
+def adopt_ddp_model(optimizer: OnebitOptimizer) -> None:
     """At a 1-bit optimizer's first step (once per process): if its parameters belong to a
     DistributedDataParallel model that ``register_ddp_hook`` was not called for, DDP would
     all-reduce full-precision gradients every step on top of the optimizer's own traffic.
