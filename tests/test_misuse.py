@@ -246,7 +246,7 @@ def _body_never_compressed(name: str, freeze):
     import warnings
 
     from onebit.optimizers import AutoFreeze
-    from onebit.optimizers._base import say_never_compressed
+    from onebit.optimizers._stats import say_never_compressed
 
     freeze = {"inf": math.inf, "auto": AutoFreeze(min_step=100)}.get(freeze, freeze)
     model = _model()

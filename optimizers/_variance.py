@@ -1,0 +1,131 @@
+"""What the 1-bit optimizers derive from their variance: the automatic momentum mask, the
+floor under ``sqrt(v)``, the stale denominators, and the freeze schedule's accessors
+(docs/ALGORITHMS.md sections 3.4 and 6). A mixin of :class:`~onebit.optimizers._base.OnebitOptimizerBase`:
+it reads the optimizer's state and settings, and caches what it builds until the variance changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..collectives._group import warn_collective
+from ._freeze import FreezeSchedule
+from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
+
+
+class VarianceState:
+    """Masks, floors, stale denominators and the freeze schedule (module docstring)."""
+
+    # -- automatic momentum mask --------------------------------------------------------
+    VARIANCE_STATE = "exp_avg_sq"
+
+    def auto_masks(self) -> list[torch.Tensor | None]:
+        """Per compressed parameter: the coordinates whose compressed updates are masked
+        (bool, True = masked) or None; built from the variance when first needed after it
+        changed (see ``auto_mask`` and :func:`tiny_variance_mask`). All None when off."""
+        pairs = self.compressed_params()
+        if self.auto_mask is None:
+            return [None] * len(pairs)
+        if self._masks is None:
+            samples = self._variance_samples()
+            self._masks = [tiny_variance_mask(self.state[p][self.VARIANCE_STATE], self.auto_mask, samples)
+                           for p, _ in pairs]
+            self.masked_coordinates = sum(int(m.sum()) for m in self._masks if m is not None)
+            if self.masked_coordinates and not self._mask_warned:
+                self._mask_warned = True
+                total = sum(p.numel() for p, _ in pairs)
+                warn_collective(
+                    f"onebit: {type(self).__name__} masks the compressed momentum of "
+                    f"{self.masked_coordinates:,} of {total:,} coordinates whose variance is at most "
+                    f"{self.auto_mask:g} x their tensor's mean (they had (almost) no gradient: "
+                    f"always-zero features, dead units, unused embedding rows); Adam gives them "
+                    f"(almost) no update either. opt.stats() counts them; auto_mask=None restores "
+                    f"the reference's behaviour", RuntimeWarning, self.control_group,
+                )
+        return self._masks
+
+    def _variance_changed(self) -> None:
+        self._masks = None
+        self._floors = None
+        self._denominators.clear()
+
+    # -- preconditioned compression: variance floor, stale denominators ---------------------
+    @property
+    def preconditioned(self) -> bool:
+        """Whether the compressed quantity is divided by Adam's denominator first
+        (``compression="preconditioned"``, docs/ALGORITHMS.md section 6)."""
+        return self.compression == "preconditioned"
+
+    def _stale_variance(self) -> bool:
+        """Whether updates now use a variance that is not refreshed every step (after the
+        freeze; 0/1 Adam: from its first variance update on). Floors exist only then."""
+        raise NotImplementedError
+
+    def sqrt_v_floors(self) -> list[torch.Tensor | None]:
+        """Per compressed parameter: the floor under its ``sqrt(v)`` (a 0-dim float32), or
+        None without ``variance_floor``; built from the variance when first needed after it
+        changed (see :func:`~onebit.optimizers._functional.sqrt_v_floors`)."""
+        pairs = self.compressed_params()
+        if self.variance_floor is None:
+            return [None] * len(pairs)
+        if self._floors is None:
+            self._floors = list(sqrt_v_floors([self.state[p][self.VARIANCE_STATE] for p, _ in pairs],
+                                              self.variance_floor))
+        return self._floors
+
+    def _stale_bc2(self, g: dict) -> float:
+        """The variance's bias correction on stale steps (OnebitAdam's frozen one); 1 without."""
+        return 1.0
+
+    def stale_denominator(self, k: int, p: torch.Tensor, g: dict) -> torch.Tensor:
+        """Compressed parameter k (``p`` in group ``g``): ``max(sqrt(v), floor) / sqrt(bc2) + eps``.
+        Cached until the variance changes (one model-sized float32 buffer: the stale steps then
+        read it instead of recomputing it); callers must not modify it."""
+        key = (g["eps"], self._stale_bc2(g), g.get("eps_inside_sqrt", False))
+        found = self._denominators.get(k)
+        if found is None or found[0] != key:
+            d = stale_denominator(self.state[p][self.VARIANCE_STATE], self.sqrt_v_floors()[k], *key)
+            found = self._denominators[k] = (key, d)
+        return found[1]
+
+    def floored_coordinates(self) -> int:
+        """How many coordinates have their ``sqrt(v)`` raised to the floor now (0 before the
+        variance goes stale, or without ``variance_floor``). One host synchronisation."""
+        if self.variance_floor is None or not self._stale_variance():
+            return 0
+        pairs = self.compressed_params()
+        counts = [(self.state[p][self.VARIANCE_STATE].sqrt() < floor).sum()
+                  for (p, _), floor in zip(pairs, self.sqrt_v_floors(), strict=True)]
+        return int(sum(int(c) for c in counts))
+
+    # -- freeze schedule (subclasses set self.schedule and count self.updates) ------------
+    schedule: FreezeSchedule
+
+    @property
+    def frozen_at(self) -> int | None:
+        """Number of full-precision updates before the variance froze; None before that."""
+        return self.schedule.frozen_at(self.updates)
+
+    def _observe_variance(self) -> None:
+        """After a full-precision update: let an automatic schedule judge the variance."""
+        self.schedule.observe(
+            self.updates,
+            [self.state[p][self.VARIANCE_STATE] for p, _ in self.compressed_params()],
+            self.control_group,
+            self,
+        )
+
+    @property
+    def freeze_state(self) -> dict[str, Any]:
+        """The schedule's checkpointed state (a counter: saved and restored with them)."""
+        return self.schedule.state()
+
+    @freeze_state.setter
+    def freeze_state(self, value: dict[str, Any]) -> None:
+        self.schedule.load(value)
+
+    def _variance_samples(self) -> int:
+        """How many updates went into the variance the masks are built from."""
+        raise NotImplementedError
