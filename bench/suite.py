@@ -48,7 +48,7 @@ TASKS = {  # steps, evaluation interval, learning rate per family, seeds
     # digits: 8 seeds. Its final validation loss spreads by +-20% from seed to seed (dropout,
     # 797 validation images, a training loss below 0.02), so the mean of 3 seeds moved a 1-bit
     # run's ratio to its baseline by about 10%: OnebitLamb measured 1.099 on seeds 0-2 and
-    # 1.0005 on seeds 0-7 (bench/RESULTS.md, issue 21)
+    # 1.0005 on seeds 0-7 (bench/HISTORY.md, issue 21)
     "digits": (600, 50, {"adam": 2e-3, "lamb": 5e-3}, tuple(range(8))),
     "words": (1000, 50, {"adam": 2e-3, "lamb": 2e-3}, (0,)),
     "mlp": (600, 50, {"adam": 2e-3, "lamb": 2e-3}, (0, 1, 2)),

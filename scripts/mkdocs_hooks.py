@@ -41,11 +41,12 @@ make_tree()
 
 
 def on_files(files, config):
-    """Publish bench/RESULTS.md and its plots as they are (pages link to
-    ``bench/RESULTS.md`` and ``bench/results/...png``): the measured record stays in one file,
-    next to the scripts that wrote it."""
+    """Publish bench/RESULTS.md (today's numbers), bench/HISTORY.md (the dated record) and their
+    plots as they are (pages link to ``bench/RESULTS.md``, ``bench/HISTORY.md`` and
+    ``bench/results/...png``): the measured record stays next to the scripts that wrote it."""
     from mkdocs.structure.files import File
 
-    for path in [ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "bench" / "results").rglob("*.png"))]:
+    pages = [ROOT / "bench" / "RESULTS.md", ROOT / "bench" / "HISTORY.md"]
+    for path in [*pages, *sorted((ROOT / "bench" / "results").rglob("*.png"))]:
         files.append(File.generated(config, path.relative_to(ROOT).as_posix(), abs_src_path=str(path)))
     return files
