@@ -38,7 +38,31 @@ from onebit.collectives import local_compressed_allreduce, padded_numel  # noqa:
 
 
 def task(name: str, seed: int):
-    """(model, next_batch(r), validation(model)) for W replicas' data streams."""
+    """(model, next_batch(r), validation(model)) for W replicas' data streams. ``lm``: the demo's
+    byte-level GPT (bench_diloco.py's settings: context 64, d_model 128, 2 layers, 4 heads, batch
+    16, 16 evaluation batches); otherwise a task of bench/train_task.py (digits)."""
+    if name == "lm":
+        import types
+
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+        from train_lm import GPT, TRAIN_FILES, VALID_FILES, batch, evaluate, load_bytes
+
+        settings = types.SimpleNamespace(batch=16, context=64, eval_batches=16)
+        torch.manual_seed(seed)
+        model = GPT(settings.context, 128, 2, 4)
+        train, valid = load_bytes(TRAIN_FILES), load_bytes(VALID_FILES)
+
+        def lm_batches(r: int):
+            g = torch.Generator().manual_seed(1000 * (seed + 1) + r + 1)
+            while True:
+                x, y = batch(train, settings.batch, settings.context, g, "cpu")
+                yield x, y
+
+        def lm_validation(m) -> float:
+            with torch.no_grad():
+                return evaluate(m, valid, settings, "cpu")
+
+        return model, lm_batches, lm_validation
     import train_task
 
     load, build, size = train_task.TASKS[name]
@@ -80,7 +104,10 @@ def run(args, name: str, seed: int, H: int, outer_lr: float, form: str) -> float
     for step in range(1, args.steps + 1):
         for m, opt, data in zip(replicas, inners, streams, strict=True):
             x, y = next(data)
-            F.cross_entropy(m(x), y).backward()
+            out = m(x)
+            if out.dim() == 3:  # the LM: [batch, context, vocabulary]
+                out, y = out.flatten(0, 1), y.flatten()
+            F.cross_entropy(out, y).backward()
             opt.step()
             opt.zero_grad()
         if step % H:
