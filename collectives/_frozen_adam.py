@@ -23,7 +23,9 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._fsdp_replicas import to_local
 
@@ -173,3 +175,27 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
         d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
         torch.mul(mi, factor, out=c[offsets[i]:offsets[i + 1]].view_as(mi))
     return d, c
+
+
+def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_norm: float, norm_type: float,
+                group, replicas: int, who: str) -> torch.Tensor:
+    """The hooks' ``clip_grad_norm_`` (DDP's and FSDP's): in full-precision iterations torch's clip
+    of the averaged gradients; in ``freeze_step``'s compressed ones by the root mean square over
+    ``replicas`` of their own gradient norms (``fa.local_sq``, summed over ``group`` by one float64
+    all-reduce), the same on every rank. ``who`` names the caller in the error without an optimizer."""
+    max_norm = check_number("max_norm", max_norm, low=0.0)
+    if norm_type != 2.0:
+        raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
+    if opt is None:
+        raise RuntimeError(f"clip_grad_norm_: {who} no optimizer=")
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    if fa is None or not fa.pending or fa.local_sq is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    sq = fa.local_sq.reshape(1).clone()
+    if replicas > 1:
+        dist.all_reduce(sq, group=group if group is not None else dist.group.WORLD)
+    norm = (sq[0] / replicas).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(scale.to(p.grad.dtype))
+    return norm

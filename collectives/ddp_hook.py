@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
-from ._frozen_adam import FrozenAdam, frozen_terms, is_adam_type
+from ._frozen_adam import FrozenAdam, clip_agreed, frozen_terms, is_adam_type
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
 from ._unwrap import unwrap_optimizer
@@ -193,25 +193,8 @@ class OnebitCompressHookState:
         every rank). ``freeze_step``'s compressed iterations: the root mean square over ranks of
         each rank's own gradient norm (recorded by the hook; one float64 all-reduce), because
         the gradient handed over carries the momentum's 1-bit noise (docs/ALGORITHMS.md 8.2)."""
-        max_norm = check_number("max_norm", max_norm, low=0.0)
-        if norm_type != 2.0:
-            raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
-        opt = self.optimizer
-        if opt is None:
-            raise RuntimeError("clip_grad_norm_: the state has no optimizer=")
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        fa = self._frozen_adam
-        if fa is None or not fa.pending or fa.local_sq is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        sq = fa.local_sq.reshape(1).clone()
-        if self.world_size > 1:
-            group = self.process_group if self.process_group is not None else dist.group.WORLD
-            dist.all_reduce(sq, group=group)
-        norm = (sq[0] / self.world_size).sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(scale.to(p.grad.dtype))
-        return norm
+        return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.process_group,
+                           self.world_size, "the state has")
 
     def stats(self) -> dict:
         """Iteration, stage, buckets with error buffers, error buffers started afresh because a

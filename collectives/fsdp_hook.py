@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..kernels._checks import check_choice, check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
-from ._frozen_adam import FrozenAdam, is_adam_type
+from ._frozen_adam import FrozenAdam, clip_agreed, is_adam_type
 from ._fsdp_replicas import ReplicaReduction, fsdp_param_groups, is_hsdp
 from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, error_buffer_numel
@@ -240,23 +240,8 @@ class FSDPHooks(dict):
         mean square over replicas of each replica's own gradient norm (its blocks' squared norms
         summed over all the mesh's ranks, divided by the replicas), because the gradient handed
         over carries the momentum's 1-bit noise (ALGORITHMS 8.2, 11)."""
-        max_norm = check_number("max_norm", max_norm, low=0.0)
-        if norm_type != 2.0:
-            raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
-        opt = self.optimizer
-        if opt is None:
-            raise RuntimeError("clip_grad_norm_: register_fsdp_hooks was given no optimizer=")
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        fa = self._frozen_adam
-        if fa is None or not fa.pending or fa.local_sq is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        sq = fa.local_sq.reshape(1).clone()
-        dist.all_reduce(sq, group=self.control_group)
-        norm = (sq[0] / self.replicas).sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(scale.to(p.grad.dtype))
-        return norm
+        return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.control_group,
+                           self.replicas, "register_fsdp_hooks was given")
 
     def stats(self) -> dict:
         """The hooks' counters summed (``iter`` and ``compressing`` of the first hook)."""
