@@ -27,7 +27,6 @@ import triton.language as tl
 from .layout import Layout
 from .triton_kernels import (
     _INF,
-    _NAN,
     BOTH_PATHS,
     Launch,
     _segments_finite,
@@ -66,7 +65,7 @@ def _poison(flag_ptr, ticket_ptr, words_ptr, segments, seg_words, scale_word, bl
     if arrived == tl.num_programs(0) - 1:
         if tl.atomic_xchg(flag_ptr, 0, sem="acq_rel") != 0:
             offs = tl.arange(0, BLOCK)
-            nan = tl.zeros([BLOCK], dtype=tl.float32) + _NAN
+            nan = tl.zeros([BLOCK], dtype=tl.float32) + (_INF - _INF)  # no NaN global: triton_kernels
             for j in range(0, segments):
                 for start in range(0, blocks, BLOCK):
                     o = (start + offs).to(tl.int64)
@@ -215,10 +214,12 @@ def _worker_blocks_kernel(
 
 
 @triton.jit
-def _byte_scale(words_ptr, g, chunk_bytes, seg_words, scale_word, B: tl.constexpr):
-    # the scale of the block holding byte g of the whole (chunked) buffer: [NB]
+def _byte_scale(words_ptr, g, live, chunk_bytes, seg_words, scale_word, B: tl.constexpr):
+    # the scale of the block holding byte g of the whole (chunked) buffer: [NB]. Masked: in the
+    # last program, bytes past the end would address a segment beyond the message (an illegal
+    # access on an H100 when W does not divide the tile count, e.g. W = 5, block 64).
     j = g // chunk_bytes
-    return tl.load(words_ptr + j * seg_words + scale_word + (g % chunk_bytes) * 8 // B)
+    return tl.load(words_ptr + j * seg_words + scale_word + (g % chunk_bytes) * 8 // B, mask=live, other=0.0)
 
 
 @triton.jit
@@ -242,7 +243,7 @@ def _worker_error_kernel(
     live = (g < total_bytes)[:, None]
     z = tl.load(x_ptr + idx, mask=live & (idx < n), other=0.0).to(tl.float32)
     z += tl.load(e_ptr + idx, mask=live, other=0.0)
-    s = _byte_scale(words_ptr, g, chunk_bytes, seg_words, scale_word, B)[:, None]
+    s = _byte_scale(words_ptr, g, g < total_bytes, chunk_bytes, seg_words, scale_word, B)[:, None]
     tl.store(e_ptr + idx, tl.where(z < 0, z + s, z - s), mask=live & (tl.abs(s) < _INF))
 
 

@@ -25,7 +25,9 @@ from .layout import Layout
 
 # constexpr so the compiler (and the interpreter) see plain constants
 _INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+# No NaN global: Triton (3.6, seen on an H100) re-checks each global a kernel read at every
+# launch with ==, and a NaN never equals itself ("Global variable ... has changed since we
+# compiled this kernel"). Kernels write NaN as `_INF - _INF`, a constant folded at compile time.
 
 # Which block paths a kernel contains (constexpr PATHS). Launches use BOTH_PATHS: full blocks
 # unmasked, the last block masked. FULL_PATH / MASKED_PATH compile one path alone, so that
@@ -81,7 +83,7 @@ def _finish_scale(
                 o = (start + offs).to(tl.int64)
                 s = tl.load(gate_ptr + o * seg_words + scale_word, mask=o < gate_count, other=0.0)
                 bad += tl.where(tl.abs(s) < _INF, 0, 1)
-            scale = tl.where(tl.sum(bad, axis=0) > 0, _NAN, scale)
+            scale = tl.where(tl.sum(bad, axis=0) > 0, _INF - _INF, scale)
         value = tl.zeros([BLOCK], dtype=tl.float32) + scale
         for start in range(0, num_slots, BLOCK):
             o = (start + offs).to(tl.int64)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks, in one bounded run on a machine with one CUDA device (the project's lent GPU, or
+# yours): the CUDA-marked tests, the kernels' throughput against copy bandwidth and the reference
+# chain, and OnebitAdam's compression-stage step against fused AdamW. Uses the python3 that holds
+# a CUDA torch and triton; installs onebit into a temporary folder, without dependencies and
+# without the network. Results go to $OUT (default bench/out/gpu).
+#
+#   bash scripts/gpu_check.sh            # everything, about 6 minutes on an H100
+#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/out/gpu}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+py="${ONEBIT_GPU_PYTHON:-python3}"
+parts=("${@:-env tests kernels optimizer}")
+parts=(${parts[*]})
+has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+
+"$py" -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/onebit-site . \
+  > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/onebit-site
+
+if has env; then
+  { date -u; nvidia-smi; "$py" -P -c "import torch, triton, onebit; print('torch', torch.__version__,
+'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(0)); print(onebit.__file__)"
+  } 2>&1 | tee "$OUT/env.txt"
+fi
+if has tests; then
+  # tests/test_cuda.py: Triton against the torch path and the float64 chain on CUDA tensors
+  timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py \
+    --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
+fi
+if has kernels; then
+  timeout 200 "$py" bench/bench_kernels.py --device cuda --log2 20 24 26 28 --worlds 1 4 8 \
+    --dtypes float32 bfloat16 --csv "$OUT/kernels-cuda.csv" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
+fi
+if has optimizer; then
+  timeout 90 "$py" bench/bench_optimizer.py --device cuda --csv "$OUT/optimizer-cuda.csv" 2>&1 \
+    | tee "$OUT/optimizer.log"
+fi
