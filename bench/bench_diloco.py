@@ -93,7 +93,8 @@ def child(args) -> None:
         opt = DiLoCo(model, inner, outer, sync_every=run["H"], compress=run["compress"],
                      fragments=run.get("fragments", 1), delay=run.get("delay", 0),
                      mixing=args.mixing if run.get("fragments", 1) > 1 else 0.0,
-                     momentum_form=args.form == "momentum", error_decay=args.error_decay)
+                     momentum_share={"auto": "auto", "plain": 0.0, "momentum": 1.0}[args.form],
+                     error_decay=args.error_decay)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -157,10 +158,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--mixing", type=float, default=0.5)
-    p.add_argument("--form", choices=["plain", "momentum"], default="plain",
-                   help="1-bit runs: compress the pseudo-gradient (plain) or it plus the outer momentum")
+    p.add_argument("--form", choices=["auto", "plain", "momentum"], default="auto",
+                   help="1-bit runs: DiLoCo's momentum_share: auto (the default: g = 1 - outer lr), "
+                        "plain (0: the bare pseudo-gradient) or momentum (1: it plus the outer momentum)")
     p.add_argument("--error-decay", type=float, default=0.5,
-                   help="1-bit runs: the error buffers times this after every sync")
+                   help="1-bit runs: DiLoCo's error_decay (the buffers times 1 - (1 - it)(1 - g) per sync)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)

@@ -38,6 +38,7 @@ class _InFlight:
     due: int  # the inner step at whose end it is applied
     handle: object  # a Future (1-bit), a Work (float32) or None once finished
     result: torch.Tensor  # the fragment's pseudo-gradient buffer; the mean once finished
+    share: float = 0.0  # the momentum share g this sync compressed with (section 10)
 
 
 def _split(params: list[torch.Tensor], F: int, order: str) -> list[list[int]]:
@@ -74,17 +75,24 @@ class DiLoCo:
     ``sync_every / fragments`` steps, each all-reduce started ``delay`` steps before it is
     applied, local weights merged as ``mixing * local + (1 - mixing) * global``).
     ``nonfinite``: "skip" (the fragment restarts from the global weights, counted in
-    ``skipped_syncs``) or "raise" (FloatingPointError after the same reset). ``error_decay``:
-    the error buffers are multiplied by it after every sync (1.0: the full residual is sent
-    with the next sync); ``momentum_form``: compress the pseudo-gradient plus the outer SGD's
-    momentum (docs/ALGORITHMS.md section 10 measures both).
+    ``skipped_syncs``) or "raise" (FloatingPointError after the same reset).
+
+    The 1-bit sync (docs/ALGORITHMS.md section 10): each replica compresses its pseudo-gradient
+    plus ``g`` times the outer SGD's momentum term, and SGD is handed the mean minus the same
+    term. ``momentum_share`` is ``g``: "auto" (the default) takes ``g = 1 - lr`` of the outer
+    optimizer at each sync (clipped to [0, 1]; 0 where the outer optimizer has no momentum),
+    0.0 is the plain form, 1.0 the momentum form. After each sync the error buffers are
+    multiplied by ``1 - (1 - error_decay) * (1 - g)``: ``error_decay`` for the plain form, 1 for
+    the momentum form. ``momentum_form`` (deprecated): True is ``momentum_share=1.0``, False
+    ``0.0``.
     """
 
     def __init__(
         self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
         outer_optimizer: torch.optim.Optimizer, sync_every: int, group=None, compress: bool = True, *,
         block: int | None = 128, fragments: int = 1, fragment_order: str = "strided", delay: int = 0,
-        mixing: float = 0.0, nonfinite: str = "skip", momentum_form: bool = False, error_decay: float = 0.5,
+        mixing: float = 0.0, nonfinite: str = "skip", momentum_share: float | str = "auto",
+        error_decay: float = 0.5, momentum_form: bool | None = None,
     ) -> None:
         check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
         check_instance("inner_optimizer", inner_optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
@@ -98,7 +106,16 @@ class DiLoCo:
         self.mixing = check_number("mixing", mixing, 0.0, 1.0)
         self.nonfinite = check_choice("nonfinite", nonfinite, ("skip", "raise"))
         self.compress = check_instance("compress", compress, bool, "a bool")
-        self.momentum_form = check_instance("momentum_form", momentum_form, bool, "a bool")
+        if momentum_form is not None:
+            check_instance("momentum_form", momentum_form, bool, "a bool")
+            momentum_share = 1.0 if momentum_form else 0.0
+        if momentum_share != "auto":
+            if isinstance(momentum_share, str):
+                raise ValueError(f"momentum_share: expected 'auto' or a number in [0, 1], "
+                                 f"got {momentum_share!r}")
+            if not (check_number("momentum_share", momentum_share, 0.0) <= 1.0):
+                raise ValueError(f"momentum_share: expected a number in [0, 1], got {momentum_share!r}")
+        self.momentum_share = momentum_share
         self.error_decay = check_number("error_decay", error_decay, 0.0)
         if self.error_decay > 1.0:
             raise ValueError(f"error_decay: expected a number in [0, 1], got {error_decay!r}")
@@ -167,9 +184,10 @@ class DiLoCo:
                 buf[off:off + k].copy_(self.theta[i].reshape(-1)).sub_(self.params[i].detach().reshape(-1))
                 off += k
         wait = self.delay > 0
+        share = self._share(f) if self.compress else 0.0
         if self.compress:
-            if self.momentum_form:
-                self._add_momentum(f, buf, 1.0)  # each replica's outer momentum (section 10)
+            if share:
+                self._add_momentum(f, buf, share)  # g times each replica's outer momentum (section 10)
             we, se = self._errors[f]
             with counting(self.traffic):
                 handle = compressed_allreduce(buf, we, se, self.group, block=self.block, async_op=wait)
@@ -179,7 +197,7 @@ class DiLoCo:
                 handle = dist.all_reduce(buf, group=self.process_group, async_op=wait) \
                     if self.world_size > 1 else None
             self.traffic.add_full(buf.numel(), self.world_size)
-        self._in_flight = _InFlight(f, due, handle if wait else None, buf)
+        self._in_flight = _InFlight(f, due, handle if wait else None, buf, share)
         if not wait and not self.compress and self.world_size > 1:
             buf.div_(self.world_size)
 
@@ -204,8 +222,8 @@ class DiLoCo:
         self._in_flight = None
         f, mean = job.fragment, job.result
         idx = self.fragment_params[f]
-        if self.compress and self.momentum_form:
-            self._add_momentum(f, mean, -1.0)  # the pseudo-gradient that rebuilds the averaged momentum
+        if self.compress and job.share:
+            self._add_momentum(f, mean, -job.share)  # the pseudo-gradient that rebuilds the averaged momentum
         if not bool(torch.isfinite(mean).all()):  # the same on every replica (section 1.1)
             for i in idx:
                 self.params[i].copy_(self.theta[i])
@@ -238,17 +256,34 @@ class DiLoCo:
                 p.lerp_(local[n], self.mixing)
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
-        if self.compress and self.error_decay != 1.0:  # what this sync left over, decayed (section 10)
+        decay = 1.0 - (1.0 - self.error_decay) * (1.0 - job.share)
+        if self.compress and decay != 1.0:  # what this sync left over, decayed (section 10)
             for buf in self._errors[f]:
-                buf.mul_(self.error_decay)
+                buf.mul_(decay)
         self.syncs += 1
 
+    def _share(self, f: int) -> float:
+        """The momentum share g of fragment f's sync: the fixed ``momentum_share``, or "auto":
+        ``1 - lr`` of the outer optimizer's groups (clipped to [0, 1]; 0 for a group without
+        momentum), averaged over the fragment's elements (section 10)."""
+        if self.momentum_share != "auto":
+            return float(self.momentum_share)
+        groups = {id(p): g for g in self.outer.param_groups for p in g["params"]}
+        total = weighted = 0.0
+        for i in self.fragment_params[f]:
+            p = self.params[i]
+            group = groups[id(p)]
+            g = min(1.0, max(0.0, 1.0 - float(group["lr"]))) if group.get("momentum", 0.0) else 0.0
+            weighted += g * p.numel()
+            total += p.numel()
+        return weighted / total
+
     @torch.no_grad()
-    def _add_momentum(self, f: int, buf: torch.Tensor, sign: float) -> None:
-        """``buf += sign * c`` over fragment f, ``c = s * momentum / (1 - dampening) *
+    def _add_momentum(self, f: int, buf: torch.Tensor, scale: float) -> None:
+        """``buf += scale * c`` over fragment f, ``c = s * momentum / (1 - dampening) *
         momentum_buffer`` of an SGD-type outer optimizer (0 where the buffer does not exist yet,
-        and for other optimizers): the replicas average their own outer momenta, and SGD is
-        handed ``A - c``, which turns its momentum into that average (ALGORITHMS.md 8.1, 10)."""
+        and for other optimizers): the replicas compress ``Delta + g c`` and SGD is handed
+        ``D - g c``, which keeps its momentum the average of the replicas' (ALGORITHMS.md 8.1, 10)."""
         groups = {id(p): g for g in self.outer.param_groups for p in g["params"]}
         off = 0
         for i in self.fragment_params[f]:
@@ -258,7 +293,7 @@ class DiLoCo:
             if m is not None and group.get("momentum", 0.0):
                 factor = group["momentum"] / (1.0 - group.get("dampening", 0.0))
                 factor = -factor if group.get("maximize", False) else factor
-                buf[off:off + k].add_(m.reshape(-1), alpha=sign * factor)
+                buf[off:off + k].add_(m.reshape(-1), alpha=scale * factor)
             off += k
 
     def _count_compressed(self, N: int, n: int) -> None:
@@ -286,7 +321,7 @@ class DiLoCo:
         return {"sync_every": self.sync_every, "fragments": self.fragments,
                 "fragment_order": self.fragment_order,
                 "delay": self.delay, "compress": self.compress, "block": self.block,
-                "momentum_form": self.momentum_form, "error_decay": self.error_decay,
+                "momentum_share": self.momentum_share, "error_decay": self.error_decay,
                 "world_size": self.world_size, "numel": list(self._numel),
                 "mesh": None if self.hierarchy is None else [self.hierarchy.nodes, self.hierarchy.per_node]}
 
@@ -296,7 +331,8 @@ class DiLoCo:
         pending = None
         if self._in_flight is not None:
             job = self._finish()
-            pending = {"fragment": job.fragment, "due": job.due, "mean": job.result.clone()}
+            pending = {"fragment": job.fragment, "due": job.due, "mean": job.result.clone(),
+                       "share": job.share}
         return {
             "config": self._config(), "inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
             "theta": [t.clone() for t in self.theta],
@@ -311,6 +347,11 @@ class DiLoCo:
         """Restore :meth:`state_dict`'s output (load the model's weights as well)."""
         mine = self._config()
         theirs = state.get("config") if isinstance(state, dict) else None
+        if isinstance(theirs, dict) and "momentum_form" in theirs:  # saved before momentum_share
+            theirs = dict(theirs)
+            form = theirs.pop("momentum_form")
+            if not form or theirs.get("error_decay") == 1.0:  # the forms momentum_share keeps exactly
+                theirs["momentum_share"] = 1.0 if form else 0.0
         if theirs != mine:
             key = next((k for k in mine if theirs is None or theirs.get(k) != mine[k]), "config")
             got = None if theirs is None else theirs.get(key)
@@ -331,12 +372,13 @@ class DiLoCo:
         pending = state["pending"]
         if pending is not None:
             self._in_flight = _InFlight(pending["fragment"], pending["due"], None,
-                                        pending["mean"].to(self.params[0].device).clone())
+                                        pending["mean"].to(self.params[0].device).clone(),
+                                        pending.get("share", 0.0))
         self.traffic = Traffic(**state["traffic"])
         self._verified = False
 
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, compress={self.compress}, block={self.block}, "
-                f"momentum_form={self.momentum_form}, error_decay={self.error_decay}, "
+                f"momentum_share={self.momentum_share!r}, error_decay={self.error_decay}, "
                 f"fragments={self.fragments}, delay={self.delay}, mixing={self.mixing}, "
                 f"world_size={self.world_size})")
