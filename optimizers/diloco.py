@@ -9,6 +9,7 @@ in ``fragments`` synced in turn, each all-reduce overlapped with ``delay`` inner
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,9 @@ class DiLoCo:
         if momentum_form is not None:
             check_instance("momentum_form", momentum_form, bool, "a bool")
             momentum_share = 1.0 if momentum_form else 0.0
+            warnings.warn(f"DiLoCo: momentum_form is deprecated and goes in 0.3.0; use "
+                          f"momentum_share={momentum_share} (docs/ALGORITHMS.md 10)", FutureWarning,
+                          stacklevel=2)
         if momentum_share != "auto":
             if isinstance(momentum_share, str):
                 raise ValueError(f"momentum_share: expected 'auto' or a number in [0, 1], "
