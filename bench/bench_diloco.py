@@ -95,9 +95,13 @@ def child(args) -> None:
                      mixing=args.mixing if run.get("fragments", 1) > 1 else 0.0,
                      momentum_share={"auto": "auto", "plain": 0.0, "momentum": 1.0}[args.form],
                      error_decay=args.error_decay)
+    from onebit.movement import MovementMeter
+
+    meter = MovementMeter(model.parameters())  # coordinates that stop after the first sync
+    first_sync = run.get("H", 1)
     dist.barrier()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         x, y = step_batch()
         out = net(x)
         if args.task == "lm":
@@ -105,6 +109,8 @@ def child(args) -> None:
         F.cross_entropy(out, y).backward()
         opt.step()
         opt.zero_grad()
+        if step == first_sync:
+            meter.mark(step)
     dist.barrier()
     seconds = time.perf_counter() - t0
     val = torch.tensor([validation()])
@@ -113,11 +119,13 @@ def child(args) -> None:
         per_step = ring_allreduce_bytes(n, W)
     else:
         per_step = opt.stats()["bytes_per_inner_step"]
+    moved = meter.report()
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump({"val_loss": val.item() / W, "bytes_per_inner_step": per_step, "params": n,
                        "ms_per_inner_step": 1e3 * seconds / args.steps,
-                       "syncs": None if run["kind"] == "ddp" else opt.syncs}, fh)
+                       "syncs": None if run["kind"] == "ddp" else opt.syncs,
+                       **{k: moved[k] for k in ("stalled", "moved_before")}}, fh)
     from teardown import finish
 
     finish()  # barrier, destroy, exit without finalisation (docs/failures.md)
