@@ -85,6 +85,15 @@ def _body_train(H, steps, kw, resume_at=None, check_every_step=True):
             "stats": opt.stats(), "params": params, "numel": params.numel(), "N": N}
 
 
+def _inner_steps(models, inners, step):
+    """One inner step of every simulated replica on its own batch."""
+    for r, (model, inner) in enumerate(zip(models, inners, strict=True)):
+        x, y = _batch(r, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+
+
 def _simulate(W, H, steps, F=1, order="strided"):
     """DiLoCo with exact averaging in one process, float64 pseudo-gradient means."""
     from onebit.optimizers.diloco import _split
@@ -96,11 +105,7 @@ def _simulate(W, H, steps, F=1, order="strided"):
     frags = _split(list(glob.parameters()), F, order)
     per = H // F
     for step in range(steps):
-        for r in range(W):
-            x, y = _batch(r, step)
-            torch.nn.functional.cross_entropy(models[r](x), y).backward()
-            inners[r].step()
-            inners[r].zero_grad()
+        _inner_steps(models, inners, step)
         t = step + 1
         if t % per == 0:
             idx = frags[(t // per - 1) % F]
@@ -134,11 +139,7 @@ def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128):
     we, se = [torch.zeros(N) for _ in range(W)], [torch.zeros(N // W) for _ in range(W)]
     g = (1.0 - outer_lr) if share == "auto" else share
     for step in range(steps):
-        for r in range(W):
-            x, y = _batch(r, step)
-            torch.nn.functional.cross_entropy(models[r](x), y).backward()
-            inners[r].step()
-            inners[r].zero_grad()
+        _inner_steps(models, inners, step)
         if (step + 1) % H:
             continue
         with torch.no_grad():
