@@ -32,7 +32,7 @@ averaged momentum (docs/ALGORITHMS.md section 8.1; without it SGD near its best 
 trains far behind plain DDP); with an Adam-type optimizer it compresses in Adam's
 preconditioned space (section 8), where the compression noise lands on the update evenly
 instead of being divided by a tiny ``sqrt(v)``. Measured costs behind the hook:
-bench/RESULTS.md "DDP hook".
+bench/RESULTS.md "The DDP hook with SGD" and "with AdamW".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
@@ -67,7 +67,7 @@ class OnebitCompressHookState:
         start_iter: iterations averaged in full precision before compression starts
             (at least 1: DDP's buckets change after the first iteration).
         block: elements per scale of the compressed all-reduce (``compressed_allreduce``'s
-            ``block``); default ``HOOK_BLOCK`` (64: 1.5 bits per element; bench/RESULTS.md
+            ``block``); default ``HOOK_BLOCK`` (64: 1.5 bits per element; bench/HISTORY.md
             "DDP hook" measures why), ``None`` for one scale per chunk.
         optimizer: the optimizer stepping this model. SGD-type (a group's ``momentum > 0``,
             its state holds ``momentum_buffer``: torch.optim.SGD): each rank compresses its

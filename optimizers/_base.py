@@ -57,7 +57,7 @@ def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, 
 
 NONFINITE_POLICIES = ("skip", "raise", None)
 COMPRESSIONS = ("preconditioned", "momentum")
-VARIANCE_FLOOR = 0.1  # default: docs/ALGORITHMS.md section 6 and bench/RESULTS.md say why
+VARIANCE_FLOOR = 0.1  # default: docs/ALGORITHMS.md section 6 and bench/HISTORY.md say why
 UPDATE_CLIP = 1.0  # default with compression="preconditioned" (ALGORITHMS.md section 6)
 MODE_DEFAULT = "default"  # update_clip: UPDATE_CLIP when preconditioned, None with "momentum"
 
