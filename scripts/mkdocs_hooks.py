@@ -41,12 +41,13 @@ make_tree()
 
 
 def on_files(files, config):
-    """Publish bench/RESULTS.md (today's numbers), bench/HISTORY.md (the dated record) and their
+    """Publish bench/RESULTS.md (today's numbers), bench/HISTORY.md (the dated record),
+    bench/TRAFFIC.md (the memory-traffic model) and their
     plots as they are (pages link to ``bench/RESULTS.md``, ``bench/HISTORY.md`` and
     ``bench/results/...png``): the measured record stays next to the scripts that wrote it."""
     from mkdocs.structure.files import File
 
-    pages = [ROOT / "bench" / "RESULTS.md", ROOT / "bench" / "HISTORY.md"]
+    pages = [ROOT / "bench" / name for name in ("RESULTS.md", "HISTORY.md", "TRAFFIC.md")]
     for path in [*pages, *sorted((ROOT / "bench" / "results").rglob("*.png"))]:
         files.append(File.generated(config, path.relative_to(ROOT).as_posix(), abs_src_path=str(path)))
     return files
