@@ -3,7 +3,9 @@ reference (:mod:`onebit.kernels.reference`) that is the oracle for tests and ben
 
 if __name__ != "onebit.kernels":  # e.g. `import kernels` with the repository root on sys.path
     raise ImportError(f"{__name__}: this folder is the package onebit.kernels; import onebit.kernels "
-                      "(a bare import would load a second copy of the library)")
+                      "(a bare import would load a second copy of the library). The repository's root is "
+                      "on sys.path (e.g. `python -m ...` run from it): packages that probe for a top-level "
+                      "'kernels', such as transformers, then find this folder; run from another folder")
 
 from .api import decompress, server_reduce, worker_compress
 from .layout import Layout, message_bits, message_scales, padded_numel

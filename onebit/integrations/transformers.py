@@ -39,6 +39,8 @@ from typing import Any
 try:
     from transformers import Trainer, TrainerCallback
 except ImportError as e:  # pragma: no cover - depends on the environment
+    if getattr(e, "name", None) not in ("transformers", "accelerate"):
+        raise  # installed, but its import failed for another reason: show that one
     raise ImportError("onebit.integrations.transformers needs transformers and accelerate: "
                       "pip install 'onebit[transformers]'") from e
 
