@@ -66,7 +66,8 @@ def main() -> None:
         ax.axhline(1.03, color="red", lw=0.8, ls="--")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(range(len(configs)), configs)
-        ax.set_ylim(0.8, 1.2)
+        low = min([0.8] + [v for (t, l_, _, _), vals in data.items() if (t, l_) == (task, lr) for v in vals])
+        ax.set_ylim(low - 0.05, 1.2)  # every seed's point visible
         ax.set_title(f"{task}, outer lr {lr}")
         ax.set_ylabel("final val loss, 1-bit / float32 DiLoCo")
         ax.legend(fontsize=7)
