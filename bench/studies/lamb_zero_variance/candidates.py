@@ -56,17 +56,7 @@ def GradComp(base):
                 sketch_p = means[half + offset : half + offset + size]
                 estimate = torch.linalg.vector_norm(y + g["weight_decay"] * sketch_p)
                 offset += size
-                coeffs.append(
-                    lamb_sketched_update(
-                        p,
-                        u,
-                        estimate,
-                        lr=g["lr"],
-                        weight_decay=g["weight_decay"],
-                        min_coeff=self.min_coeff,
-                        max_coeff=self.max_coeff,
-                    )
-                )
+                coeffs.append(sketched_step(self, p, u, estimate, g))
             return coeffs
 
     return _GradComp
@@ -124,3 +114,9 @@ def make_allreduce(scale: str, seg: str, bounds):
         flat.reshape(-1).copy_(full[: flat.numel()])
 
     return allreduce
+
+
+def sketched_step(opt, p, u, estimate, group):
+    """LAMB's step with the trust ratio from ``estimate`` (onebit's lamb_sketched_update)."""
+    return lamb_sketched_update(p, u, estimate, lr=group["lr"], weight_decay=group["weight_decay"],
+                                min_coeff=opt.min_coeff, max_coeff=opt.max_coeff)

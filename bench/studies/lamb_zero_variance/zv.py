@@ -40,8 +40,9 @@ NAMES = ["emb.weight", "l0.w", "l0.b", "l1.w", "l1.b", "l2.w", "l2.b"]
 
 
 def _make_cls():
+    import candidates
+
     from onebit.optimizers import OnebitLamb
-    from onebit.optimizers._functional import lamb_sketched_update
 
     class StudyLamb(OnebitLamb):
         """OnebitLamb with switches for the study (no library file is changed)."""
@@ -122,17 +123,7 @@ def _make_cls():
                 for k, (p, g) in enumerate(pairs):
                     u = views[k]
                     est = torch.linalg.vector_norm(u if trust == "live" else self._mstar[k])
-                    coeffs.append(
-                        lamb_sketched_update(
-                            p,
-                            u,
-                            est,
-                            lr=g["lr"],
-                            weight_decay=g["weight_decay"],
-                            min_coeff=self.min_coeff,
-                            max_coeff=self.max_coeff,
-                        )
-                    )
+                    coeffs.append(candidates.sketched_step(self, p, u, est, g))
             self._record(pairs, self._applied(views), coeffs)
             return coeffs
 
@@ -217,13 +208,11 @@ def _train(name: str, spec: dict, seed: int, data_offset: bool, keep: str | None
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         for step in range(1, STEPS + 1):
+            opt.zero_grad()  # (the test zeroes after the forward: the same gradients)
             i = torch.randint(0, len(y), (32,), generator=g)
-            loss = F.cross_entropy(model(x[i], ids[i]), y[i])
-            opt.zero_grad()
-            loss.backward()
+            F.cross_entropy(model(x[i], ids[i]), y[i]).backward()
             opt.step()
-            if step == mark:
-                meter.mark(step)
+            meter.mark(step) if step == mark else None
             if step % 24 == 0 and rank == 0:
                 with torch.no_grad():
                     curve.append(round(F.cross_entropy(model(xv, idsv), yv).item(), 4))
