@@ -1,8 +1,10 @@
 """Public kernel functions: check arguments, allocate outputs, pick the implementation.
 
-CUDA tensors go to the Triton kernels, CPU tensors to the plain-torch path. ``backend``
-overrides the choice ("triton" on CPU tensors needs ``TRITON_INTERPRET=1`` set before the
-first import of :mod:`onebit.kernels.triton_kernels`).
+CUDA tensors go to the Triton kernels; CPU tensors to the compiled CPU codec
+(:mod:`onebit.kernels.cpu_compiled`) from its ``MIN_NUMEL`` elements on where torch.compile
+works, else to the plain-torch path. ``backend`` overrides the choice: "torch" (the plain path,
+the reference), "compiled" (CPU tensors only), "triton" (on CPU tensors it needs
+``TRITON_INTERPRET=1`` set before the first import of :mod:`onebit.kernels.triton_kernels`).
 """
 
 from __future__ import annotations
@@ -11,15 +13,22 @@ from types import ModuleType
 
 import torch
 
-from . import torch_kernels
+from . import cpu_compiled, torch_kernels
 from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
 from .layout import Layout, check_block, empty_message, pad_unit, padded_numel
 
-_BACKENDS = (None, "torch", "triton")
+_BACKENDS = (None, "torch", "compiled", "triton")
 
 
-def _backend(device: torch.device, backend: str | None, block: int | None = None) -> ModuleType:
+def _backend(device: torch.device, backend: str | None, block: int | None = None,
+             layout: Layout | None = None) -> ModuleType:
     check_choice("backend", backend, _BACKENDS)
+    if backend == "compiled" or (backend is None and device.type == "cpu" and layout is not None
+                                 and cpu_compiled.chosen(layout)):
+        if device.type != "cpu":
+            raise ValueError(f"backend: 'compiled' is the CPU codec, got tensors on {device}; "
+                             "expected CPU tensors, or backend None/'triton'")
+        return cpu_compiled if cpu_compiled.usable() else torch_kernels
     if backend == "torch" or (backend is None and device.type != "cuda"):
         return torch_kernels
     if block is not None:
@@ -85,7 +94,7 @@ def worker_compress(
     check_buffer("worker_error", worker_error, x.device, torch.float32, at_least=n,
                  multiple_of=pad_unit(W, block))
     layout = Layout(worker_error.numel(), W, block)
-    impl = _backend(x.device, backend, block)
+    impl = _backend(x.device, backend, block, layout)
     msg = _message_out("out", out, layout, W, x.device)
     if layout.N:
         impl.worker_compress(x.view(-1), worker_error, layout, msg, update_error)
@@ -121,7 +130,7 @@ def server_reduce(
     check_buffer("received", received, device, torch.uint8, length=size, what=f"{size} bytes")
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
-        _backend(device, backend, block).server_reduce(received, server_error, layout, seg)
+        _backend(device, backend, block, layout).server_reduce(received, server_error, layout, seg)
     return seg
 
 
@@ -162,7 +171,7 @@ def decompress(
         check_buffer("worker_message", worker_message, out.device, torch.uint8, length=size,
                      what=f"{size} bytes")
     if N:
-        _backend(out.device, backend, block).decompress(
+        _backend(out.device, backend, block, layout).decompress(
             gathered, layout, out.view(-1), worker_error, worker_message
         )
     return out

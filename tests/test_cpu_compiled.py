@@ -1,0 +1,208 @@
+"""The compiled CPU codec (onebit.kernels.cpu_compiled) against the plain-torch path, its
+reference: packed bits and server sums bitwise; scales to their last float32 bit (float64
+sums in another order); errors bitwise wherever the scale is, else to two ulps of it. Odd
+world sizes, n not a multiple of 16, bfloat16, block sizes that are odd multiples of 8, and
+the non-finite cases. Slow tier: each new variant compiles (seconds) on first use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onebit.collectives import local_compressed_allreduce
+from onebit.kernels import (
+    cpu_compiled,
+    decompress,
+    message_bits,
+    message_scales,
+    server_reduce,
+    worker_compress,
+)
+from onebit.kernels.layout import Layout, padded_numel
+
+pytestmark = pytest.mark.slow
+
+CASES = [  # (W, block, n, dtype)
+    (1, None, 203, torch.float32),
+    (3, None, 1000, torch.float32),
+    (3, 24, 1001, torch.float32),
+    (4, 8, 4096, torch.bfloat16),
+    (5, 64, 7 * 640 + 13, torch.float32),
+    (4, None, 1 << 14, torch.float32),
+]
+
+
+def _eps_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in float32 ulps (of the larger magnitude) per element; 0 where bitwise equal."""
+    ulp = torch.finfo(torch.float32).eps * torch.maximum(a.abs(), b.abs())
+    diff = (a - b).abs()
+    return torch.where(diff == 0, torch.zeros_like(diff), diff / ulp)
+
+
+def _check_scales(ref: torch.Tensor, got: torch.Tensor) -> None:
+    assert torch.equal(ref.isnan(), got.isnan())
+    finite = ~ref.isnan()
+    assert float(_eps_ulps(ref[finite], got[finite]).amax()) <= 1.0 if bool(finite.any()) else True
+
+
+def _check_errors(ref_e, got_e, ref_s, got_s, layout: Layout, chunk_len: int) -> None:
+    """Errors bitwise where the element's scale is bitwise equal; else within 2 ulps of it."""
+    B = layout.block or chunk_len
+    per = lambda s: s.reshape(-1).repeat_interleave(B)[: ref_e.numel()]  # noqa: E731
+    rs, gs = per(ref_s), per(got_s)
+    same = rs == gs
+    assert torch.equal(ref_e[same], got_e[same])
+    tol = 2 * torch.finfo(torch.float32).eps * rs[~same].abs()
+    assert bool(((ref_e[~same] - got_e[~same]).abs() <= tol).all())
+
+
+def _inputs(W, block, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    N = padded_numel(n, W, block)
+    x = (torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 3).to(dtype)  # heavy-tailed
+    x[: n // 7] = 0.0  # a run of zeros (unused rows), and a negative zero
+    if n > 20:
+        x[20] = -0.0
+    e = torch.randn(N, generator=g) * 0.2
+    return x, e, Layout(N, W, block)
+
+
+@pytest.mark.parametrize("W, block, n, dtype", CASES)
+@pytest.mark.parametrize("update_error", [True, False])
+def test_worker_matches_plain(W, block, n, dtype, update_error, poison):
+    x, e, layout = _inputs(W, block, n, dtype, seed=W + n)
+    e_ref, e_got = e.clone(), e.clone()
+    ref = worker_compress(x, e_ref, W, block=block, update_error=update_error, backend="torch")
+    got = worker_compress(x, e_got, W, block=block, update_error=update_error, backend="compiled")
+    assert torch.equal(message_bits(ref, layout), message_bits(got, layout))
+    _check_scales(message_scales(ref, layout), message_scales(got, layout))
+    if update_error:
+        rs, gs = message_scales(ref, layout), message_scales(got, layout)
+        _check_errors(e_ref, e_got, rs, gs, layout, layout.N)
+    else:
+        assert torch.equal(e_got, e)
+
+
+@pytest.mark.parametrize("W, block, n, dtype", CASES)
+def test_server_matches_plain(W, block, n, dtype):
+    x, e, layout = _inputs(W, block, n, dtype, seed=7 * W + n)
+    g = torch.Generator().manual_seed(n)
+    received = torch.randint(0, 256, (layout.message_bytes,), dtype=torch.uint8, generator=g)
+    scales = message_scales(received, layout)
+    scales.copy_(torch.rand(scales.shape, generator=g) * 2)
+    scales[(0,) * scales.dim()] = 0.0  # a zero scale (an all-zero chunk on some rank)
+    se = torch.randn(layout.C, generator=g)
+    se_ref, se_got = se.clone(), se.clone()
+    ref = server_reduce(received, se_ref, W, block=block, backend="torch")
+    got = server_reduce(received, se_got, W, block=block, backend="compiled")
+    one = Layout(layout.C, 1, block)
+    assert torch.equal(message_bits(ref, one), message_bits(got, one))
+    rs, gs = message_scales(ref, one), message_scales(got, one)
+    _check_scales(rs, gs)
+    _check_errors(se_ref, se_got, rs, gs, one, layout.C)
+
+
+@pytest.mark.parametrize("W, block, n, dtype", CASES)
+@pytest.mark.parametrize("with_update", [True, False])
+def test_decompress_matches_plain(W, block, n, dtype, with_update):
+    x, e, layout = _inputs(W, block, n, dtype, seed=11 * W + n)
+    msg = worker_compress(x, e.clone(), W, block=block, update_error=False, backend="torch")
+    gathered = msg.clone()
+    g = torch.Generator().manual_seed(n + 1)
+    sc = message_scales(gathered, layout)
+    sc.copy_(torch.rand(sc.shape, generator=g) + 0.1)
+    outs = {}
+    for backend in ("torch", "compiled"):
+        out, err = x.clone(), e.clone()
+        kw = {"worker_error": err, "worker_message": msg} if with_update else {}
+        decompress(gathered, out, W, block=block, backend=backend, **kw)
+        outs[backend] = out, err
+    assert torch.equal(outs["torch"][0], outs["compiled"][0])
+    assert torch.equal(outs["torch"][1], outs["compiled"][1])  # same scales in: bitwise
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_nonfinite_as_plain(block):
+    """NaN in x, an infinite received scale, a NaN gathered scale: the same verdicts and the same
+    untouched buffers as the plain path."""
+    W, n = 3, 3 * 16 * 20
+    x, e, layout = _inputs(W, block, n, torch.float32, seed=5)
+    x[17] = float("nan")
+    for backend in ("torch", "compiled"):
+        ee = e.clone()
+        msg = worker_compress(x, ee, W, block=block, backend=backend)
+        assert torch.equal(ee, e) and bool(message_scales(msg, layout).isnan().all())
+    received = worker_compress(x.nan_to_num(), e.clone(), W, block=block, backend="torch")
+    message_scales(received, layout)[1 if block is None else (1, 0)] = float("inf")
+    for backend in ("torch", "compiled"):
+        se = torch.randn(layout.C)
+        keep = se.clone()
+        seg = server_reduce(received, se, W, block=block, backend=backend)
+        assert torch.equal(se, keep) and bool(message_scales(seg, Layout(layout.C, 1, block)).isnan().all())
+    gathered = received.clone()
+    message_scales(gathered, layout)[0 if block is None else (0, 1)] = float("nan")
+    for backend in ("torch", "compiled"):
+        out, ee = x.nan_to_num(), e.clone()
+        decompress(gathered, out, W, block=block, backend=backend, worker_error=ee, worker_message=received)
+        assert torch.equal(ee, e)
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_allreduce_matches_plain(block):
+    """local_compressed_allreduce (every rank's compute of one call), W = 3, three steps:
+    outputs and errors of both paths agree to the scale's last bit, and ranks agree bitwise."""
+    W, n = 3, 5000
+    g = torch.Generator().manual_seed(3)
+    N = padded_numel(n, W, block)
+    xs = [torch.randn(n, generator=g) for _ in range(W)]
+    runs = {}
+    for backend in ("torch", "compiled"):
+        flats = [x.clone() for x in xs]
+        we = [torch.zeros(N) for _ in range(W)]
+        se = [torch.zeros(N // W) for _ in range(W)]
+        for _ in range(3):
+            flats = [x.clone() for x in xs]
+            local_compressed_allreduce(flats, we, se, block=block, backend=backend)
+        runs[backend] = flats, we, se
+    for r in range(1, W):
+        assert torch.equal(runs["compiled"][0][r], runs["compiled"][0][0])
+    ref, got = runs["torch"][0][0], runs["compiled"][0][0]
+    assert float(_eps_ulps(ref, got).max()) <= 2.0
+    errors = [runs[k][1] + runs[k][2] for k in ("torch", "compiled")]
+    for a, b in zip(*errors, strict=True):
+        assert float((a - b).abs().max()) <= 4 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+
+
+def test_default_choice(monkeypatch):
+    """CPU calls from MIN_NUMEL elements on take the compiled path; ONEBIT_CPU_CODEC=torch and
+    smaller calls take the plain one."""
+    from onebit.kernels import api
+
+    big, small = Layout(cpu_compiled.MIN_NUMEL, 4), Layout(8 * 4 * 100, 4)
+    cpu = torch.device("cpu")
+    assert api._backend(cpu, None, None, big) is cpu_compiled
+    assert api._backend(cpu, None, None, small).__name__.endswith("torch_kernels")
+    monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
+    assert api._backend(cpu, None, None, big).__name__.endswith("torch_kernels")
+    with pytest.raises(ValueError, match="backend"):
+        api._backend(cpu, "fast", None, big)
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch):
+    """A compile that fails (no C++ compiler): one RuntimeWarning naming the cause, then every
+    call takes the plain path with its results."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(cpu_compiled, "_worker_encode_c", broken)
+    monkeypatch.setattr(cpu_compiled, "_state", {})
+    x, e, layout = _inputs(3, None, 1000, torch.float32, seed=1)
+    with pytest.warns(RuntimeWarning, match="compiled CPU codec is not available.*InvalidCxxCompiler"):
+        got = worker_compress(x, e.clone(), 3, backend="compiled")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = worker_compress(x, e.clone(), 3, backend="compiled")
+    ref = worker_compress(x, e.clone(), 3, backend="torch")
+    assert torch.equal(got, ref) and torch.equal(again, ref)
