@@ -152,6 +152,7 @@ def _piece_scales(scales: torch.Tensor, layout: Layout, j: int, lo: int, a: int,
     return scales[j, (a - lo) // layout.block : (b - lo) // layout.block]
 
 
+@torch.no_grad()
 def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor,
                     update_error: bool) -> None:
     """:func:`torch_kernels.worker_compress`, compiled."""
@@ -191,6 +192,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
             e[mid:hi] = _minus_sgn_scaled(torch_kernels._z(x, e, mid, hi), tail, _block(layout, mid, hi))
 
 
+@torch.no_grad()
 def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
     """:func:`torch_kernels.server_reduce`, compiled."""
     encode, update = _server_fns(layout.W)
@@ -212,6 +214,7 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     update(rbits, weights, e, out_scales.view(-1), block)
 
 
+@torch.no_grad()
 def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                worker_error: torch.Tensor | None, worker_message: torch.Tensor | None) -> None:
     """:func:`torch_kernels.decompress`, compiled."""

@@ -120,3 +120,62 @@ def sketched_step(opt, p, u, estimate, group):
     """LAMB's step with the trust ratio from ``estimate`` (onebit's lamb_sketched_update)."""
     return lamb_sketched_update(p, u, estimate, lr=group["lr"], weight_decay=group["weight_decay"],
                                 min_coeff=opt.min_coeff, max_coeff=opt.max_coeff)
+
+
+# -- candidate C: a variance-sorted block layout (same wire format as block=B: signs + one scale
+# per B elements; no extra all-reduce). At the freeze every rank holds the same frozen v, so every
+# rank can compute the same permutation of the flat buffer: coordinates that never had a gradient
+# (v == 0) go to the end, where they fill all-zero blocks (scale 0: sent exactly, no error
+# feedback), and the active coordinates are ordered so that each block of B holds coordinates of
+# similar |u| = |m| / d (sorted by v), which keeps rho near sqrt(2/pi) inside each block.
+def layout_slots(mode: str, vs, offsets, N: int, block: int) -> torch.Tensor:
+    """slots[i]: the position in the permuted length-N buffer of flat coordinate i."""
+    n = sum(v.numel() for v in vs)
+    act, inact = [], []
+    for v, off in zip(vs, offsets, strict=True):
+        f = v.reshape(-1)
+        idx = torch.arange(f.numel()) + off
+        on = f > 0
+        a = idx[on]
+        if mode in ("tsort", "gsort"):
+            a = a[torch.argsort(f[on], descending=True, stable=True)]
+        act.append((a, f[on]))
+        inact.append(idx[~on])
+    inactive = torch.cat(inact)
+    slots = torch.full((n,), -1, dtype=torch.long)
+    free = torch.ones(N, dtype=torch.bool)
+    if mode == "gsort":
+        a = torch.cat([x for x, _ in act])
+        val = torch.cat([y for _, y in act])
+        a = a[torch.argsort(val, descending=True, stable=True)]
+        slots[a] = torch.arange(a.numel())
+        free[: a.numel()] = False
+    else:
+        cur = 0
+        spare = N - n + inactive.numel()  # slots that may be left as gaps (filled below)
+        for a, _ in act:
+            slots[a] = torch.arange(cur, cur + a.numel())
+            free[cur : cur + a.numel()] = False
+            cur += a.numel()
+            if mode == "tsort":
+                up = -(-cur // block) * block
+                if up - cur <= spare:  # align while gap room is left (gaps get inactive coordinates)
+                    spare -= up - cur
+                    cur = up
+    empty = free.nonzero().reshape(-1)[: inactive.numel()]
+    slots[inactive] = empty
+    assert bool((slots >= 0).all()) and slots.unique().numel() == n
+    return slots
+
+
+def make_layout(allreduce, mode: str, vs, offsets, N: int, block: int):
+    slots = layout_slots(mode, vs, offsets, N, block)
+
+    def permuted(flat, worker_error, server_error, group=None, block=None):
+        n = slots.numel()  # the flat buffer may carry padding beyond the n coordinates (left as is)
+        x = torch.zeros(N, dtype=torch.float32, device=flat.device)
+        x[slots] = flat.reshape(-1)[:n]
+        allreduce(x, worker_error, server_error, group, block=block)
+        flat.reshape(-1)[:n].copy_(x[slots])
+
+    return permuted

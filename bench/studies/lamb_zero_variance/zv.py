@@ -14,6 +14,11 @@ Variants are named NAME=JSON where JSON holds OnebitLamb kwargs plus study-only 
   "_livev": true         diagnostic: keep v updating with exact averaged grads after the freeze
                          and rescale u (u <- u * d_old/d_new) each step (extra all-reduce)
   "_cand": "..."         candidate fixes (see CANDIDATES below)
+  "_layout": "tsort"     (needs block=B) the flat buffer is permuted once at the freeze before the
+                         block-scaled compressed_allreduce (candidates.make_layout): "active" moves the
+                         coordinates with frozen v == 0 to the end; "tsort" also sorts each tensor's
+                         active coordinates by frozen v and starts each tensor on a block boundary;
+                         "gsort" sorts all active coordinates by v across tensors
 Example:
   python zv.py --seeds 0 1 2 --variants lamb='{"_lamb":true}' default='{}' block8='{"block":8}'
 """
@@ -74,6 +79,16 @@ def _make_cls():
                 (b,) = red.buckets
                 bounds = list(zip(b.offsets, b.numels, strict=False))
                 red.allreduce = candidates.make_allreduce(s["_comp"]["scale"], s["_comp"]["seg"], bounds)
+            if s.get("_layout"):
+                import candidates
+
+                red = self.reducer()
+                (b,) = red.buckets
+                assert list(b.indices) == list(range(len(pairs))) and red.block is not None
+                vs = [self.state[p]["exp_avg_sq"] for p, _ in pairs]
+                red.allreduce = candidates.make_layout(
+                    red.allreduce, s["_layout"], vs, b.offsets, b.worker_error.numel(), red.block
+                )
             self._mstar = [views[k].clone() for k in range(len(pairs))]
             self._dlive = [self.stale_denominator(k, p, g).clone() for k, (p, g) in enumerate(pairs)]
 
