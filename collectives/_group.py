@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from ..kernels._checks import check_group
+from ..kernels._warn import warn_user
 from ._failure import guard
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
@@ -82,25 +80,6 @@ def gather_json(obj, group, operation: str) -> list:
         all_gather_single(rows, mine.to(device), group)
     rows = rows.view(W, width).cpu()
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(W)]
-
-
-def _internal_dirs() -> tuple[str, ...]:
-    """Directories whose frames a warning skips: onebit's packages (wherever they are
-    installed) and torch (its optimizer wrappers, no_grad decorators and autograd engine sit
-    between a user's line and ours)."""
-    names = ("onebit", "onebit.kernels", "onebit.collectives", "onebit.optimizers", "torch")
-    files = [getattr(sys.modules.get(name), "__file__", None) for name in names]
-    return tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files if f)
-
-
-def warn_user(message: str, category: type[Warning]) -> None:
-    """warnings.warn attributed to the first frame outside onebit and torch: the user's line
-    (``opt.step()``, ``loss.backward()``, ``opt.stats()``), however deep the call came from."""
-    internal = _internal_dirs()
-    frame, level = sys._getframe(1), 2  # level 2: warn_user's caller
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level if frame is not None else 1)
 
 
 def warn_collective(message: str, category: type[Warning], group) -> None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 
 from . import torch_kernels
+from ._warn import warn_user
 from .layout import Layout, message_bits, message_scales
 
 MIN_NUMEL = 1 << 20  # elements (padded N) from which api picks this path for CPU tensors
@@ -120,9 +120,9 @@ def usable() -> bool:
             ok, why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _state["ok"] = ok
         if not ok:
-            warnings.warn(f"onebit: the compiled CPU codec is not available ({why}); CPU tensors use the "
+            warn_user(f"onebit: the compiled CPU codec is not available ({why}); CPU tensors use the "
                           "plain-torch kernels (slower, same results). A C++ compiler for torch.compile "
-                          f"enables it; {_ENV}=torch silences this", RuntimeWarning, stacklevel=3)
+                          f"enables it; {_ENV}=torch silences this", RuntimeWarning)
     return _state["ok"]
 
 

@@ -12,6 +12,7 @@ search paths that do not exist yet).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,3 +52,39 @@ def on_files(files, config):
     for path in [*pages, *sorted((ROOT / "bench" / "results").rglob("*.png"))]:
         files.append(File.generated(config, path.relative_to(ROOT).as_posix(), abs_src_path=str(path)))
     return files
+
+
+# Sphinx roles in docstrings (``:class:`Name```, ``:func:`~onebit.x.name```), which
+# mkdocstrings renders as text followed by the code span: each becomes a cross-reference that
+# autorefs resolves to the documented object (it fixes the links up after every page is
+# rendered), or the plain code span where nothing documented carries that name.
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>(~?)([\w.]+)</code>")
+_ANCHOR = re.compile(r'id="(onebit(?:\.\w+)+)"')
+
+
+def _documented(html: str) -> dict[str, str | None]:
+    """Each documented object's full name, and its last component (None where ambiguous)."""
+    found: dict[str, str | None] = {}
+    for full in set(_ANCHOR.findall(html)):
+        found[full] = full
+        short = full.rpartition(".")[2]
+        found[short] = None if short in found and found[short] != full else full
+    return found
+
+
+def on_page_content(html, page, config, files):
+    if ":<code>" not in html:
+        return html
+    documented = _documented(html)
+
+    def link(match: re.Match) -> str:
+        tilde, name = match.groups()
+        shown = name.rpartition(".")[2] if tilde else name
+        target = documented.get(name) or documented.get(name.rpartition(".")[2] if "." in name else "")
+        if name.startswith("onebit.") and name not in documented:
+            target = None  # a private or undocumented object: no guess by its last component
+        if target is None:
+            return f"<code>{shown}</code>"
+        return f'<autoref identifier="{target}" optional><code>{shown}</code></autoref>'
+
+    return _ROLE.sub(link, html)

@@ -85,3 +85,15 @@ def test_mkdocs_builds_strict_with_every_public_name(tmp_path):
                  "hf-trainer", "lightning", "sharded"):
         assert (site / page / "index.html").exists(), page
     assert (site / "bench" / "RESULTS" / "index.html").exists()
+    # docstrings' Sphinx roles render as links or code, never as raw text (scripts/mkdocs_hooks.py)
+    role = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>")
+    raw = {str(p.relative_to(site)): len(role.findall(p.read_text())) for p in site.rglob("*.html")}
+    assert not {k: v for k, v in raw.items() if v}, raw
+    assert html.count('class="autorefs autorefs-internal"') >= 10  # the roles became links
+    # the deprecated names come last, after every current one
+    ids = re.findall(r'id="(onebit\.[\w.]+)"', html)
+    deprecated = ["onebit.collectives.OnebitHookState", "onebit.collectives.onebit_hook",
+                  "onebit.optimizers.onebit_comm_hook"]
+    first = min(ids.index(d) for d in deprecated)
+    after = [i for i in ids[first:] if not any(i == d or i.startswith(d + ".") for d in deprecated)]
+    assert not after, after
