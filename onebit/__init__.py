@@ -10,7 +10,8 @@ tests/test_layering.py):
                       on top of the three
 
 The names most scripts need are re-exported here: ``from onebit import OnebitAdam,
-register_ddp_hook, OnebitCompressHookState, onebit_compress_hook, compressed_allreduce``.
+register_ddp_hook, OnebitCompressHookState, onebit_compress_hook, compressed_allreduce``; and a
+script's last line, ``onebit.finish()`` (onebit.teardown).
 """
 
 from . import checkpoint
@@ -23,11 +24,12 @@ from .collectives import (
     verify_replicas,
 )
 from .optimizers import GradScaler, OnebitAdam, OnebitLamb, ZeroOneAdam, register_ddp_hook
+from .teardown import finish
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GradScaler", "OnebitAdam", "OnebitCompressHookState", "OnebitLamb", "ZeroOneAdam", "checkpoint",
-    "compressed_allreduce", "onebit_compress_hook", "padded_numel", "register_ddp_hook",
+    "compressed_allreduce", "finish", "onebit_compress_hook", "padded_numel", "register_ddp_hook",
     "register_fsdp_hooks", "verify_replicas",
 ]
