@@ -66,7 +66,8 @@ def GradComp(base):
 # travel as float32 through all_gather) with a choice of scale and of the segments that share one
 def make_allreduce(scale: str, seg: str, bounds):
     """scale: "rms" (the library's, ||z||/sqrt(L)) or "l1" (||z||_1 / L, the error-minimising
-    scale of sign compression); seg: "global" (worker: one scale over N; server: one per chunk,
+    scale of sign compression); seg: "block" (one scale per `block` elements, the library's
+    block=B; pass block=B to OnebitLamb too), "global" (worker: one scale over N; server: one per chunk,
     the library's) or "tensor" (one scale per tensor segment, on both sides). bounds: the
     tensors' (offset, numel) in the flat buffer."""
     import torch.distributed as dist
@@ -84,9 +85,11 @@ def make_allreduce(scale: str, seg: str, bounds):
             out[a:b] = s
         return out
 
-    def segments(lo, hi):
+    def segments(lo, hi, block=None):
         if seg == "global":
             return [(0, hi - lo)]
+        if seg == "block":  # one scale per `block` elements on both stages, as block=B does
+            return [(a, min(a + block, hi - lo)) for a in range(0, hi - lo, block)]
         cuts = sorted(
             {lo, hi} | {min(max(o, lo), hi) for o, _ in bounds} | {min(max(o + n, lo), hi) for o, n in bounds}
         )
@@ -99,13 +102,13 @@ def make_allreduce(scale: str, seg: str, bounds):
         x = torch.zeros(N)
         x[: flat.numel()] = flat.reshape(-1)
         z = x + worker_error
-        s = scales_of(z, segments(0, N))
+        s = scales_of(z, segments(0, N, block))
         q = torch.where(z >= 0, s, -s)
         worker_error.copy_(z - q)
         qs = [torch.empty_like(q) for _ in range(W)]
         dist.all_gather(qs, q)
         m = sum(t[r * C : (r + 1) * C] for t in qs) / W + server_error
-        ss = scales_of(m, segments(r * C, (r + 1) * C))
+        ss = scales_of(m, segments(r * C, (r + 1) * C, block))
         out = torch.where(m >= 0, ss, -ss)
         server_error.copy_(m - out)
         outs = [torch.empty_like(out) for _ in range(W)]
@@ -179,3 +182,15 @@ def make_layout(allreduce, mode: str, vs, offsets, N: int, block: int):
         flat.reshape(-1)[:n].copy_(x[slots])
 
     return permuted
+
+
+# -- candidate C2: decayed error feedback (worker and server errors times gamma before each
+# compressed all-reduce): bounds the error's growth where the sign compression is not a
+# contraction (rho < 1/2), at the cost of a bias of (1 - gamma) of the error each step.
+def make_decay(allreduce, gamma: float):
+    def decayed(flat, worker_error, server_error, group=None, block=None):
+        worker_error.mul_(gamma)
+        server_error.mul_(gamma)
+        allreduce(flat, worker_error, server_error, group, block=block)
+
+    return decayed

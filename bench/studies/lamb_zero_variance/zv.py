@@ -19,6 +19,8 @@ Variants are named NAME=JSON where JSON holds OnebitLamb kwargs plus study-only 
                          coordinates with frozen v == 0 to the end; "tsort" also sorts each tensor's
                          active coordinates by frozen v and starts each tensor on a block boundary;
                          "gsort" sorts all active coordinates by v across tensors
+  "_edecay": 0.9         worker and server error buffers times 0.9 before each compressed all-reduce
+  "_comp": {"scale": "l1", "seg": "block"}  (with block=B) the emulated all-reduce, one scale per block
 Example:
   python zv.py --seeds 0 1 2 --variants lamb='{"_lamb":true}' default='{}' block8='{"block":8}'
 """
@@ -89,6 +91,11 @@ def _make_cls():
                 red.allreduce = candidates.make_layout(
                     red.allreduce, s["_layout"], vs, b.offsets, b.worker_error.numel(), red.block
                 )
+            if s.get("_edecay") is not None:
+                import candidates
+
+                red = self.reducer()
+                red.allreduce = candidates.make_decay(red.allreduce, float(s["_edecay"]))
             self._mstar = [views[k].clone() for k in range(len(pairs))]
             self._dlive = [self.stale_denominator(k, p, g).clone() for k, (p, g) in enumerate(pairs)]
 
