@@ -126,7 +126,7 @@ def child(args) -> None:
                        "ms_per_inner_step": 1e3 * seconds / args.steps,
                        "syncs": None if run["kind"] == "ddp" else opt.syncs,
                        **{k: moved[k] for k in ("stalled", "moved_before")}}, fh)
-    from teardown import finish
+    from onebit import finish
 
     finish()  # barrier, destroy, exit without finalisation (docs/failures.md)
 

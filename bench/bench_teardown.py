@@ -114,10 +114,12 @@ def main() -> None:
             done = run.stdout.count("done ")
             if run.returncode != 0 or done != args.ranks:
                 failed += 1
+                with open(os.path.join(tmp, f"failed-{ending}-{failed}.log"), "w") as f:
+                    f.write(f"rc {run.returncode}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}")
                 aborted += "terminate called" in run.stderr or "SIGABRT" in run.stderr
                 tail = run.stderr.strip().splitlines()[-3:]
-                print(f"  {ending}: rc {run.returncode}, {done} ranks done; {' | '.join(tail)[:300]}",
-                      file=sys.stderr)
+                print(f"  {ending}: rc {run.returncode}, {done} ranks done; {' | '.join(tail)[:300]} "
+                      f"(whole output: {tmp}/failed-{ending}-{failed}.log)", file=sys.stderr)
         print(f"ending={ending} runs={args.runs} ranks={args.ranks} failed={failed} sigabrt={aborted} "
               f"seconds={time.time() - start:.0f}", flush=True)
 

@@ -206,7 +206,7 @@ def main() -> None:
                               "warnings": sorted({str(w.message)[:300] for w in caught})}) + "\n")
         log.close()
         print(f"{args.task} {args.optimizer}: validation loss {val:.4f}, {json.dumps(stats)}")
-    from teardown import finish  # examples/ (on the path): gloo's teardown aborts now and then
+    from onebit import finish  # gloo aborts at exit now and then without it (docs/failures.md)
 
     finish()
 

@@ -14,8 +14,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from teardown import finish
 
+from onebit import finish
 from onebit.collectives import compressed_allreduce, padded_numel
 
 

@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from teardown import finish
 from weights import fingerprint
 
-from onebit import checkpoint
+from onebit import checkpoint, finish
 from onebit.collectives import (
     CollectiveError,
     ReplicaMismatchError,
