@@ -1,21 +1,23 @@
-"""The CPU codec compiled by torch's own compiler (inductor's C++ backend): each kernel in one
-or two passes over memory, against the half dozen of :mod:`onebit.kernels.torch_kernels`.
+"""The CPU codec compiled by torch's own compiler (inductor's C++ backend): the worker's pass
+(sum of squares and sign bits in one loop), its error update and decompress (with the
+deferred worker error update) each in one pass over memory, against the half dozen passes of
+:mod:`onebit.kernels.torch_kernels`.
 
-Same contracts and the same float32 arithmetic as the plain-torch path (``z = x + e``; the
-server sum in rank order; products with +-1 exact), so the packed bits, the server sums and,
-for equal scales, the errors are bitwise equal to it. The scales come from float64 sums of
-squares whose order differs (8-element partial sums, then the block or the piece), so a scale
-can differ from the plain path's in its last float32 bit, and an error with it (tested to that
-tolerance in tests/test_cpu_compiled.py; the plain path stays the reference).
+Same contracts and the same float32 arithmetic as the plain-torch path (``z = x + e``;
+products with +-1 exact), so the packed bits and, for equal scales, the errors and outputs are
+bitwise equal to it. The scales come from float64 sums of squares in another order (8-element
+partial sums, then the block or the whole message), so a scale can differ from the plain
+path's in its last float32 bit, and an error with it (tests/test_cpu_compiled.py; the plain
+path stays the reference). Stages listed in ``SLOW_COMPILED`` run the plain path: their
+compiled loops were slower when measured.
 
 Work goes chunk by chunk over the elements that ``x`` (or ``out``) covers; the padded tail of
-the last chunk (fewer than ``8 * W`` or ``block * W`` elements) goes through the plain path.
-The compiled functions take symbolic sizes (one compile each, not one per size); the server's
-sum is unrolled per world size (one compiled function per W). Compiling needs a C++ compiler:
-:func:`usable` tries once, and without one warns once and leaves every call to the plain path.
-The path is chosen by :mod:`onebit.kernels.api` for CPU tensors from ``MIN_NUMEL`` elements on
-(smaller calls would spend more on the first compile than they save), or with
-``backend="compiled"``; ``ONEBIT_CPU_CODEC=torch`` turns it off.
+the last chunk (fewer than ``8 * W`` or ``block * W`` elements) goes through plain torch. The
+compiled functions take symbolic sizes (one compile each, not one per size). Compiling needs
+a C++ compiler: :func:`usable` tries once, and without one warns once and leaves every call
+to the plain path. :mod:`onebit.kernels.api` picks this path for CPU tensors from
+``MIN_NUMEL`` elements on (smaller calls would spend more on the first compile than they
+save), or with ``backend="compiled"``; ``ONEBIT_CPU_CODEC=torch`` turns it off.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from . import torch_kernels
 from ._warn import warn_user
 from .layout import Layout, message_bits, message_scales
 
+# Stages whose compiled loop was slower than the plain path when measured (2^24 float32, W = 4,
+# this repository's 2-core CPU, bench/RESULTS.md "Kernels on CPU"): the server's sum (unpacking
+# W bit rows) and, with block scales, the error update and decompress (inductor's loops with a
+# per-block scale ran 4-20x slower); these run the plain path until a faster form is found.
+SLOW_COMPILED = ("server", "block-scale error updates", "block-scale decompress")
 MIN_NUMEL = 1 << 20  # elements (padded N) from which api picks this path for CPU tensors
 _ENV = "ONEBIT_CPU_CODEC"  # "torch": never this path; anything else: the default choice
 _state: dict[str, bool] = {}
@@ -41,8 +48,10 @@ def _signs(bits: torch.Tensor) -> torch.Tensor:
     return (one.to(torch.float32) * 2.0 - 1.0).reshape(-1)
 
 
-def _encode(z: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 sum of squares of each ``block`` elements, packed bits of ``sgn(z)``)."""
+def _encode(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 sum of squares of each 8 elements, packed bits of ``sgn(z)``). The sums per
+    scale block are added outside (an eager sum over ``N/8`` float64s: a reduction inside the
+    compiled loop over a symbolic block length ran 4x slower than the whole pass)."""
     z8 = z.view(-1, 8)
     zd = z8.to(torch.float64)
     sums8 = zd[:, 0] * zd[:, 0]
@@ -50,45 +59,30 @@ def _encode(z: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     for k in range(1, 8):  # column by column: one loop over the bytes, vectorised along them
         sums8 = sums8 + zd[:, k] * zd[:, k]
         packed = packed + (z8[:, k] < 0).logical_not().to(torch.int32) * (1 << (7 - k))
-    return sums8.view(-1, block // 8).sum(-1), packed.to(torch.uint8)
+    return sums8, packed.to(torch.uint8)
 
 
-def _minus_sgn_scaled(z: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """``z - s*sgn(z)`` with one scale per ``block`` elements (``z + 0.0``: -0.0 counts as +)."""
+def _block_sums(sums8: torch.Tensor, block: int) -> torch.Tensor:
+    return sums8.view(-1, block // 8).sum(-1)
+
+
+def _minus_sgn_scaled(z: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
+    """``z - s*sgn(z)`` (``z + 0.0``: -0.0 counts as +), one scale per ``block`` elements, or
+    ``scales`` a single scale broadcast over ``z`` (``block=None``)."""
+    if block is None:
+        return z - torch.copysign(scales, z + 0.0)
     zv = z.view(-1, block)
     return (zv - torch.copysign(scales.view(-1, 1), zv + 0.0)).view(-1)
 
 
-def _worker_encode(x, e, block: int):
-    return _encode(x.to(torch.float32) + e, block)
+def _scaled(signs: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
+    if block is None:
+        return signs * scales
+    return (signs.view(-1, block) * scales.view(-1, 1)).view(-1)
 
 
-def _worker_update(x, e, scales, block: int) -> None:
-    e.copy_(_minus_sgn_scaled(x.to(torch.float32) + e, scales, block))
-
-
-def _server_m(bits, weights, e, block: int) -> torch.Tensor:
-    m = (_signs(bits[0]).view(-1, block) * weights[0].view(-1, 1)).view(-1)
-    for r in range(1, bits.shape[0]):  # rank order, as the spec
-        m = m + (_signs(bits[r]).view(-1, block) * weights[r].view(-1, 1)).view(-1)
-    return m + e
-
-
-def _server_encode(bits, weights, e, block: int):
-    return _encode(_server_m(bits, weights, e, block), block)
-
-
-def _server_update(bits, weights, e, scales, block: int) -> None:
-    e.copy_(_minus_sgn_scaled(_server_m(bits, weights, e, block), scales, block))
-
-
-def _decode(bits, scales, out, block: int) -> None:
-    out.copy_((_signs(bits).view(-1, block) * scales.view(-1, 1)).view(-1).to(out.dtype))
-
-
-def _decode_update(bits, scales, out, e, s_w, block: int) -> None:
-    e.copy_(_minus_sgn_scaled(out.to(torch.float32) + e, s_w, block))
-    out.copy_((_signs(bits).view(-1, block) * scales.view(-1, 1)).view(-1).to(out.dtype))
+def _worker_encode(x, e):
+    return _encode(x.to(torch.float32) + e)
 
 
 def _compile(fn):
@@ -96,15 +90,25 @@ def _compile(fn):
 
 
 _worker_encode_c = _compile(_worker_encode)
-_worker_update_c = _compile(_worker_update)
-_decode_c = _compile(_decode)
-_decode_update_c = _compile(_decode_update)
 
 
 @functools.cache
-def _server_fns(W: int):
-    """The server's two compiled functions for world size W (the rank loop is unrolled)."""
-    return _compile(_server_encode), _compile(_server_update)
+def _fns() -> dict:
+    """The compiled element-wise passes with one scale broadcast over the piece (no block
+    scales; see SLOW_COMPILED for the rest)."""
+
+    def worker_update(x, e, scales) -> None:
+        e.copy_(_minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
+
+    def decode(bits, scales, out) -> None:
+        out.copy_(_scaled(_signs(bits), scales, None).to(out.dtype))
+
+    def decode_update(bits, scales, out, e, s_w) -> None:
+        e.copy_(_minus_sgn_scaled(out.to(torch.float32) + e, s_w, None))
+        out.copy_(_scaled(_signs(bits), scales, None).to(out.dtype))
+
+    return {"worker_update": _compile(worker_update), "decode": _compile(decode),
+            "decode_update": _compile(decode_update)}
 
 
 def usable() -> bool:
@@ -113,8 +117,8 @@ def usable() -> bool:
     if "ok" not in _state:
         try:
             z = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1.0, 2.0, float("nan")] * 2)
-            sums, bits = _worker_encode_c(z, torch.zeros_like(z), 8)
-            ok = torch.equal(bits, torch_kernels.pack_signs(z)) and sums[0].isnan().item()
+            sums8, bits = _worker_encode_c(z, torch.zeros_like(z))
+            ok = torch.equal(bits, torch_kernels.pack_signs(z)) and sums8[0].isnan().item()
             why = "its result differed from the plain path's"
         except Exception as exc:  # noqa: BLE001 - any failure to compile means: not here
             ok, why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -162,9 +166,9 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         lo, mid, hi = _split(layout, n, j)
         pieces = []
         if mid > lo:
-            sums, packed = _worker_encode_c(x[lo:mid], e[lo:mid], _block(layout, lo, mid))
+            sums8, packed = _worker_encode_c(x[lo:mid], e[lo:mid])
             bits[j, : (mid - lo) // 8] = packed
-            pieces.append(sums)
+            pieces.append(_block_sums(sums8, _block(layout, lo, mid)))
         if hi > mid:
             z = torch_kernels._z(x, e, mid, hi)
             bits[j, (mid - lo) // 8 :] = torch_kernels.pack_signs(z)
@@ -184,52 +188,43 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
     if not (update_error and finite):
         return
     for j, (lo, mid, hi) in enumerate(parts):
-        if mid > lo:
-            _worker_update_c(x[lo:mid], e[lo:mid], _piece_scales(scales, layout, j, lo, lo, mid),
-                             _block(layout, lo, mid))
+        if mid > lo and layout.block is None:
+            _fns()["worker_update"](x[lo:mid], e[lo:mid], _piece_scales(scales, layout, j, lo, lo, mid))
+        elif mid > lo:  # per-block scales: the plain path's update (see SLOW_COMPILED)
+            for a in range(lo, mid, torch_kernels._BLOCK // layout.block * layout.block):
+                b = min(mid, a + torch_kernels._BLOCK // layout.block * layout.block)
+                torch_kernels._minus_sgn_scaled_blocks(torch_kernels._z(x, e, a, b),
+                                                       _piece_scales(scales, layout, j, lo, a, b), e[a:b])
         if hi > mid:
             tail = _piece_scales(scales, layout, j, lo, mid, hi)
             e[mid:hi] = _minus_sgn_scaled(torch_kernels._z(x, e, mid, hi), tail, _block(layout, mid, hi))
 
 
-@torch.no_grad()
 def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
-    """:func:`torch_kernels.server_reduce`, compiled."""
-    encode, update = _server_fns(layout.W)
-    rbits, rscales = message_bits(received, layout), message_scales(received, layout)
-    weights = (rscales * (1.0 / layout.W)).view(layout.W, -1)  # 1/W multiplied, as the spec
-    if layout.block is None:
-        weights = weights.expand(layout.W, 1)
-    block = layout.C if layout.block is None else layout.block
-    sums, packed = encode(rbits, weights, e, block)
-    message_bits(out, layout)[0] = packed
-    out_scales = message_scales(out, layout)[0]
-    div = layout.C if layout.block is None else layout.block
-    out_scales.copy_(torch.sqrt(sums / div).to(torch.float32).view_as(out_scales))
-    received_finite = bool(torch.isfinite(rscales).all())
-    if not (received_finite and bool(torch.isfinite(out_scales).all())):
-        if layout.block is not None or not received_finite:  # as the plain path
-            out_scales.fill_(float("nan"))
-        return
-    update(rbits, weights, e, out_scales.view(-1), block)
+    """The plain path's :func:`torch_kernels.server_reduce` (see SLOW_COMPILED)."""
+    torch_kernels.server_reduce(received, e, layout, out)
 
 
 @torch.no_grad()
 def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                worker_error: torch.Tensor | None, worker_message: torch.Tensor | None) -> None:
-    """:func:`torch_kernels.decompress`, compiled."""
+    """:func:`torch_kernels.decompress`, compiled; with block scales the plain path's (see
+    SLOW_COMPILED)."""
+    if layout.block is not None:
+        torch_kernels.decompress(gathered, layout, out, worker_error, worker_message)
+        return
     scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), out.numel()
     update = worker_error is not None and bool(torch.isfinite(scales).all())
     s_w = message_scales(worker_message, layout) if update else None
     for j in range(layout.W):
         lo, mid, hi = _split(layout, n, j)
         if mid > lo:
-            block, sj = _block(layout, lo, mid), _piece_scales(scales, layout, j, lo, lo, mid)
+            fns, sj = _fns(), _piece_scales(scales, layout, j, lo, lo, mid)
             if update:
-                _decode_update_c(bits[j, : (mid - lo) // 8], sj, out[lo:mid], worker_error[lo:mid],
-                                 _piece_scales(s_w, layout, j, lo, lo, mid), block)
+                fns["decode_update"](bits[j, : (mid - lo) // 8], sj, out[lo:mid], worker_error[lo:mid],
+                                     _piece_scales(s_w, layout, j, lo, lo, mid))
             else:
-                _decode_c(bits[j, : (mid - lo) // 8], sj, out[lo:mid], block)
+                fns["decode"](bits[j, : (mid - lo) // 8], sj, out[lo:mid])
         if hi == mid:
             continue
         block = _block(layout, mid, hi)  # the padded rest: the plain path's arithmetic
