@@ -162,3 +162,23 @@ def save_png(fig, path: str, dpi: int = 110) -> None:
     with Image.open(path) as im:
         small = im.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT)
     small.save(path, optimize=True)
+
+
+def child_arguments(parser) -> None:
+    """The hidden ``--child`` and ``--out`` arguments of a benchmark that starts its own ranks."""
+    import argparse
+
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def run_child(args, child: Callable[[object], object]) -> None:
+    """In a rank (``--child``): run ``child(args)``, flush, and exit without interpreter
+    finalisation, where gloo aborts now and then (docs/failures.md); otherwise return."""
+    if not args.child:
+        return
+    child(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import slowest_rank_times  # noqa: E402
+from _common import child_arguments, run_child, slowest_rank_times  # noqa: E402
 from bench_allreduce import LINKS, Namespace, can_shape  # noqa: E402
 
 TOLERANCE = 0.35  # the acceptance: predicted within 35% of measured
@@ -111,14 +111,9 @@ def main() -> None:
     p.add_argument("--max-seconds", default=None,
                    help="the advisor's --max-seconds (a small one makes it extrapolate P from smaller sizes)")
     p.add_argument("--json", default=None, help="also write the rows here")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    child_arguments(p)
     args = p.parse_args()
-    if args.child:
-        child(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_child(args, child)
     reason = can_shape()
     links = args.links if reason is None else ["none"]
     if reason is not None:

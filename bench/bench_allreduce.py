@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import provenance, pyplot, save_png, write_csv  # noqa: E402
+from _common import child_arguments, provenance, pyplot, run_child, save_png, write_csv  # noqa: E402
 
 LINKS = {"1mbit": 1e6, "3mbit": 3e6, "10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9,
          "none": None}
@@ -142,15 +142,10 @@ def main() -> None:
                    "onebit_block): the hooks' default is 64")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "allreduce.csv"))
     p.add_argument("--plot", default=None, help="PNG path (default: next to the CSV)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--link", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    child_arguments(p)
     args = p.parse_args()
-    if args.child:
-        child(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip finalisation: gloo threads occasionally abort there (see examples/)
+    run_child(args, child)
 
     reason = can_shape()
     links = args.links if reason is None else ["none"]

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import slowest_rank_times  # noqa: E402
+from _common import child_arguments, run_child, slowest_rank_times  # noqa: E402
 from bench_allreduce import can_shape  # noqa: E402
 
 RATES = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
@@ -251,14 +251,9 @@ def main() -> None:
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,
                    help="leave float32 out on slow links (2^24 floats take 80 s per call at 10 Mbit/s)")
     p.add_argument("--json", default=None)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    child_arguments(p)
     args = p.parse_args()
-    if args.child:
-        child(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_child(args, child)
     reason = can_shape()
     if reason is not None:
         sys.exit(f"cannot emulate two nodes here ({reason})")

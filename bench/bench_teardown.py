@@ -83,7 +83,8 @@ train(sharded, torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9))
 lamb_model = net()
 lamb = OnebitLamb(lamb_model.parameters(), lr=1e-3, freeze_step=1000)  # never compresses: atexit message
 train(lamb_model, lamb, steps=2)
-print("done", rank, flush=True)
+sys.stdout.write(f"done {rank}\n")  # one write: lines of several ranks do not interleave
+sys.stdout.flush()
 ending = sys.argv[1]
 if ending == "finish":
     onebit.finish()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: set-up (first run only), ruff, the ahead-of-time compile of every
-# Triton kernel variant for sm_80 and sm_90 (no GPU needed), pytest. Extra arguments go to
-# pytest. `scripts/test.sh --quick`: ruff and the single-process tests only (under 2 minutes).
+# Triton kernel variant for sm_80 and sm_90 (no GPU needed), pytest (two processes, then the
+# timing tests alone). Extra arguments go to pytest. `scripts/test.sh --quick`: ruff and the
+# single-process tests only (under 2 minutes).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup-env.sh"
@@ -14,4 +15,12 @@ if [ "${1:-}" = "--quick" ]; then
   exec .venv/bin/pytest -m "not slow and not cuda" -p no:cacheprovider "$@"
 fi
 .venv/bin/python scripts/compile_check.py
-exec .venv/bin/pytest "$@"
+# two test processes (pytest-xdist; every multi-rank test rendezvouses through its own file or a
+# free port), then the tests that compare timings alone; ONEBIT_TEST_WORKERS=0 runs in one process
+status=0
+.venv/bin/pytest -n "${ONEBIT_TEST_WORKERS:-2}" --dist worksteal -m "not serial" "$@" || status=$?
+[ "$status" -eq 5 ] && status=0  # 5: nothing selected (e.g. a file with serial tests only)
+serial=0
+.venv/bin/pytest -m serial "$@" || serial=$?
+[ "$serial" -eq 5 ] && serial=0
+exit $(( status != 0 ? status : serial ))

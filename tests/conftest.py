@@ -72,17 +72,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+MAX_POOLS = 3  # world sizes kept alive per test process; the least recently used closes first
+
+
 @pytest.fixture(scope="session")
 def ranks():
     """``ranks(W)``: the session's pool of W gloo ranks (see dist_pool.RankPool)."""
     from dist_pool import RankPool
 
-    pools: dict[int, RankPool] = {}
+    pools: dict[int, RankPool] = {}  # in order of last use
 
     def get(world_size: int) -> RankPool:
-        pool = pools.get(world_size)
+        pool = pools.pop(world_size, None)
         if pool is None or not all(p.is_alive() for p in pool._procs):
-            pool = pools[world_size] = RankPool(world_size)
+            pool = RankPool(world_size)
+        pools[world_size] = pool
+        while len(pools) > MAX_POOLS:  # bound the live ranks (two test processes share the memory)
+            pools.pop(next(iter(pools))).close()
         return pool
 
     yield get

@@ -101,6 +101,7 @@ def test_without_torchrun_it_says_how_to_start_it_and_exits_3():
     assert run.returncode == 3 and "start it with torchrun" in run.stderr
 
 
+@pytest.mark.serial  # timings: alone, not beside the parallel tests
 def test_a_run_on_loopback_reports_and_decides(tmp_path):
     step = tmp_path / "step.py"
     step.write_text("import torch\nm = torch.nn.Linear(256, 256)\n\ndef step():\n"
@@ -128,6 +129,7 @@ def test_a_run_on_loopback_reports_and_decides(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="emulating a link needs root (network namespaces and tc)")
+@pytest.mark.serial  # timings: alone, not beside the parallel tests
 def test_the_prediction_holds_on_an_emulated_1_gbit_link():
     # the acceptance on one shaped link: W = 4, P = 2^22, within 35% of an independent
     # timing of dist.all_reduce against compressed_allreduce, and the verdict that timing implies
