@@ -78,10 +78,12 @@ def test_the_main_names_are_re_exported_from_onebit():
     import onebit
     import onebit.collectives
     import onebit.optimizers
+    import onebit.teardown
 
     for name in onebit.__all__:
         obj = getattr(onebit, name)
-        home = getattr(onebit.optimizers, name, None) or getattr(onebit.collectives, name, None)
+        home = (getattr(onebit.optimizers, name, None) or getattr(onebit.collectives, name, None)
+                or getattr(onebit.teardown, name, None))
         assert obj is home or name == "checkpoint", name
     assert onebit.OnebitAdam is onebit.optimizers.OnebitAdam
     assert onebit.onebit_compress_hook is onebit.collectives.onebit_compress_hook
