@@ -187,14 +187,15 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         scales.fill_(float("nan"))  # one non-finite block poisons every scale (as the plain path)
     if not (update_error and finite):
         return
+    if layout.block is not None:  # per-block scales: the plain path's update (see SLOW_COMPILED)
+        for j, lo, hi in torch_kernels._pieces(layout):
+            a, b = lo - j * layout.C, hi - j * layout.C
+            torch_kernels._minus_sgn_scaled_blocks(torch_kernels._z(x, e, lo, hi),
+                                                   scales[j, a // layout.block : b // layout.block], e[lo:hi])
+        return
     for j, (lo, mid, hi) in enumerate(parts):
-        if mid > lo and layout.block is None:
+        if mid > lo:
             _fns()["worker_update"](x[lo:mid], e[lo:mid], _piece_scales(scales, layout, j, lo, lo, mid))
-        elif mid > lo:  # per-block scales: the plain path's update (see SLOW_COMPILED)
-            for a in range(lo, mid, torch_kernels._BLOCK // layout.block * layout.block):
-                b = min(mid, a + torch_kernels._BLOCK // layout.block * layout.block)
-                torch_kernels._minus_sgn_scaled_blocks(torch_kernels._z(x, e, a, b),
-                                                       _piece_scales(scales, layout, j, lo, a, b), e[a:b])
         if hi > mid:
             tail = _piece_scales(scales, layout, j, lo, mid, hi)
             e[mid:hi] = _minus_sgn_scaled(torch_kernels._z(x, e, mid, hi), tail, _block(layout, mid, hi))
