@@ -89,13 +89,11 @@ def _compile(fn):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-_worker_encode_c = _compile(_worker_encode)
-
-
 @functools.cache
 def _fns() -> dict:
-    """The compiled element-wise passes with one scale broadcast over the piece (no block
-    scales; see SLOW_COMPILED for the rest)."""
+    """The compiled passes: the worker's encode, and the element-wise passes with one scale
+    broadcast over the piece (no block scales; see SLOW_COMPILED for the rest). Built on first
+    use: torch.compile imports torch._dynamo (about 2 s), which `import onebit` need not pay."""
 
     def worker_update(x, e, scales) -> None:
         e.copy_(_minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
@@ -107,7 +105,7 @@ def _fns() -> dict:
         e.copy_(_minus_sgn_scaled(out.to(torch.float32) + e, s_w, None))
         out.copy_(_scaled(_signs(bits), scales, None).to(out.dtype))
 
-    return {"worker_update": _compile(worker_update), "decode": _compile(decode),
+    return {"worker_encode": _compile(_worker_encode), "worker_update": _compile(worker_update), "decode": _compile(decode),
             "decode_update": _compile(decode_update)}
 
 
@@ -117,7 +115,7 @@ def usable() -> bool:
     if "ok" not in _state:
         try:
             z = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1.0, 2.0, float("nan")] * 2)
-            sums8, bits = _worker_encode_c(z, torch.zeros_like(z))
+            sums8, bits = _fns()["worker_encode"](z, torch.zeros_like(z))
             ok = torch.equal(bits, torch_kernels.pack_signs(z)) and sums8[0].isnan().item()
             why = "its result differed from the plain path's"
         except Exception as exc:  # noqa: BLE001 - any failure to compile means: not here
@@ -166,7 +164,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         lo, mid, hi = _split(layout, n, j)
         pieces = []
         if mid > lo:
-            sums8, packed = _worker_encode_c(x[lo:mid], e[lo:mid])
+            sums8, packed = _fns()["worker_encode"](x[lo:mid], e[lo:mid])
             bits[j, : (mid - lo) // 8] = packed
             pieces.append(_block_sums(sums8, _block(layout, lo, mid)))
         if hi > mid:

@@ -203,7 +203,7 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
 
-    monkeypatch.setattr(cpu_compiled, "_worker_encode_c", broken)
+    monkeypatch.setattr(cpu_compiled, "_fns", lambda: {"worker_encode": broken})
     monkeypatch.setattr(cpu_compiled, "_state", {})
     x, e, layout = _inputs(3, None, 1000, torch.float32, seed=1)
     with pytest.warns(RuntimeWarning, match="compiled CPU codec is not available.*InvalidCxxCompiler"):
