@@ -1,7 +1,9 @@
-"""A pool of W spawned gloo ranks that run test bodies on request.
+"""A pool of W gloo ranks that run test bodies on request.
 
-Spawning a rank (importing torch) takes seconds, so each world size is spawned once per
-test session and reused. Rendezvous through a ``file://`` in a fresh temp dir (no port).
+The ranks are forked from a forkserver that imported torch, onebit and the test helpers once:
+a spawned rank would import them itself (3-5 s of CPU each), which made a pool that the LRU
+bound in conftest.py closed and reopened cost seconds per test. Each world size's pool is
+reused for the test session. Rendezvous through a ``file://`` in a fresh temp dir (no port).
 A body is a module-level function ``fn(*args)`` run on every rank; its return values come
 back as a list indexed by rank. An exception on any rank fails the call with that rank's
 traceback; a rank silent for ``timeout`` seconds fails it too and the pool is torn down.
@@ -18,6 +20,9 @@ import tempfile
 import traceback
 
 import torch.multiprocessing as mp
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "onebit", "helpers"])
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, tasks, results) -> None:
@@ -43,7 +48,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, tasks, results) -> No
 class RankPool:
     def __init__(self, world_size: int, timeout: float = 300.0) -> None:
         self.world_size, self.timeout = world_size, timeout
-        ctx = mp.get_context("spawn")
+        ctx = _CTX
         self._dir = tempfile.mkdtemp(prefix="onebit-pool-")
         init_file = os.path.join(self._dir, "rendezvous")
         self._tasks = [ctx.Queue() for _ in range(world_size)]

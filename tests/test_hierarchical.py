@@ -348,19 +348,16 @@ def test_an_optimizer_on_a_mesh_trains_like_adam_on_a_suite_task(tmp_path):
     # 1-bit compression runs from the freeze at step 80, 20% of the run)
     import json
     import os
-    import subprocess
-    import sys
+
+    from zygote import launch
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     losses = {}
     for name, extra in (("adam", []), ("onebit_adam", ["--per-node", "2"])):
         log = tmp_path / f"{name}.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               os.path.join(root, "bench", "train_task.py"), "--task", "words", "--steps", "400",
-               "--optimizer", name, "--log-jsonl", str(log), "--eval-every", "400", *extra]  # at the end
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("TRITON_INTERPRET", None)
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        run = launch(os.path.join(root, "bench", "train_task.py"), "--task", "words", "--steps", "400",
+                     "--optimizer", name, "--log-jsonl", str(log), "--eval-every", "400", *extra,
+                     nproc=4, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))  # eval at the end
         assert run.returncode == 0, run.stderr[-3000:]
         rows = [json.loads(line) for line in log.read_text().splitlines()]
         losses[name] = [r["val_loss"] for r in rows if r.get("val_loss") is not None][-1]

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 from helpers import ROOT
+from zygote import launch
 
 pytest.importorskip("transformers")
 pytest.importorskip("pytorch_lightning")
@@ -31,15 +32,18 @@ def _env() -> dict:
     return env
 
 
-def run_script(tmp_path, code: str, *args: str, torchrun: bool = True, name: str = "script.py"):
-    """Run ``code`` on 2 ranks (torchrun, or the script starts them itself); returns its result
-    line as a dict, and stderr."""
+def run_script(tmp_path, code: str, *args: str, launcher: str = "zygote", name: str = "script.py"):
+    """Run ``code`` on 2 ranks: started as torchrun starts them (``zygote``: forked from a process
+    that imported the frameworks once, tests/zygote.py; ``torchrun``: torchrun itself), or by the
+    script itself (``python``: Lightning's and Fabric's own launcher). Returns its result line as
+    a dict, and stderr."""
     script = tmp_path / name
     script.write_text(code)
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-              if torchrun else [sys.executable])
-    run = subprocess.run([*launch, str(script), *args], capture_output=True, text=True, timeout=600,
-                         env=_env(), cwd=tmp_path)
+    if launcher == "python":
+        run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                             timeout=600, env=_env(), cwd=tmp_path)
+    else:
+        run = launch(script, *args, nproc=2, cwd=tmp_path, env=_env(), real=launcher == "torchrun")
     assert run.returncode == 0, run.stderr[-4000:]
     (tmp_path / "last_stdout.txt").write_text(run.stdout)
     # rank 0 prints it (the script compared the ranks' weights with an all-gather)
@@ -81,8 +85,9 @@ def test_hf_trainer_onebit_adam_resumes_exactly_from_its_own_checkpoint(tmp_path
 
 
 def test_hf_trainer_adamw_gets_the_compression_hook(tmp_path):
+    # freeze_step 6 (a quarter), 18 compressed steps; launched by torchrun itself, as the page says
     got, _ = run_script(tmp_path, page_script("hf-trainer.md"), "--optimizer", "adamw", "--steps", "24",
-                        "--save-steps", "1000")  # freeze_step 6 (a quarter), 18 compressed steps
+                        "--save-steps", "1000", launcher="torchrun")
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
 
 
@@ -134,7 +139,7 @@ def test_hf_trainer_accumulation_compile_and_a_second_train(tmp_path, which, mod
 @pytest.mark.parametrize("optimizer", ["onebit-adam", "adamw"])
 def test_lightning_trains_with_the_callback_on_cpu(tmp_path, optimizer):
     got, _ = run_script(tmp_path, page_script("lightning.md"), "--optimizer", optimizer, "--steps", "30",
-                        "--freeze-step", "10", torchrun=False)
+                        "--freeze-step", "10", launcher="python")
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
 
 
@@ -204,15 +209,15 @@ def test_lightning_resume_gives_each_rank_its_own_state(tmp_path):
     # Lightning's own resume is not bitwise here (plain Adam without onebit ends elsewhere too),
     # so this checks what onebit adds: each rank's error buffers are its own after fit(ckpt_path=)
     code = textwrap.dedent(LIGHTNING_RESUME)
-    whole, _ = run_script(tmp_path, code, "ckpt", "fresh", torchrun=False)
+    whole, _ = run_script(tmp_path, code, "ckpt", "fresh")
     assert whole["same"] and whole["sent"] > 0
     assert (tmp_path / "ckpt/onebit/step000000006/rank00001.pt").is_file()
-    resumed, err = run_script(tmp_path, code, "ckpt", "probe", torchrun=False)
+    resumed, err = run_script(tmp_path, code, "ckpt", "probe")
     assert resumed["same"] and resumed["sent"] == whole["sent"], (resumed, whole)
     assert "own error buffers on every rank True" in err + _last_stdout(tmp_path), err[-3000:]
     assert FOREIGN not in err and "no directory among" not in err, err[-3000:]
     shutil.rmtree(tmp_path / "ckpt/onebit")  # the control: Lightning's rank-0 state alone
-    without, err = run_script(tmp_path, code, "ckpt", "resume", torchrun=False)
+    without, err = run_script(tmp_path, code, "ckpt", "resume")
     assert "no directory among" in err and FOREIGN in err, err[-3000:]
 
 
@@ -258,9 +263,7 @@ dist.destroy_process_group()
 def test_hf_trainer_clips_by_the_agreed_norm_and_a_skipped_step_holds_the_schedule(tmp_path):
     script = tmp_path / "clip.py"
     script.write_text(textwrap.dedent(CLIP_AND_SKIP))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    run = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=600, env=_env(),
-                         cwd=tmp_path)
+    run = launch(script, nproc=2, cwd=tmp_path, env=_env())
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{\"norms\"")][0])
     norms = got["norms"]
@@ -334,7 +337,8 @@ dist.destroy_process_group()
                                              ("fabric", "onebit")])
 def test_loops_around_accelerate_and_fabric(tmp_path, framework, which):
     code = textwrap.dedent(LOOPS)
-    got, _ = run_script(tmp_path, code, framework, which, torchrun=framework == "accelerate")
+    launcher = "zygote" if framework == "accelerate" else "python"  # Fabric starts its own ranks
+    got, _ = run_script(tmp_path, code, framework, which, launcher=launcher)
     assert got["same"] and got["sent"] > 0, got
     assert (tmp_path / "state/step000000012/rank00001.pt").is_file()
 
