@@ -105,8 +105,8 @@ def _fns() -> dict:
         e.copy_(_minus_sgn_scaled(out.to(torch.float32) + e, s_w, None))
         out.copy_(_scaled(_signs(bits), scales, None).to(out.dtype))
 
-    return {"worker_encode": _compile(_worker_encode), "worker_update": _compile(worker_update), "decode": _compile(decode),
-            "decode_update": _compile(decode_update)}
+    return {"worker_encode": _compile(_worker_encode), "worker_update": _compile(worker_update),
+            "decode": _compile(decode), "decode_update": _compile(decode_update)}
 
 
 def usable() -> bool:

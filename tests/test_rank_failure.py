@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, TINY, demo_fingerprint
+from zygote import launch
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +45,10 @@ def _launch(args: list[str]) -> list[subprocess.Popen]:
     return procs
 
 
-def _torchrun(args: list[str], expect_ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W), SCRIPT,
-           *args]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+def _torchrun(args: list[str], expect_ok: bool = True):
+    """W ranks started as torchrun starts them (tests/zygote.py: forked, torch imported once);
+    as with torchrun, the first rank that fails stops the others."""
+    run = launch(SCRIPT, *args, nproc=W, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     if expect_ok:
         assert run.returncode == 0, run.stderr[-3000:]
     return run

@@ -85,9 +85,9 @@ def test_hf_trainer_onebit_adam_resumes_exactly_from_its_own_checkpoint(tmp_path
 
 
 def test_hf_trainer_adamw_gets_the_compression_hook(tmp_path):
-    # freeze_step 6 (a quarter), 18 compressed steps; launched by torchrun itself, as the page says
+    # freeze_step 6 (a quarter), 18 compressed steps
     got, _ = run_script(tmp_path, page_script("hf-trainer.md"), "--optimizer", "adamw", "--steps", "24",
-                        "--save-steps", "1000", launcher="torchrun")
+                        "--save-steps", "1000")
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
 
 
