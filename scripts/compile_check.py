@@ -8,7 +8,7 @@ with ``n`` a multiple of 16 and not, and specialised by Triton's own binder exac
 launch is (i32/i64, divisibility by 16, constexprs, the launchers' ``enable_fp_fusion``). Each
 distinct variant is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
 arch, 32))`` or ``GPUTarget("hip", arch, 64)`` (wavefront 64). One line per variant and target:
-NVIDIA: registers, spills and stack (ptxas re-run on the PTX), shared memory, and the widths of
+NVIDIA: registers, spills and stack (the log of ptxas -v as Triton runs it), shared memory, and the widths of
 its global loads and stores (``v4.b32x16``: sixteen 128-bit loads); AMD: VGPRs, SGPRs, spills,
 LDS and scratch (the code object's metadata) and its global/buffer load and store instructions
 (``buffer.dwordx4*2``: two 128-bit loads). Every line ends with ``fma N``: the fused
@@ -29,11 +29,12 @@ compile or has an FMA it should not have.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,17 +125,9 @@ def specialise(launch, backend, fp_fusion: bool | None = None):
     return fn._pack_args(backend, kwargs, bound, spec, opts)
 
 
-def ptxas_usage(ptx: str, arch: int) -> dict:
-    """Registers, spills and stack from the ptxas Triton uses, run with its flags and -v."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as fh:
-            fh.write(ptx)
-        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(arch)}", path, "-o", os.path.join(d, "k.o")]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+def ptxas_usage(log: str) -> dict:
+    """Registers, spills and stack from the log of the ptxas run that made the kernel's cubin
+    (Triton runs it with -v; ``knobs.nvidia.dump_ptxas_log`` prints that log)."""
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
     return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
@@ -231,6 +224,7 @@ def compile_target(arch: str, dump: str | None = None) -> tuple[list[str], int, 
     """Compile every variant for one target: (lines, compiled, failures, variants with an FMA)."""
     target = target_of(arch)
     backend = make_backend(target)
+    knobs.nvidia.dump_ptxas_log = True  # the registers and spills of the compile itself (ptxas -v)
     label = f"sm_{arch}" if target.backend == "cuda" else arch
     lines, compiled, failures, fused, seen = [], 0, 0, 0, set()
     for tag, launch in launches():
@@ -241,11 +235,13 @@ def compile_target(arch: str, dump: str | None = None) -> tuple[list[str], int, 
         seen.add(key)
         name = f"{launch.name} ({tag})" if tag else launch.name
         try:
-            kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                                        options=options.__dict__)
             if target.backend == "cuda":
                 code = kernel.asm["ptx"]
-                use = ptxas_usage(code, int(arch))
+                use = ptxas_usage(log.getvalue())
                 usage = (f"regs {use['regs']:3d}  spills {use['spills']:6} stack {use['stack']}B  "
                          f"shared {kernel.metadata.shared}B  warps {kernel.metadata.num_warps}  "
                          f"{vector_widths(code)}")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from zygote import launch
 
 from onebit.advise.model import Affine, LinkModel, verdict
 from onebit.collectives import padded_numel
@@ -76,13 +77,15 @@ def test_verdict_says_what_and_why():
     assert verdict(0.96, "x", "d")[0] == "do not compress" and "break-even" in verdict(0.96, "x", "d")[1]
 
 
-def _advise(*args: str, nproc: int | None = 4, timeout: int = 600) -> subprocess.CompletedProcess:
+def _advise(*args: str, nproc: int | None = 4, timeout: int = 600):
+    """``python -m onebit.advise`` alone, or on ``nproc`` ranks started as torchrun starts them
+    (tests/zygote.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-              if nproc else [sys.executable])
-    return subprocess.run([*launch, "-m", "onebit.advise", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
+    if nproc:
+        return launch("-monebit.advise", *args, nproc=nproc, cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "onebit.advise", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.parametrize(("args", "message"), [

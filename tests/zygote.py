@@ -86,7 +86,8 @@ _client: _Client | None = None
 
 
 def run_ranks(script, *args: str, nproc: int, cwd, env: dict | None = None, timeout: float = 600) -> Launch:
-    """Run ``script args`` on ``nproc`` local ranks as torchrun --standalone would; wait for all."""
+    """Run ``script args`` on ``nproc`` local ranks as torchrun --standalone would; wait for all.
+    ``script`` "-mNAME" runs the module NAME as ``python -m NAME`` does."""
     global _client
     if _client is None or _client.proc.poll() is not None:
         _client = _Client()
@@ -149,9 +150,14 @@ def _rank(request: dict, rank: int, port: int) -> None:
         os.chdir(request["cwd"])
         script = request["argv"][0]
         sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
         try:
-            runpy.run_path(script, run_name="__main__")
+            if script.startswith("-m"):  # `python -m module`: the working directory first on sys.path
+                sys.path[0] = os.getcwd()
+                sys.argv[0] = script[2:]
+                runpy.run_module(script[2:], run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as stop:
             if stop.code is None or isinstance(stop.code, int):
