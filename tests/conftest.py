@@ -59,11 +59,17 @@ def _starts_processes(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
+    order = {}
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
         ranks = "ranks" in getattr(item, "fixturenames", ())
-        if module in PROCESS_MODULES or ranks or _starts_processes(item):
+        launches = module in PROCESS_MODULES or _starts_processes(item)
+        if launches or ranks:
             item.add_marker(slow)  # several processes: not in the quick tier
+        order[item.nodeid] = 0 if launches else 1 if ranks else 2
+    # the tests that start processes (the longest) first, so that the two test processes of the
+    # full run end together instead of one finishing a long launch alone
+    items.sort(key=lambda item: order[item.nodeid])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

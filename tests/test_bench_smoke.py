@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from zygote import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(script: str, *args: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    """The script in a process forked from one that imported torch once (tests/zygote.py)."""
+    out = launch(ROOT / "bench" / script, *args, nproc=1, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                 timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import make_grads, make_optimizer, set_grads
+from zygote import launch
 
 from onebit.collectives import OnebitCompressHookState
 from onebit.optimizers import OnebitAdam
@@ -87,14 +88,11 @@ def _check_wrappers(AcceleratedOptimizer, LightningOptimizer):
         state.optimizer = model
 
 
-def _torchrun(tmp_path, code: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path, code: str, nproc: int = 2):
+    """``code`` on ``nproc`` ranks started as torchrun starts them (tests/zygote.py)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    return launch(script, nproc=nproc, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
 
 
 def test_hook_state_built_before_the_process_group_averages(tmp_path):

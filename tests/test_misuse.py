@@ -316,17 +316,16 @@ def test_a_run_that_never_compressed_says_so_at_interpreter_exit(tmp_path, W):
     # W = 2 ends with barrier + destroy_process_group, W = 3 with onebit.finish() (which runs the
     # atexit handlers itself, then skips finalisation): the message, once, and exit status 0
     import os
-    import subprocess
-    import sys
+
+    from zygote import launch
 
     script = tmp_path / "short_run.py"
     bare = "dist.barrier()\ndist.destroy_process_group()\n"
     ending = "import onebit\nonebit.finish()\n" if W == 3 else bare
     script.write_text(EXIT_SCRIPT + ending)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
-           str(script)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    # W ranks started as torchrun starts them (tests/zygote.py: at the script's end the
+    # interpreter's exit steps, atexit handlers included)
+    run = launch(script, nproc=W, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     said = [line for line in run.stderr.splitlines() if "compressed none" in line]
     assert len(said) == 1 and "freeze_step=50 is 45 updates away" in said[0], run.stderr[-3000:]

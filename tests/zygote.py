@@ -150,24 +150,31 @@ def _rank(request: dict, rank: int, port: int) -> None:
         os.chdir(request["cwd"])
         script = request["argv"][0]
         sys.argv = list(request["argv"])
+        # what the script's globals hold lives until the exit steps ran, as in an interpreter
+        # (an atexit handler may look for live objects): its namespace, or the exception
+        # whose traceback holds its frames
+        keep = None
         try:
             if script.startswith("-m"):  # `python -m module`: the working directory first on sys.path
                 sys.path[0] = os.getcwd()
                 sys.argv[0] = script[2:]
-                runpy.run_module(script[2:], run_name="__main__", alter_sys=True)
+                keep = runpy.run_module(script[2:], run_name="__main__", alter_sys=True)
             else:
                 sys.path[0] = os.path.dirname(os.path.abspath(script))
-                runpy.run_path(script, run_name="__main__")
+                keep = runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as stop:
+            keep = stop
             if stop.code is None or isinstance(stop.code, int):
                 code = stop.code or 0
             else:
                 print(stop.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 - the rank's traceback, as the interpreter prints it
+        except BaseException as exc:  # noqa: BLE001 - the rank's traceback, as the interpreter prints it
+            keep = exc
             traceback.print_exc()
         threading._shutdown()  # what the interpreter does at exit: join non-daemon threads,
         exits._run_exitfuncs()  # then run the atexit handlers
+        del keep
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         code = 1
