@@ -47,14 +47,15 @@ PROCESS_MODULES = {"test_advise", "test_bench_smoke", "test_compile_check", "tes
 
 
 def _starts_processes(item) -> bool:
-    """The test's own code imports subprocess or spawns (several ranks, torchrun, replicas)."""
+    """The test's own code imports subprocess, spawns, or starts ranks (tests/zygote.py's
+    ``launch``, a module's ``_torchrun`` helper): several ranks, torchrun, replicas."""
     import inspect
 
     try:
         source = inspect.getsource(item.function)
     except (OSError, TypeError):
         return False
-    return "subprocess" in source or "spawn(" in source
+    return any(word in source for word in ("subprocess", "spawn(", "launch(", "_torchrun("))
 
 
 def pytest_collection_modifyitems(config, items):
