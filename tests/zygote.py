@@ -8,8 +8,9 @@ The scripts run as written: ``runpy`` as ``__main__`` with the script's folder f
 in their own working directory and environment, and at their end the interpreter's exit steps
 (non-daemon threads joined, atexit handlers, streams flushed). What differs from torchrun is the
 launcher only: the first failing rank stops the others (SIGTERM, then SIGKILL after 5 s) and the
-launch reports exit status 1. Tests of torchrun's own behaviour (a killed rank, the demo's
-command line) keep launching torchrun.
+launch reports exit status 1. ``launch(..., real=True)`` runs torchrun itself (the README's first
+script, the demo's command line); the killed and hung ranks of test_rank_failure stay plain
+processes, since a launcher would stop the survivors itself.
 
 Run as a script, this file is the forking server: one JSON request per stdin line, two JSON
 replies on stdout (the launch's process group, then its exit status)."""
@@ -20,6 +21,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +82,7 @@ class _Client:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)  # every launch's rank logs
 
 
 _client: _Client | None = None
@@ -101,6 +104,7 @@ def run_ranks(script, *args: str, nproc: int, cwd, env: dict | None = None, time
     errs = [(logs / f"{r}.err").read_text(errors="replace") for r in range(nproc)]
     agent = logs / "agent.err"
     errs.append(agent.read_text() if agent.exists() else "")
+    shutil.rmtree(logs, ignore_errors=True)
     return Launch(rc, "".join(outs), "".join(errs), outs)
 
 
@@ -110,13 +114,14 @@ def launch(script, *args: str, nproc: int, cwd, env: dict | None = None, timeout
     own: printed together, the ranks' lines interleave)."""
     if not real:
         return run_ranks(script, *args, nproc=nproc, cwd=cwd, env=env, timeout=timeout)
-    logs = Path(tempfile.mkdtemp(prefix="torchrun-"))
     env = dict(os.environ if env is None else env)
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--log-dir", str(logs), "--redirects", "1", str(script), *map(str, args)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    outs = [next(logs.rglob(f"attempt_0/{r}/stdout.log")).read_text() for r in range(nproc)]
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as d:
+        logs = Path(d)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "--log-dir", str(logs), "--redirects", "1", str(script), *map(str, args)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        outs = [next(logs.rglob(f"attempt_0/{r}/stdout.log")).read_text() for r in range(nproc)]
     return Launch(run.returncode, run.stdout + "".join(outs), run.stderr, outs)
 
 
