@@ -17,13 +17,17 @@ floating-point multiply-adds in the generated code that come from the kernels' o
 launchers turn contraction off (``triton_kernels.FP_FUSION``; the comment there says why);
 "(+M exact)": those AMD's correctly rounded division and square root and its 64-bit integer
 division are made of, and conversions folded into an add as ``x * 1.0 + y`` (``fma_count``).
-Where ``n`` is not a multiple of 16 each kernel is also compiled with one block path alone:
-"full-block path" (what every block but the last runs) and "masked path". The targets compile
+With ``--paths``, where ``n`` is not a multiple of 16 each kernel is also compiled with one block
+path alone: "full-block path" (what every block but the last runs) and "masked path", to read
+each path's access widths. The launchers never launch these (the kernel they launch holds both
+paths, the stricter test of registers and spills), so CI leaves them out: they were 58 of the
+132 variants per target. The targets compile
 in parallel (one process each, as many as there are cores). Exits 1 if any variant fails to
 compile or has an FMA it should not have.
 
   python scripts/compile_check.py                               # sm_80, sm_90, gfx942, gfx90a
   python scripts/compile_check.py --archs 90,gfx942 --dump out/  # also write the IRs and asm
+  python scripts/compile_check.py --archs 80 --paths              # and each block path alone
 """
 
 from __future__ import annotations
@@ -58,9 +62,10 @@ from onebit.kernels.layout import Layout  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def launches(N: int = 2**26, W: int = 4):
+def launches(N: int = 2**26, W: int = 4, paths: bool = False):
     """(label, Launch) for every launch the launchers make, over dtypes and alignments of n;
-    where n (or the server's chunk) is not a multiple of 16, also each block path alone."""
+    with ``paths``, where n (or the server's chunk) is not a multiple of 16, also each block
+    path alone."""
     T, f32, f64, u8, i32 = MockTensor, torch.float32, torch.float64, torch.uint8, torch.int32
     layout = Layout(N, W)
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
@@ -72,15 +77,15 @@ def launches(N: int = 2**26, W: int = 4):
                     *tk.decompress_launches(T(u8), T(f32), T(d), T(f32), T(f32), n, layout, True),
                     *tk.decompress_launches(T(u8), words, out, out, words, n, layout, False)]
             for launch in made:
-                yield from _with_paths(tag, launch, split=bool(align))
+                yield from _with_paths(tag, launch, split=paths and bool(align))
     for size, align in ((N, ""), (N + 8 * W, "chunk % 16 != 0")):
         for launch in tk.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(f64), T(i32),
                                                 Layout(size, W)):
-            yield from _with_paths(align, launch, split=bool(align))
-    yield from block_launches(N, W)
+            yield from _with_paths(align, launch, split=paths and bool(align))
+    yield from block_launches(N, W, paths)
 
 
-def block_launches(N: int, W: int):
+def block_launches(N: int, W: int, paths: bool = False):
     """The block-scale kernels (onebit.kernels.triton_blocks) at the hooks' default block (64)
     and at the smallest and largest block they take, n a multiple of the tile and not."""
     T, f32, u8, i32 = MockTensor, torch.float32, torch.uint8, torch.int32
@@ -96,7 +101,8 @@ def block_launches(N: int, W: int):
                         *tb.decompress_launches(T(u8), T(f32), T(d), T(f32), T(f32), n, layout, True),
                         *tb.decompress_launches(T(u8), words, out, out, words, n, layout, False)]
                 for launch in made:  # the error-update kernel has one (masked) path only
-                    yield from _with_paths(tag, launch, split=bool(align) and "PATHS" in launch.constexprs)
+                    yield from _with_paths(tag, launch, split=paths and bool(align)
+                                           and "PATHS" in launch.constexprs)
         for launch in tb.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(i32), T(i32), layout):
             yield f"block {block}", launch
 
@@ -220,14 +226,15 @@ def target_of(arch: str):
     return GPUTarget("cuda", int(arch), 32)
 
 
-def compile_target(arch: str, dump: str | None = None) -> tuple[list[str], int, int, int]:
+def compile_target(arch: str, dump: str | None = None,
+                   paths: bool = False) -> tuple[list[str], int, int, int]:
     """Compile every variant for one target: (lines, compiled, failures, variants with an FMA)."""
     target = target_of(arch)
     backend = make_backend(target)
     knobs.nvidia.dump_ptxas_log = True  # the registers and spills of the compile itself (ptxas -v)
     label = f"sm_{arch}" if target.backend == "cuda" else arch
     lines, compiled, failures, fused, seen = [], 0, 0, 0, set()
-    for tag, launch in launches():
+    for tag, launch in launches(paths=paths):
         options, signature, constexprs, attrs = specialise(launch, backend)
         key = (launch.name, str(signature), str(constexprs), str(attrs))
         if key in seen:
@@ -279,6 +286,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--archs", default="80,90,gfx942,gfx90a",
                    help="targets, comma-separated: NVIDIA compute capabilities, AMD gfx names")
     p.add_argument("--dump", default=None, help="write each variant's IRs and assembly here")
+    p.add_argument("--paths", action="store_true",
+                   help="also compile each block path alone where n is not a multiple of 16")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="targets compiled at once")
     args = p.parse_args(argv)
     from triton.backends.nvidia.compiler import get_ptxas
@@ -295,7 +304,8 @@ def main(argv: list[str]) -> int:
 
     jobs = max(1, min(args.jobs, len(archs)))
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-        results = list(pool.map(compile_target, archs, [args.dump] * len(archs)))
+        results = list(pool.map(compile_target, archs, [args.dump] * len(archs),
+                                [args.paths] * len(archs)))
     compiled = failures = fused = 0
     for lines, c, f, u in results:
         print("\n".join(lines), flush=True)

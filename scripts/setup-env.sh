@@ -7,6 +7,7 @@
 #   ONEBIT_TORCH        torch requirement (default torch==2.13.0)
 #   ONEBIT_TORCH_INDEX  index URL for it, e.g. the CPU-only wheel index of your mirror
 #   ONEBIT_PYTHON       interpreter for the venv (default python3)
+#   ONEBIT_INSTALLER    uv (default: the packages after torch through uv, pip if uv fails) or pip
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -24,11 +25,28 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "${pip[@]}" install "$torch_req"
   fi
 fi
+# The rest through uv where it can be had (a wheel from PyPI, into the venv): it downloads in
+# parallel and compiles byte code on every core, about 50 s sooner than pip on 2 cores. The
+# torch installed above is pinned for it, so it never picks a build either. pip where uv cannot
+# be installed or fails (a private index that only pip is configured for), or with
+# ONEBIT_INSTALLER=pip.
+install() {
+  if [ "${ONEBIT_INSTALLER:-uv}" = uv ] && { [ -x "$venv/bin/uv" ] || "${pip[@]}" install uv >/dev/null 2>&1; }; then
+    local pin status=0
+    pin="$(mktemp)"
+    "$venv/bin/python" -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > "$pin"
+    "$venv/bin/uv" pip install -q --python "$venv/bin/python" --compile-bytecode -c "$pin" "$@" || status=$?
+    rm -f "$pin"
+    [ "$status" -eq 0 ] && return 0
+    echo "setup-env.sh: uv failed (status $status); installing with pip" >&2
+  fi
+  "${pip[@]}" install "$@"
+}
 stamp="$venv/.onebit-installed"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-  "${pip[@]}" install -e "$root[test]"
+  install -e "$root[test]"
   # torchtitan without its trainer's dependencies (datasets, wandb, tensorboard): the tests use
   # its optimizer container on CPU; the `torchtitan` extra installs all of it
-  "${pip[@]}" install --no-deps "torchtitan==0.3.0"
+  install --no-deps "torchtitan==0.3.0"
   touch "$stamp"
 fi
