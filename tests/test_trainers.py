@@ -12,13 +12,16 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from importlib.util import find_spec
 
 import pytest
 from helpers import ROOT
 from zygote import launch
 
-pytest.importorskip("transformers")
-pytest.importorskip("pytorch_lightning")
+# found, not imported: collecting this file in every pytest process would cost Lightning's import
+# (4 s); the launched scripts import both
+if find_spec("transformers") is None or find_spec("pytorch_lightning") is None:
+    pytest.skip("needs transformers and pytorch_lightning", allow_module_level=True)
 
 
 def page_script(page: str) -> str:
