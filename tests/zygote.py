@@ -33,9 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # What every launched script imports anyway (ImportError: an optional package not installed).
+# torch.compile's modules too (2.5 s a rank): onebit's compiled CPU codec, from 2^20 elements,
+# imports them on first use (importing starts no thread, so the forks stay safe)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "numpy", "onebit",
            "onebit.integrations.transformers", "transformers", "accelerate", "pytorch_lightning",
-           "onebit.integrations.lightning")
+           "onebit.integrations.lightning", "torch._dynamo", "torch._inductor.compile_fx")
 # Read by the packages at import time: the zygote imports them under the values every test uses.
 IMPORT_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
