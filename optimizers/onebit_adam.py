@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives.bucket import allreduce_mean_
+from ..kernels import cpu_fused
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
@@ -92,7 +93,9 @@ class OnebitAdam(WarmupThenCompress):
     def _fold_one(self, k: int, p, g: dict, view) -> None:
         """Fold p's local gradient into its compressed momentum (preconditioned: into m/denom)."""
         if self.preconditioned:
-            fold_preconditioned_(view, p.grad, self.stale_denominator(k, p, g), g["betas"][0])
+            denom = self.stale_denominator(k, p, g)
+            if not cpu_fused.fold_preconditioned_(view, p.grad, denom, g["betas"][0]):  # one pass on CPU
+                fold_preconditioned_(view, p.grad, denom, g["betas"][0])
         else:
             fold_(view, p.grad, g["betas"][0])
 
@@ -129,6 +132,9 @@ class OnebitAdam(WarmupThenCompress):
         """Compression-stage update with the floored frozen denominator and the clip:
         ``p -= lr * (clip(m / denom / bc1) + wd * p)`` (``denom=None``: m is m/denom)."""
         bc1 = 1.0 - g["betas"][0] ** t if g["bias_correction"] else 1.0
+        if denom is None and cpu_fused.stale_update_(p, m, lr=g["lr"], weight_decay=g["weight_decay"],
+                                                     clip=self.update_clip, bc1=bc1):
+            return  # the same maths in one pass (CPU)
         update = stale_direction(p, m, denom, 0.0, self.update_clip, bc1)
         if g["weight_decay"]:
             p.mul_(1.0 - g["lr"] * g["weight_decay"])

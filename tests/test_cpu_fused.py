@@ -1,0 +1,138 @@
+"""The fused CPU passes (onebit.kernels.cpu_fused) against the plain torch ops that stay the
+reference (onebit.optimizers._functional): the fold bitwise, the update within one float32 ulp
+of its operands' scale; zeros, signed zeros, tiny denominators, NaN and infinities where the
+plain ops put them; sizes not a multiple of 16; the cases it leaves to the caller; OnebitAdam's
+compression stage with and without them on 2 ranks. Slow tier: the first call compiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.kernels import cpu_compiled, cpu_fused  # noqa: F401 - cpu_compiled: the skipif's condition
+from onebit.optimizers._functional import fold_preconditioned_, stale_direction
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif("not cpu_compiled.usable()",
+                                 reason="torch.compile cannot build here (no C++ compiler): plain ops run")]
+
+N = cpu_fused.MIN_NUMEL + 13
+
+
+def _inputs(seed: int, n: int = N):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(n, generator=g) * 1e-2
+    grad = torch.randn(n, generator=g) * 10.0 ** torch.randint(-8, 3, (n,), generator=g)
+    d = torch.rand(n, generator=g) * 1e-2 + 1e-8
+    u[:4], grad[4:8] = torch.tensor([0.0, -0.0, 0.0, -0.0]), torch.tensor([0.0, -0.0, 1e-38, -1e-38])
+    return u, grad, d
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("beta1", [0.9, 0.0, 0.999])
+def test_fold_is_bitwise_the_plain_ops(seed, beta1):
+    u, grad, d = _inputs(seed)
+    grad[100], grad[101], d[102] = float("nan"), float("inf"), 0.0  # non-finite where the plain ops put it
+    want = fold_preconditioned_(u.clone(), grad, d, beta1)
+    got = u.clone()
+    assert cpu_fused.fold_preconditioned_(got, grad, d, beta1)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))  # -0.0 kept
+
+
+@pytest.mark.parametrize(("lr", "wd", "clip", "bc1"), [
+    (1e-3, 0.0, 1.0, 1.0), (3e-4, 0.01, 1.0, 0.1), (1e-2, 0.1, None, 0.5), (1e-3, 0.0, 1e-3, 0.999),
+])
+def test_update_is_the_plain_ops_to_one_ulp(lr, wd, clip, bc1):
+    u, _, _ = _inputs(7)
+    u = u * 300.0  # many coordinates past the clip
+    u[50] = float("nan")
+    p = torch.randn(N, generator=torch.Generator().manual_seed(8))
+    p[60] = 0.0
+    want = p.clone()
+    step = stale_direction(want, u, None, 0.0, clip, bc1)
+    if wd:
+        want.mul_(1.0 - lr * wd)
+    want.add_(step, alpha=-lr)
+    got = p.clone()
+    assert cpu_fused.stale_update_(got, u, lr=lr, weight_decay=wd, clip=clip, bc1=bc1)
+    # one float32 ulp of the operands' scale |p| + lr |step|: the plain add_ rounds p - lr*step once
+    # (a fused multiply-add), the compiled loop twice; where the two cancel, that is more ulps of
+    # the (small) result
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    scale = (p.abs() + lr * step.abs())[ok]
+    assert bool(((got[ok] - want[ok]).abs() <= torch.finfo(torch.float32).eps * scale).all())
+    assert (got == want).float().mean() > 0.5  # and mostly bitwise
+    assert bool(torch.isnan(got[50])) and (got != p).float().mean() > 0.99  # it moved every coordinate
+
+
+def test_it_leaves_to_the_caller_what_it_does_not_fuse(monkeypatch):
+    u, grad, d = _inputs(0)
+    small = cpu_fused.MIN_NUMEL - 1
+    cases = [
+        (u[:small].clone(), grad[:small], d[:small]),  # too small to pay for a call
+        (u.clone(), grad.to(torch.bfloat16), d),  # another dtype
+        (u.clone(), grad[: 2 * (N // 2)].view(-1, 2).t()[0], d[: N // 2]),  # not contiguous
+        (u.clone(), grad[:-1], d),  # sizes differ
+    ]
+    for uu, gg, dd in cases:
+        before = uu.clone()
+        assert not cpu_fused.fold_preconditioned_(uu, gg, dd, 0.9)
+        assert torch.equal(uu, before)
+    assert not cpu_fused.fold_preconditioned_(u, None, d, 0.9)
+    monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
+    before = u.clone()
+    assert not cpu_fused.fold_preconditioned_(u, grad, d, 0.9)
+    assert not cpu_fused.stale_update_(u, d, lr=1e-3, weight_decay=0.0, clip=1.0, bc1=1.0)
+    assert torch.equal(u, before)
+
+
+def _body_adam(plain: bool):
+    import os
+
+    from onebit.optimizers import OnebitAdam
+
+    if plain:
+        os.environ["ONEBIT_CPU_CODEC"] = "torch"
+    fused = {"fold_preconditioned_": 0, "stale_update_": 0}  # calls that ran the fused pass
+    originals = {name: getattr(cpu_fused, name) for name in fused}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            done = originals[name](*args, **kwargs)
+            fused[name] += done
+            return done
+        return call
+
+    for name in fused:
+        setattr(cpu_fused, name, counted(name))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 320), torch.nn.Tanh(), torch.nn.Linear(320, 8))
+        opt = OnebitAdam(model.parameters(), lr=3e-3, freeze_step=3, weight_decay=0.01, bias_correction=True)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(12):
+            x = torch.randn(64, 256, generator=g)
+            torch.nn.functional.mse_loss(model(x), x[:, :8]).backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), fused
+    finally:
+        os.environ.pop("ONEBIT_CPU_CODEC", None)
+        for name, fn in originals.items():
+            setattr(cpu_fused, name, fn)
+
+
+def test_onebit_adam_compression_stage_with_and_without_the_fused_passes(ranks):
+    assert 256 * 320 >= cpu_fused.MIN_NUMEL  # the first layer takes the fused passes
+    fused, plain = ranks(2).run(_body_adam, False), ranks(2).run(_body_adam, True)
+    # the first layer's weight in each of the 9 compressed steps (its bias and the second layer
+    # are below MIN_NUMEL); none with ONEBIT_CPU_CODEC=torch
+    assert fused[0][1] == {"fold_preconditioned_": 9, "stale_update_": 9}, fused[0][1]
+    assert plain[0][1] == {"fold_preconditioned_": 0, "stale_update_": 0}, plain[0][1]
+    assert torch.equal(fused[0][0], fused[1][0])  # the ranks agree bitwise
+    torch.testing.assert_close(fused[0][0], plain[0][0], rtol=1e-5, atol=1e-7)
