@@ -24,7 +24,10 @@ __all__ = ["finish"]
 def _flush_open_files() -> None:
     """Flush every open, writable file object (their buffers would otherwise be lost)."""
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # the type, not isinstance: isinstance asks a weakref.proxy for its referent's class,
+        # and a proxy whose referent is gone raises ReferenceError (torch._dynamo keeps such
+        # proxies; a rank that used the compiled CPU codec failed in finish())
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()

@@ -38,3 +38,27 @@ def test_finish_refuses_a_code_that_is_not_an_int():
 
     with pytest.raises(TypeError, match="code: expected an int"):
         onebit.finish("0")
+
+
+def test_the_flush_of_open_files_steps_over_dead_weak_proxies(tmp_path):
+    # torch._dynamo keeps weakref.proxy objects; isinstance() on one whose referent is gone raises
+    # ReferenceError, which made finish() fail on ranks that had used the compiled CPU codec
+    import gc
+    import weakref
+
+    from onebit.teardown import _flush_open_files
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    proxy = weakref.proxy(thing)
+    del thing
+    gc.collect()
+    assert any(type(o) is weakref.ProxyType for o in gc.get_objects())  # the dead proxy is there
+    with pytest.raises(ReferenceError):
+        isinstance(proxy, str)  # what the flush used to do
+    with open(tmp_path / "out.txt", "w") as fh:
+        fh.write("kept")
+        _flush_open_files()
+        assert (tmp_path / "out.txt").read_text() == "kept"  # and it still flushes the files
