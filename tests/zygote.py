@@ -235,6 +235,12 @@ def _serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    try:  # torch.compile's probe of the CPU's vector ISA (a compile and a child process), once here
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+    except Exception:  # noqa: BLE001 - no compiler: each rank finds out as it would alone
+        pass
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     protocol = sys.stdout
     print(json.dumps({"ready": True, "threads": threads}), file=protocol, flush=True)

@@ -1,0 +1,74 @@
+"""The fused CPU passes (onebit.kernels.cpu_fused) against the plain torch ops they replace.
+
+OnebitAdam's compression-stage fold (``u = b1 u + (1-b1) g / d``) and update
+(``p = p (1 - lr wd) - lr clip(u / bc1)``) on one float32 tensor of 2^k elements: median
+milliseconds of --repeats calls after two warm-up calls (the first compiles), each path's
+bytes read and written per element (bench/TRAFFIC.md), and a copy of the same size for scale.
+
+  python bench/bench_fused.py                 # 2^22 elements
+  python bench/bench_fused.py --log2 24 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from onebit.kernels import cpu_fused
+from onebit.optimizers._functional import fold_preconditioned_, stale_direction
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log2", type=int, default=22)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    n = 1 << args.log2
+    g = torch.Generator().manual_seed(0)
+    param, u = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+    grad, d = torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.1
+    lr, wd, clip, bc1, b1 = 1e-5, 0.01, 1.0, 0.9, 0.9
+
+    def plain_update():
+        step = stale_direction(param, u, None, 0.0, clip, bc1)
+        param.mul_(1.0 - lr * wd)
+        param.add_(step, alpha=-lr)
+
+    def fused_update():
+        if not cpu_fused.stale_update_(param, u, lr=lr, weight_decay=wd, clip=clip, bc1=bc1):
+            raise SystemExit("the fused update does not run here (no C++ compiler or ONEBIT_CPU_CODEC=torch)")
+
+    def plain_fold():
+        fold_preconditioned_(u, grad, d, b1)
+
+    def fused_fold():
+        if not cpu_fused.fold_preconditioned_(u, grad, d, b1):
+            raise SystemExit("the fused fold does not run here")
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, n = 2^{args.log2}, "
+          f"median of {args.repeats}")
+    print("| pass | plain ms | fused ms | speedup | B/elem plain / fused |")
+    print("|---|---|---|---|---|")
+    for name, plain, fused, traffic in (("update", plain_update, fused_update, "44 / 12"),
+                                        ("fold", plain_fold, fused_fold, "24 / 16")):
+        a, b = median_ms(plain, args.repeats), median_ms(fused, args.repeats)
+        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {traffic} |")
+    print(f"copy of the same size (8 B/elem): {median_ms(lambda: param.copy_(u), args.repeats):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
