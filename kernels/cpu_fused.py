@@ -11,11 +11,11 @@ The plain ops (``onebit.optimizers._functional``) stay the reference: the same f
 operations in the same order, so the results agree to rounding (tests/test_cpu_fused.py: the
 fold bitwise; the update within one float32 ulp of its operands' scale ``|p| + lr |step|``:
 the plain ``add_`` fuses its multiply-add, the compiled loop, built without contraction, rounds
-twice). Each function
-returns False, having done nothing, where it does not apply: tensors that are not contiguous
-float32 CPU tensors of the same size, fewer than ``MIN_NUMEL`` elements (a compiled call costs
-tens of microseconds), ``ONEBIT_CPU_CODEC=torch``, or no working compiler
-(:func:`cpu_compiled.usable` warns once); the caller then runs the plain ops.
+twice). Each function returns False, having done nothing, where it does not apply: tensors that
+are not contiguous float32 CPU tensors of the same size, fewer than ``MIN_NUMEL`` elements (a
+compiled call costs tens of microseconds), ``ONEBIT_CPU_CODEC=torch``, or no working compiler
+(:func:`cpu_compiled.usable` warns once); the caller then runs the plain ops. Used by
+OnebitAdam's compression stage; ZeroOneAdam and the DDP hook still run the plain ops.
 """
 
 from __future__ import annotations
