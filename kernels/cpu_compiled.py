@@ -115,7 +115,8 @@ def usable() -> bool:
     if "ok" not in _state:
         try:
             z = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1.0, 2.0, float("nan")] * 2)
-            sums8, bits = _fns()["worker_encode"](z, torch.zeros_like(z))
+            with torch.no_grad():  # as its callers: a graph compiled with grad on is not reused
+                sums8, bits = _fns()["worker_encode"](z, torch.zeros_like(z))
             ok = torch.equal(bits, torch_kernels.pack_signs(z)) and sums8[0].isnan().item()
             why = "its result differed from the plain path's"
         except Exception as exc:  # noqa: BLE001 - any failure to compile means: not here

@@ -80,3 +80,29 @@ def stale_update_(p: torch.Tensor, u: torch.Tensor, *, lr: float, weight_decay: 
     _fns()["stale_update"](p.view(-1), u.view(-1), _scalar(bc1), _scalar(-bound), _scalar(bound),
                            _scalar(decay), _scalar(-lr))
     return True
+
+
+@torch.no_grad()  # as every caller: a graph compiled with grad mode on would not be reused
+def warm_up() -> bool:
+    """Build every compiled CPU pass now (this module's and :mod:`cpu_compiled`'s codec) instead
+    of at the first call that needs it: each costs a torch.compile (seconds; from inductor's
+    on-disk cache, still about a second of tracing per process). Runs each on a few elements
+    through the callers' own entry points, so later calls of any size reuse the graphs
+    (compiled with dynamic shapes). False where the compiled passes are off or unavailable.
+    Test launchers call it once before forking ranks; a training script need not."""
+    if os.environ.get(cpu_compiled._ENV, "") == "torch" or not cpu_compiled.usable():
+        return False
+    from .layout import Layout, empty_message
+
+    n = 312  # 3 chunks of 104: no two of the passes' sizes equal (torch.compile would tie them)
+    layout = Layout(n, 3)
+    x, e, ew, out = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.empty(n)
+    message = empty_message(layout, layout.W, x.device)
+    cpu_compiled.worker_compress(x, e, layout, message, True)
+    gathered = message.clone()
+    cpu_compiled.decompress(gathered, layout, out, None, None)
+    cpu_compiled.decompress(gathered, layout, out, ew, message)
+    u, g, d = torch.zeros(n), torch.randn(n), torch.ones(n)
+    _fns()["fold"](u, g, d, _scalar(0.9), _scalar(0.1))
+    _fns()["stale_update"](x[:n], u, _scalar(1.0), _scalar(-1.0), _scalar(1.0), _scalar(1.0), _scalar(-1e-3))
+    return True

@@ -136,3 +136,45 @@ def test_onebit_adam_compression_stage_with_and_without_the_fused_passes(ranks):
     assert plain[0][1] == {"fold_preconditioned_": 0, "stale_update_": 0}, plain[0][1]
     assert torch.equal(fused[0][0], fused[1][0])  # the ranks agree bitwise
     torch.testing.assert_close(fused[0][0], plain[0][0], rtol=1e-5, atol=1e-7)
+
+
+WARM = r"""
+import sys, torch
+from torch._dynamo.utils import counters
+from onebit.kernels import cpu_compiled, cpu_fused
+from onebit.kernels.layout import Layout, empty_message
+
+if sys.argv[1] == "warm":
+    assert cpu_fused.warm_up()
+before = counters["stats"]["unique_graphs"]
+for N, W in ((1 << 20, 4), (3 << 18, 3), (120000, 5)):  # the library's calls at sizes warm_up never saw
+    layout, x = Layout(N, W), torch.randn(N)
+    e, out, message = torch.zeros(N), torch.empty(N), empty_message(layout, W, x.device)
+    cpu_compiled.worker_compress(x, e, layout, message, True)
+    cpu_compiled.decompress(message.clone(), layout, out, None, None)
+    cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(N), message)
+    u = torch.zeros(N)
+    assert cpu_fused.fold_preconditioned_(u, x, torch.rand(N) + 0.5, 0.9)
+    assert cpu_fused.stale_update_(x, u, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)
+print(counters["stats"]["unique_graphs"] - before)
+"""
+
+
+def test_warm_up_builds_every_pass_the_calls_use():
+    """After warm_up() the codec's and the fused passes' calls at other sizes compile nothing
+    (dynamic shapes, grad mode off as in the callers, no two warm-up sizes alike); without it
+    the same calls compile (the count sees them). Fresh processes: nothing compiled before."""
+    import subprocess
+    import sys
+
+    got = {}
+    for how in ("warm", "cold"):
+        run = subprocess.run([sys.executable, "-c", WARM, how], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        got[how] = int(run.stdout.split()[-1])
+    assert got == {"warm": 0, "cold": got["cold"]} and got["cold"] >= 6, got
+
+
+def test_warm_up_does_nothing_where_the_plain_ops_are_chosen(monkeypatch):
+    monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
+    assert cpu_fused.warm_up() is False
