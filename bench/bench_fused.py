@@ -1,7 +1,9 @@
 """The fused CPU passes (onebit.kernels.cpu_fused) against the plain torch ops they replace.
 
 OnebitAdam's compression-stage fold (``u = b1 u + (1-b1) g / d``) and update
-(``p = p (1 - lr wd) - lr clip(u / bc1)``) on one float32 tensor of 2^k elements: median
+(``p = p (1 - lr wd) - lr clip(u / bc1)``), ZeroOneAdam's stale step (``p -= lr (clip(m / d) +
+wd p)``) and its phase-2 local step (the fold ``m = b1 m + (1-b1) g`` then that step) on one
+float32 tensor of 2^k elements: median
 milliseconds of --repeats calls after two warm-up calls (the first compiles), each path's
 bytes read and written per element (bench/TRAFFIC.md), and a copy of the same size for scale.
 
@@ -18,7 +20,7 @@ import time
 import torch
 
 from onebit.kernels import cpu_fused
-from onebit.optimizers._functional import fold_preconditioned_, stale_direction
+from onebit.optimizers._functional import fold_, fold_preconditioned_, stale_direction
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -59,12 +61,33 @@ def main() -> None:
         if not cpu_fused.fold_preconditioned_(u, grad, d, b1):
             raise SystemExit("the fused fold does not run here")
 
+    m = u.clone()
+
+    def plain_stale_step():
+        param.add_(stale_direction(param, m, d, wd, clip), alpha=-lr)
+
+    def fused_stale_step():
+        if not cpu_fused.stale_step_(param, m, d, lr=lr, weight_decay=wd, clip=clip):
+            raise SystemExit("the fused stale step does not run here")
+
+    def plain_local_step():
+        fold_(m, grad, b1)
+        plain_stale_step()
+
+    def fused_local_step():
+        if not cpu_fused.local_step_(param, m, grad, d, beta1=b1, lr=lr, weight_decay=wd, clip=clip):
+            raise SystemExit("the fused local step does not run here")
+
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, n = 2^{args.log2}, "
           f"median of {args.repeats}")
     print("| pass | plain ms | fused ms | speedup | B/elem plain / fused |")
     print("|---|---|---|---|---|")
     for name, plain, fused, traffic in (("update", plain_update, fused_update, "44 / 12"),
-                                        ("fold", plain_fold, fused_fold, "24 / 16")):
+                                        ("fold", plain_fold, fused_fold, "24 / 16"),
+                                        ("ZeroOneAdam stale step", plain_stale_step, fused_stale_step,
+                                         "44 / 16"),
+                                        ("ZeroOneAdam local step", plain_local_step, fused_local_step,
+                                         "64 / 24")):
         a, b = median_ms(plain, args.repeats), median_ms(fused, args.repeats)
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {traffic} |")
     print(f"copy of the same size (8 B/elem): {median_ms(lambda: param.copy_(u), args.repeats):.2f} ms")

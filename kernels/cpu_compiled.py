@@ -114,9 +114,11 @@ def usable() -> bool:
     without a working C++ compiler warns once and answers False from then on."""
     if "ok" not in _state:
         try:
-            z = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1.0, 2.0, float("nan")] * 2)
-            with torch.no_grad():  # as its callers: a graph compiled with grad on is not reused
-                sums8, bits = _fns()["worker_encode"](z, torch.zeros_like(z))
+            z = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1.0, 2.0, float("nan")] * 3)[:16]
+            # called as worker_compress calls it (views of pieces, autograd off): the graph
+            # compiled here is the one every later call reuses, not a first of two
+            with torch.no_grad():
+                sums8, bits = _fns()["worker_encode"](z, torch.zeros(24)[:16])
             ok = torch.equal(bits, torch_kernels.pack_signs(z)) and sums8[0].isnan().item()
             why = "its result differed from the plain path's"
         except Exception as exc:  # noqa: BLE001 - any failure to compile means: not here

@@ -15,7 +15,8 @@ twice). Each function returns False, having done nothing, where it does not appl
 are not contiguous float32 CPU tensors of the same size, fewer than ``MIN_NUMEL`` elements (a
 compiled call costs tens of microseconds), ``ONEBIT_CPU_CODEC=torch``, or no working compiler
 (:func:`cpu_compiled.usable` warns once); the caller then runs the plain ops. Used by
-OnebitAdam's compression stage; ZeroOneAdam and the DDP hook still run the plain ops.
+OnebitAdam's compression stage and ZeroOneAdam's steps on a stale variance (phase 1's, and
+phase 2's local steps with their fold); the DDP hook still runs the plain ops.
 """
 
 from __future__ import annotations
@@ -46,7 +47,26 @@ def _fns() -> dict:
         # stale_direction(denom=None) then p.mul_(decay), p.add_(step, alpha=-lr)
         p.copy_(p * decay + neg_lr * torch.clamp(u / bc1, lo, hi))
 
-    return {"fold": cpu_compiled._compile(fold), "stale_update": cpu_compiled._compile(stale_update)}
+    def stale_step(p, m, d, lo, hi, neg_lr) -> None:
+        # ZeroOneAdam (wd = 0): stale_direction(denom=d) then p.add_(update, alpha=-lr)
+        p.copy_(p + neg_lr * torch.clamp(m / d, lo, hi))
+
+    def stale_step_wd(p, m, d, lo, hi, wd, neg_lr) -> None:
+        # the same with stale_direction's update.add_(p, alpha=wd)
+        p.copy_(p + neg_lr * (torch.clamp(m / d, lo, hi) + wd * p))
+
+    def local_step(p, m, g, d, b1, w, lo, hi, neg_lr) -> None:
+        # ZeroOneAdam's phase 2: fold_(m, g, b1), then the stale step above
+        m.copy_(m * b1 + w * g)
+        p.copy_(p + neg_lr * torch.clamp(m / d, lo, hi))
+
+    def local_step_wd(p, m, g, d, b1, w, lo, hi, wd, neg_lr) -> None:
+        m.copy_(m * b1 + w * g)
+        p.copy_(p + neg_lr * (torch.clamp(m / d, lo, hi) + wd * p))
+
+    return {name: cpu_compiled._compile(fn) for name, fn in (
+        ("fold", fold), ("stale_update", stale_update), ("stale_step", stale_step),
+        ("stale_step_wd", stale_step_wd), ("local_step", local_step), ("local_step_wd", local_step_wd))}
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
@@ -82,27 +102,38 @@ def stale_update_(p: torch.Tensor, u: torch.Tensor, *, lr: float, weight_decay: 
     return True
 
 
-@torch.no_grad()  # as every caller: a graph compiled with grad mode on would not be reused
-def warm_up() -> bool:
-    """Build every compiled CPU pass now (this module's and :mod:`cpu_compiled`'s codec) instead
-    of at the first call that needs it: each costs a torch.compile (seconds; from inductor's
-    on-disk cache, still about a second of tracing per process). Runs each on a few elements
-    through the callers' own entry points, so later calls of any size reuse the graphs
-    (compiled with dynamic shapes). False where the compiled passes are off or unavailable.
-    Test launchers call it once before forking ranks; a training script need not."""
-    if os.environ.get(cpu_compiled._ENV, "") == "torch" or not cpu_compiled.usable():
+@torch.no_grad()
+def stale_step_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, *, lr: float, weight_decay: float,
+                clip: float | None) -> bool:
+    """ZeroOneAdam's step on a stale variance, ``p -= lr * (clip(m / denom) + wd * p)``, in one
+    pass; False (nothing done) where it does not apply."""
+    if not _applies(p, m, denom):
         return False
-    from .layout import Layout, empty_message
-
-    n = 312  # 3 chunks of 104: no two of the passes' sizes equal (torch.compile would tie them)
-    layout = Layout(n, 3)
-    x, e, ew, out = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.empty(n)
-    message = empty_message(layout, layout.W, x.device)
-    cpu_compiled.worker_compress(x, e, layout, message, True)
-    gathered = message.clone()
-    cpu_compiled.decompress(gathered, layout, out, None, None)
-    cpu_compiled.decompress(gathered, layout, out, ew, message)
-    u, g, d = torch.zeros(n), torch.randn(n), torch.ones(n)
-    _fns()["fold"](u, g, d, _scalar(0.9), _scalar(0.1))
-    _fns()["stale_update"](x[:n], u, _scalar(1.0), _scalar(-1.0), _scalar(1.0), _scalar(1.0), _scalar(-1e-3))
+    _step(p, m, None, denom, 0.0, lr, weight_decay, clip)
     return True
+
+
+@torch.no_grad()
+def local_step_(p: torch.Tensor, m: torch.Tensor, grad: torch.Tensor | None, denom: torch.Tensor, *,
+                beta1: float, lr: float, weight_decay: float, clip: float | None) -> bool:
+    """ZeroOneAdam's local step (phase 2): ``m = b1*m + (1-b1)*g``, then
+    ``p -= lr * (clip(m / denom) + wd * p)``, in one pass; False (nothing done) where it does
+    not apply, ``grad=None`` included."""
+    if grad is None or not _applies(p, m, grad, denom):
+        return False
+    _step(p, m, grad, denom, beta1, lr, weight_decay, clip)
+    return True
+
+
+def _step(p, m, grad, denom, beta1: float, lr: float, weight_decay: float, clip: float | None) -> None:
+    bound = math.inf if clip is None else clip
+    fold = () if grad is None else (grad.view(-1),)
+    args = (p.view(-1), m.view(-1), *fold, denom.view(-1))
+    if grad is not None:
+        args += (_scalar(beta1), _scalar(1.0 - beta1))
+    args += (_scalar(-bound), _scalar(bound))
+    name = "stale_step" if grad is None else "local_step"
+    if weight_decay > 0:  # a separate pass: with wd = 0 the plain ops add nothing (0 * inf is NaN)
+        _fns()[name + "_wd"](*args, _scalar(weight_decay), _scalar(-lr))
+    else:
+        _fns()[name](*args, _scalar(-lr))

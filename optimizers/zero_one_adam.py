@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import cpu_fused
 from ..kernels._checks import check_int
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
@@ -198,8 +199,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
             if self._reference_maths():
                 update = direction(p, m, v, g["eps"], g["weight_decay"])
             else:
-                update = stale_direction(p, m, self.stale_denominator(k, p, g), g["weight_decay"],
-                                         self.update_clip)
+                denom = self.stale_denominator(k, p, g)
+                if cpu_fused.stale_step_(p, m, denom, lr=g["lr"], weight_decay=g["weight_decay"],
+                                         clip=self.update_clip):
+                    continue  # the same maths in one pass (CPU)
+                update = stale_direction(p, m, denom, g["weight_decay"], self.update_clip)
             p.add_(update, alpha=-g["lr"])
         if var_step:
             self.var_counter += 1
@@ -215,6 +219,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
         reference = self._reference_maths()
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state = self.state[p]
+            if not reference and dead is None and cpu_fused.local_step_(
+                    p, state["exp_avg"], p.grad, self.stale_denominator(k, p, g), beta1=g["betas"][0],
+                    lr=g["lr"], weight_decay=g["weight_decay"], clip=self.update_clip):
+                continue  # fold and step in one pass (CPU)
             m = mask_(fold_(state["exp_avg"], p.grad, g["betas"][0]), dead, None)
             if reference:
                 update = direction(p, m, state["exp_avg_sq"], g["eps"], g["weight_decay"])

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from onebit.kernels import cpu_compiled, cpu_fused  # noqa: F401 - cpu_compiled: the skipif's condition
-from onebit.optimizers._functional import fold_preconditioned_, stale_direction
+from onebit.optimizers._functional import fold_, fold_preconditioned_, stale_direction
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif("not cpu_compiled.usable()",
@@ -70,6 +70,49 @@ def test_update_is_the_plain_ops_to_one_ulp(lr, wd, clip, bc1):
     assert bool(torch.isnan(got[50])) and (got != p).float().mean() > 0.99  # it moved every coordinate
 
 
+def _close_to_one_ulp(got, want, scale):
+    """NaN and infinities where the plain ops put them; elsewhere within one float32 ulp of
+    ``scale``, and mostly bitwise (the plain add_ rounds a multiply-add once, the compiled loop
+    twice)."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    inf = torch.isinf(want)
+    assert torch.equal(got[inf], want[inf])
+    ok = torch.isfinite(want)
+    assert bool(((got[ok] - want[ok]).abs() <= torch.finfo(torch.float32).eps * scale[ok]).all())
+    assert (got == want).float().mean() > 0.5
+
+
+@pytest.mark.parametrize(("fold", "lr", "wd", "clip"), [
+    (False, 1e-3, 0.0, 1.0), (False, 3e-4, 0.01, None), (True, 1e-3, 0.0, 1.0), (True, 1e-2, 0.1, 1e-3),
+    (True, 1e-3, 0.0, None),
+])
+def test_zero_one_adam_steps_are_the_plain_ops_to_one_ulp(fold, lr, wd, clip):
+    m, grad, d = _inputs(11)
+    m = m * 300.0  # many coordinates past the clip
+    m[50], d[51], grad[52] = float("nan"), 0.0, float("inf")  # non-finite where the plain ops put it
+    p = torch.randn(N, generator=torch.Generator().manual_seed(12))
+    p[60] = 0.0
+    want_p, want_m = p.clone(), m.clone()
+    if fold:
+        fold_(want_m, grad, 0.9)
+    step = stale_direction(want_p, want_m, d, wd, clip)
+    want_p.add_(step, alpha=-lr)
+    got_p, got_m = p.clone(), m.clone()
+    if fold:
+        assert cpu_fused.local_step_(got_p, got_m, grad, d, beta1=0.9, lr=lr, weight_decay=wd, clip=clip)
+        _close_to_one_ulp(got_m, want_m, 0.9 * m.abs() + 0.1 * grad.abs())
+    else:
+        assert cpu_fused.stale_step_(got_p, got_m, d, lr=lr, weight_decay=wd, clip=clip)
+        assert torch.equal(got_m.view(torch.int32), m.view(torch.int32))  # read only
+    # the step's own rounding (p + wd*p, then p - lr*that) and, folded, the last bit of m's
+    # operands carried through m / d
+    scale = p.abs() + lr * step.abs()
+    if fold:
+        scale += lr * (0.9 * m.abs() + 0.1 * grad.abs()) / d
+    _close_to_one_ulp(got_p, want_p, 2 * scale)
+    assert bool(torch.isnan(got_p[50])) and (got_p != p).float().mean() > 0.99  # it moved every coordinate
+
+
 def test_it_leaves_to_the_caller_what_it_does_not_fuse(monkeypatch):
     u, grad, d = _inputs(0)
     small = cpu_fused.MIN_NUMEL - 1
@@ -88,17 +131,24 @@ def test_it_leaves_to_the_caller_what_it_does_not_fuse(monkeypatch):
     before = u.clone()
     assert not cpu_fused.fold_preconditioned_(u, grad, d, 0.9)
     assert not cpu_fused.stale_update_(u, d, lr=1e-3, weight_decay=0.0, clip=1.0, bc1=1.0)
+    assert not cpu_fused.stale_step_(u, grad, d, lr=1e-3, weight_decay=0.0, clip=1.0)
+    assert not cpu_fused.local_step_(u, grad.clone(), grad, d, beta1=0.9, lr=1e-3, weight_decay=0.0, clip=1.0)
+    assert torch.equal(u, before)
+    monkeypatch.delenv("ONEBIT_CPU_CODEC")
+    assert not cpu_fused.local_step_(u, grad.clone(), None, d, beta1=0.9, lr=1e-3, weight_decay=0.0, clip=1.0)
+    assert not cpu_fused.stale_step_(u[:small], grad[:small], d[:small], lr=1e-3, weight_decay=0.0, clip=1.0)
     assert torch.equal(u, before)
 
 
-def _body_adam(plain: bool):
+def _body_adam(plain: bool, optimizer: str = "onebit_adam"):
     import os
 
-    from onebit.optimizers import OnebitAdam
+    from onebit.optimizers import OnebitAdam, ZeroOneAdam
 
     if plain:
         os.environ["ONEBIT_CPU_CODEC"] = "torch"
-    fused = {"fold_preconditioned_": 0, "stale_update_": 0}  # calls that ran the fused pass
+    fused = ({"fold_preconditioned_": 0, "stale_update_": 0} if optimizer == "onebit_adam"  # calls that ran
+             else {"stale_step_": 0, "local_step_": 0})  # the fused pass
     originals = {name: getattr(cpu_fused, name) for name in fused}
 
     def counted(name):
@@ -113,7 +163,12 @@ def _body_adam(plain: bool):
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 320), torch.nn.Tanh(), torch.nn.Linear(320, 8))
-        opt = OnebitAdam(model.parameters(), lr=3e-3, freeze_step=3, weight_decay=0.01, bias_correction=True)
+        if optimizer == "onebit_adam":
+            opt = OnebitAdam(model.parameters(), lr=3e-3, freeze_step=3, weight_decay=0.01,
+                             bias_correction=True)
+        else:  # phase 1 to step 6, then local steps and syncs
+            opt = ZeroOneAdam(model.parameters(), lr=3e-3, var_freeze_step=6, var_update_scaler=2,
+                              local_step_scaler=2, local_step_clipper=4, weight_decay=0.01)
         g = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(12):
             x = torch.randn(64, 256, generator=g)
@@ -138,43 +193,49 @@ def test_onebit_adam_compression_stage_with_and_without_the_fused_passes(ranks):
     torch.testing.assert_close(fused[0][0], plain[0][0], rtol=1e-5, atol=1e-7)
 
 
-WARM = r"""
-import sys, torch
+def test_zero_one_adam_with_and_without_the_fused_passes(ranks):
+    fused, plain = ranks(2).run(_body_adam, False, "zero_one"), ranks(2).run(_body_adam, True, "zero_one")
+    counts = fused[0][1]
+    # the first layer's weight: phase 1's steps (variance steps too), then phase 2's local steps
+    assert counts["stale_step_"] >= 4 and counts["local_step_"] >= 4, counts
+    assert counts["stale_step_"] + counts["local_step_"] == 12, counts
+    assert plain[0][1] == {"stale_step_": 0, "local_step_": 0}, plain[0][1]
+    for r in range(2):  # phase 2's local steps: each rank its own weights until the next sync
+        torch.testing.assert_close(fused[r][0], plain[r][0], rtol=1e-5, atol=1e-7)
+
+
+ONCE = r"""
+import torch
 from torch._dynamo.utils import counters
 from onebit.kernels import cpu_compiled, cpu_fused
 from onebit.kernels.layout import Layout, empty_message
 
-if sys.argv[1] == "warm":
-    assert cpu_fused.warm_up()
-before = counters["stats"]["unique_graphs"]
-for N, W in ((1 << 20, 4), (3 << 18, 3), (120000, 5)):  # the library's calls at sizes warm_up never saw
+graphs = []
+for N, W in ((3 << 18, 3), (1 << 20, 4), (120000, 5)):  # the library's own calls
     layout, x = Layout(N, W), torch.randn(N)
     e, out, message = torch.zeros(N), torch.empty(N), empty_message(layout, W, x.device)
     cpu_compiled.worker_compress(x, e, layout, message, True)
     cpu_compiled.decompress(message.clone(), layout, out, None, None)
     cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(N), message)
-    u = torch.zeros(N)
-    assert cpu_fused.fold_preconditioned_(u, x, torch.rand(N) + 0.5, 0.9)
+    u, d = torch.zeros(N), torch.rand(N) + 0.5
+    assert cpu_fused.fold_preconditioned_(u, x, d, 0.9)
     assert cpu_fused.stale_update_(x, u, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)
-print(counters["stats"]["unique_graphs"] - before)
+    for wd in (0.0, 0.1):
+        assert cpu_fused.stale_step_(x, u, d, lr=1e-3, weight_decay=wd, clip=1.0)
+        assert cpu_fused.local_step_(x, u, x.clone(), d, beta1=0.9, lr=1e-3, weight_decay=wd, clip=None)
+    graphs.append(counters["stats"]["unique_graphs"])
+print(graphs)
 """
 
 
-def test_warm_up_builds_every_pass_the_calls_use():
-    """After warm_up() the codec's and the fused passes' calls at other sizes compile nothing
-    (dynamic shapes, grad mode off as in the callers, no two warm-up sizes alike); without it
-    the same calls compile (the count sees them). Fresh processes: nothing compiled before."""
+def test_every_compiled_pass_compiles_once_per_process():
+    """In a fresh process: the first size compiles each pass the calls use exactly once (the
+    codec's encode, update, decode and decode with update; the fold, the update, the stale step
+    and the local step, each with and without weight decay: 10), the other sizes nothing
+    (dynamic shapes; the availability check compiles with autograd off, as the callers run)."""
     import subprocess
     import sys
 
-    got = {}
-    for how in ("warm", "cold"):
-        run = subprocess.run([sys.executable, "-c", WARM, how], capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        got[how] = int(run.stdout.split()[-1])
-    assert got == {"warm": 0, "cold": got["cold"]} and got["cold"] >= 6, got
-
-
-def test_warm_up_does_nothing_where_the_plain_ops_are_chosen(monkeypatch):
-    monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
-    assert cpu_fused.warm_up() is False
+    run = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "[10, 10, 10]", run.stdout

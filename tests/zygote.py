@@ -59,8 +59,7 @@ class _Client:
         # started outside the repository (transformers probes for a top-level `kernels` folder)
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=self.dir)
-        ready = self._read(300)  # {"ready": ..., "threads": ...}
-        assert ready.get("threads", 1) == 1, f"the zygote holds {ready['threads']} threads before forking"
+        self._read(300)  # {"ready": ...}
 
     def _read(self, timeout: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0.0))
@@ -227,33 +226,6 @@ def _agent(request: dict) -> int:
     return 0 if failed is None else 1
 
 
-def _warm_compiled_passes() -> None:
-    """onebit's compiled CPU passes (kernels/cpu_fused.warm_up: a torch.compile each, 4-9 s per
-    rank on 2 cores, warm inductor cache or not), built once here: every forked rank inherits the
-    same compiled functions its own first call would have built. Then the threads that compiling
-    left behind stop (a fork copies only the calling thread: none may hold a lock then)."""
-    try:
-        from onebit.kernels import cpu_fused
-
-        cpu_fused.warm_up()
-    except Exception:  # noqa: BLE001 - no compiler: each rank finds out as it would alone
-        return
-    from torch._inductor import async_compile
-
-    async_compile.shutdown_compile_workers()
-    if async_compile.AsyncCompile.pool.cache_info().currsize:
-        async_compile.AsyncCompile.pool().shutdown(wait=True)
-        async_compile.AsyncCompile.pool.cache_clear()
-    try:
-        from tqdm import tqdm
-
-        if tqdm.monitor is not None:
-            tqdm.monitor.exit()
-            tqdm.monitor.join()
-    except ImportError:
-        pass
-
-
 def _serve() -> None:
     os.environ.update(IMPORT_ENV)
     import importlib
@@ -269,7 +241,6 @@ def _serve() -> None:
         pick_vec_isa()
     except Exception:  # noqa: BLE001 - no compiler: each rank finds out as it would alone
         pass
-    _warm_compiled_passes()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     protocol = sys.stdout
     print(json.dumps({"ready": True, "threads": threads}), file=protocol, flush=True)
