@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: set-up (first run only), ruff, the ahead-of-time compile of every
-# Triton kernel variant for sm_80 and sm_90 (no GPU needed), pytest (two processes, then the
-# timing tests alone). Extra arguments go to pytest. `scripts/test.sh --quick`: ruff and the
-# single-process tests only (under 2 minutes).
+# Triton kernel variant for sm_80, sm_90, gfx942 and gfx90a (no GPU needed), the compiled CPU
+# passes built into torch.compile's cache, pytest (two processes, then the timing tests alone).
+# Extra arguments go to pytest. `scripts/test.sh --quick`: ruff and the single-process tests
+# only (under 2 minutes).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup-env.sh"
@@ -15,6 +16,9 @@ if [ "${1:-}" = "--quick" ]; then
   exec .venv/bin/pytest -m "not slow and not cuda" -p no:cacheprovider "$@"
 fi
 .venv/bin/python scripts/compile_check.py
+# onebit's compiled CPU passes into torch.compile's cache once (a fresh machine's ranks would
+# each build them, ~25 s of a core apiece, when the first tests start together)
+.venv/bin/python scripts/warm_compile_cache.py
 # two test processes (pytest-xdist; every multi-rank test rendezvouses through its own file or a
 # free port), then the tests that compare timings alone; ONEBIT_TEST_WORKERS=0 runs in one process
 status=0

@@ -211,7 +211,7 @@ from onebit.kernels import cpu_compiled, cpu_fused
 from onebit.kernels.layout import Layout, empty_message
 
 graphs = []
-for N, W in ((3 << 18, 3), (1 << 20, 4), (120000, 5)):  # the library's own calls
+for N, W in ((3 << 18, 3), (120000, 5)):  # the library's own calls
     layout, x = Layout(N, W), torch.randn(N)
     e, out, message = torch.zeros(N), torch.empty(N), empty_message(layout, W, x.device)
     cpu_compiled.worker_compress(x, e, layout, message, True)
@@ -238,4 +238,4 @@ def test_every_compiled_pass_compiles_once_per_process():
 
     run = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[-2] == "[10, 10, 10]", run.stdout
+    assert run.stdout.split("\n")[-2] == "[10, 10]", run.stdout

@@ -1,0 +1,56 @@
+"""Build onebit's compiled CPU passes once, into torch.compile's on-disk cache, before the tests.
+
+The compiled codec (onebit.kernels.cpu_compiled) and the fused optimizer passes
+(onebit.kernels.cpu_fused) are built by torch.compile in every process that first uses them.
+With inductor's cache empty (a fresh machine) each build generates and compiles C++: about 25 s
+of one core for all of them, paid by every rank of every test that starts at once. Built here
+first, every later process finds them in the cache (inductor's FX graph cache and AOTAutograd
+cache, by default in the system's temporary folder) and only traces: about 1 s. The calls go
+through the library's own entry points at a size no two of whose lengths are equal (sizes are
+dynamic; see tests/test_cpu_fused.py, which counts the graphs). Prints what it built and the
+time; exits 0 where no compiler exists (the library then warns and runs the plain ops).
+
+  python scripts/warm_compile_cache.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from onebit.kernels import cpu_compiled, cpu_fused
+from onebit.kernels.layout import Layout, empty_message
+
+
+@torch.no_grad()  # as the callers run them: the cache key includes the grad mode
+def main() -> int:
+    t0 = time.perf_counter()
+    os.environ.pop(cpu_compiled._ENV, None)
+    if not cpu_compiled.usable():
+        print("no compiled CPU passes here (the library runs the plain ops)")
+        return 0
+    n = cpu_fused.MIN_NUMEL * 3  # 3 chunks: every piece and every fused tensor long enough
+    layout, x = Layout(n, 3), torch.randn(n)
+    e, out, message = torch.zeros(n), torch.empty(n), empty_message(layout, layout.W, x.device)
+    cpu_compiled.worker_compress(x, e, layout, message, True)
+    cpu_compiled.decompress(message.clone(), layout, out, None, None)
+    cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(n), message)
+    m, g, d = torch.zeros(n), torch.randn(n), torch.rand(n) + 0.5
+    done = [cpu_fused.fold_preconditioned_(m, g, d, 0.9),
+            cpu_fused.stale_update_(x, m, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)]
+    for wd in (0.0, 0.1):
+        done.append(cpu_fused.stale_step_(x, m, d, lr=1e-3, weight_decay=wd, clip=1.0))
+        done.append(cpu_fused.local_step_(x, m, g, d, beta1=0.9, lr=1e-3, weight_decay=wd, clip=1.0))
+    assert all(done), done
+    from torch._dynamo.utils import counters
+
+    print(f"compiled CPU passes built: {counters['stats']['unique_graphs']} graphs, "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
