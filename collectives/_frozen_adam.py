@@ -55,6 +55,9 @@ class FrozenAdam:
         self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # per bucket index: (what it holds, d, c), d built once from the frozen denominators, c's
+        # buffer reused (frozen_terms); emptied whenever the denominators change
+        self.flat: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def frozen(self) -> bool:
@@ -117,6 +120,7 @@ class FrozenAdam:
     # -- freezing --------------------------------------------------------------------------
     def freeze(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
         """Take each parameter's denominator from the optimizer's state now (after step F)."""
+        self.flat = {}
         for group in opt.param_groups:
             params = [p for p in group["params"] if opt.state.get(p) and "exp_avg_sq" in opt.state[p]
                       and id(p) in names]
@@ -150,6 +154,7 @@ class FrozenAdam:
                 "denominators": [d.clone() for d in self.denominators.values()]}
 
     def load(self, state: dict[str, Any]) -> None:
+        self.flat = {}
         self.denominators = {tuple(n): d for n, d in zip(state["names"], state["denominators"], strict=True)}
 
 
@@ -166,13 +171,22 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
             found.append((i, *terms))
     if not found:
         return None, None
-    d = torch.ones_like(bucket.buffer(), dtype=torch.float32)
-    c = torch.zeros_like(bucket.buffer())
+    buffer = bucket.buffer()
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())
-    for i, di, mi, factor in found:  # written in place: no per-parameter temporaries
-        d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
+    # d is frozen: built once per bucket (the same parameters, the same places), not every iteration
+    key = (tuple(layout), tuple(offsets), tuple(i for i, *_ in found), buffer.dtype, buffer.device)
+    cached = fa.flat.get(bucket.index())
+    if cached is not None and cached[0] == key:
+        d, c = cached[1], cached[2]  # c: zero outside the found parameters, rewritten below
+    else:
+        d = torch.ones_like(buffer, dtype=torch.float32)
+        c = torch.zeros_like(buffer)
+        for i, di, _, _ in found:
+            d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
+        fa.flat[bucket.index()] = (key, d, c)
+    for i, _, mi, factor in found:  # written in place: no per-parameter temporaries
         torch.mul(mi, factor, out=c[offsets[i]:offsets[i + 1]].view_as(mi))
     return d, c
 

@@ -27,7 +27,7 @@ def _batch(t, r):
     return x, (x[:, :3] * (1 + r)).argmax(1)
 
 
-def _body(steps, hooked, resume_at=None, clip=None):
+def _body(steps, hooked, resume_at=None, clip=None, rebuild_terms=False):
     r = dist.get_rank()
     model = DDP(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -47,6 +47,8 @@ def _body(steps, hooked, resume_at=None, clip=None):
             state.__setstate__(saved[2])
             model.register_comm_hook(state, onebit_compress_hook)
         x, y = _batch(t, r)
+        if rebuild_terms and state is not None:  # the hook's flat d and c built afresh (as before the cache)
+            state._frozen_adam.flat = {}
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if clip is not None:
             state.clip_grad_norm_(clip)
@@ -56,6 +58,7 @@ def _body(steps, hooked, resume_at=None, clip=None):
         row = {"params": [p.detach().clone() for p in model.parameters()]}
         if hooked and t >= F:
             fa = state._frozen_adam
+            row["flat_d"] = sorted((i, id(entry[1])) for i, entry in fa.flat.items())
             names = state._names
             for p in model.parameters():
                 st, d = opt.state[p], fa.denominators[names[id(p)]]
@@ -84,6 +87,14 @@ def test_freeze_step_trains_identical_replicas_with_a_frozen_denominator(ranks):
                 assert torch.equal(a, b), f"step {t}: not plain DDP before the freeze"
     s = got[0][1]
     assert s["compressing"] and s["bytes_compressed"] > 0 and s["bytes_full"] > 0
+    # the flat frozen denominators: built at the first compressed iteration, the same tensors after,
+    # and bitwise the run that builds d and c afresh every iteration
+    flat = [got[0][0][t]["flat_d"] for t in range(F, 10)]
+    assert flat[0] and all(f == flat[0] for f in flat), flat
+    fresh = ranks(2).run(_body, 10, True, None, None, True)
+    for r in range(2):
+        for a, b in zip(fresh[r][0][-1]["params"], got[r][0][-1]["params"], strict=True):
+            assert torch.equal(a, b), f"rank {r}: the cached terms differ from fresh ones"
 
 
 def test_freeze_step_resumes_bitwise_with_its_frozen_denominators(ranks):
