@@ -67,7 +67,7 @@ def rows():
     r.append(("OnebitAdam warm-up, W=1", fin + 8 + 40 + 40))
     # DDP hook, AdamW freeze_step, compressed iterations, block=64 (HOOK_BLOCK)
     ddp = 16
-    pre = 4 + 8 + 12 + 12  # norm, c = k*m into its kept buffer (d: built once), add_ c, div_ d
+    pre = 4 + 12 + 12 + 12  # norm, c = zeros_like + k*m (d: built once per bucket), add_ c, div_ d
     post = 12 + 12
     prep = 28 + 32 + 8 + 8 + 4 + 8  # prepare() + post-hook restore
     for dev, codec in (("CPU gloo", codec_cpu_blocks(4)), ("GPU NCCL", codec_triton(4, B=64))):

@@ -55,9 +55,10 @@ class FrozenAdam:
         self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # per bucket index: (what it holds, d, c), d built once from the frozen denominators, c's
-        # buffer reused (frozen_terms); emptied whenever the denominators change
-        self.flat: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        # per bucket index: (what it holds, d): the bucket's frozen denominators in one flat tensor,
+        # built once (frozen_terms); the entries of `denominators` then view it (no second copy).
+        # Emptied whenever the denominators change
+        self.flat: dict[int, tuple[Any, torch.Tensor]] = {}
 
     @property
     def frozen(self) -> bool:
@@ -175,17 +176,20 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())
-    # d is frozen: built once per bucket (the same parameters, the same places), not every iteration
-    key = (tuple(layout), tuple(offsets), tuple(i for i, *_ in found), buffer.dtype, buffer.device)
+    # d is frozen: built once per bucket (the same parameters, the same places), not every iteration;
+    # each parameter's denominator then becomes a view of it, so the memory is not doubled
+    key = (tuple(layout), tuple(offsets), tuple(i for i, *_ in found), buffer.device)
     cached = fa.flat.get(bucket.index())
     if cached is not None and cached[0] == key:
-        d, c = cached[1], cached[2]  # c: zero outside the found parameters, rewritten below
+        d = cached[1]
     else:
         d = torch.ones_like(buffer, dtype=torch.float32)
-        c = torch.zeros_like(buffer)
         for i, di, _, _ in found:
-            d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
-        fa.flat[bucket.index()] = (key, d, c)
+            view = d[offsets[i]:offsets[i + 1]].view_as(di)
+            view.copy_(di)
+            fa.denominators[layout[i]] = view
+        fa.flat[bucket.index()] = (key, d)
+    c = torch.zeros_like(buffer)
     for i, _, mi, factor in found:  # written in place: no per-parameter temporaries
         torch.mul(mi, factor, out=c[offsets[i]:offsets[i + 1]].view_as(mi))
     return d, c

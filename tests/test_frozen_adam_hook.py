@@ -59,6 +59,8 @@ def _body(steps, hooked, resume_at=None, clip=None, rebuild_terms=False):
         if hooked and t >= F:
             fa = state._frozen_adam
             row["flat_d"] = sorted((i, id(entry[1])) for i, entry in fa.flat.items())
+            flats = [entry[1] for entry in fa.flat.values()]  # each denominator views one: not a copy
+            row["views"] = all(any(d._base is f for f in flats) for d in fa.denominators.values())
             names = state._names
             for p in model.parameters():
                 st, d = opt.state[p], fa.denominators[names[id(p)]]
@@ -91,6 +93,7 @@ def test_freeze_step_trains_identical_replicas_with_a_frozen_denominator(ranks):
     # and bitwise the run that builds d and c afresh every iteration
     flat = [got[0][0][t]["flat_d"] for t in range(F, 10)]
     assert flat[0] and all(f == flat[0] for f in flat), flat
+    assert all(got[r][0][t]["views"] for r in range(2) for t in range(F, 10))
     fresh = ranks(2).run(_body, 10, True, None, None, True)
     for r in range(2):
         for a, b in zip(fresh[r][0][-1]["params"], got[r][0][-1]["params"], strict=True):
