@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..collectives._failure import guard
 from ..collectives._group import comm_device, gather_json, warn_collective, warn_user
 from ..collectives.telemetry import CallTimer
+from . import _multi
 
 
 class Agreement:
@@ -79,7 +80,10 @@ class Agreement:
         # gradient, several times cheaper than isfinite().all(). Only when the sum is not
         # finite (a non-finite element, or a float32 overflow of huge finite values) does
         # the exact elementwise test decide.
-        if bool(torch.isfinite(torch.stack([gr.sum() for gr in grads]).sum())):
+        # On a GPU one multi-tensor norm replaces a launch per gradient (the same verdict: a
+        # finite norm proves every element finite; an overflow falls to the exact test).
+        partials = torch._foreach_norm(grads) if _multi.applies(grads) else [gr.sum() for gr in grads]
+        if bool(torch.isfinite(torch.stack(partials).sum())):
             return True
         return all(bool(torch.isfinite(gr).all()) for gr in grads)
 

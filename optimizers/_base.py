@@ -317,12 +317,16 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         buffer, valid until the next bucket is averaged). Bucket by bucket: the caller's
         update of one bucket runs before the next bucket is averaged. A missing ``.grad``
         counts as zero."""
+        for items in self.averaged_gradient_buckets(reducer, pairs):
+            yield from items
+
+    def averaged_gradient_buckets(self, reducer: BucketedReducer, pairs: list[tuple[torch.Tensor, dict]]):
+        """As :meth:`averaged_gradients`, one list of ``(k, p, group, grad)`` per bucket."""
         for bucket in reducer.buckets:
             grads = [pairs[i][0].grad for i in bucket.indices]
             avg = reducer.average(bucket, grads, self._communicate_average())
-            for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True):
-                p, g = pairs[i]
-                yield i, p, g, avg[off : off + size].view_as(p)
+            yield [(i, *pairs[i], avg[off : off + size].view_as(pairs[i][0]))
+                   for i, off, size in zip(bucket.indices, bucket.offsets, bucket.numels, strict=True)]
 
     # -- parameters and buffers -------------------------------------------------------
     def compressed_params(self) -> list[tuple[torch.Tensor, dict]]:

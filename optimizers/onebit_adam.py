@@ -6,6 +6,7 @@ import torch
 
 from ..collectives.bucket import allreduce_mean_
 from ..kernels import cpu_fused
+from . import _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
@@ -107,26 +108,69 @@ class OnebitAdam(WarmupThenCompress):
         pairs = self.compressed_params()
         if compress:
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
-                for k, (p, g) in enumerate(pairs):
-                    self._fold_one(k, p, g, reducer.views[k])
+                if not self._fold_all(pairs, reducer.views):
+                    for k, (p, g) in enumerate(pairs):
+                        self._fold_one(k, p, g, reducer.views[k])
                 reducer.compressed_mean_()
-            for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
-                m = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
-                if self._reference_maths():
-                    self._apply(p, g, m, self.state[p]["exp_avg_sq"], t, frozen=True)
-                else:  # preconditioned: m is already m / denom
-                    denom = None if self.preconditioned else self.stale_denominator(k, p, g)
-                    self._apply_stale(p, g, m, denom, t)
+            masks = self.auto_masks()
+            if not self._update_all(pairs, reducer.views, masks, t):
+                self._update_each(pairs, reducer.views, masks, t)
         else:
-            for k, p, g, grad in self.averaged_gradients(reducer, pairs):
-                m, v = reducer.views[k], self.state[p]["exp_avg_sq"]
-                moments_(m, v, grad, g["betas"])
-                self._apply(p, g, m, v, t, frozen=False)
+            for items in self.averaged_gradient_buckets(reducer, pairs):
+                if not self._adam_all(items, reducer.views, t):
+                    for k, p, g, grad in items:
+                        m, v = reducer.views[k], self.state[p]["exp_avg_sq"]
+                        moments_(m, v, grad, g["betas"])
+                        self._apply(p, g, m, v, t, frozen=False)
         self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
         if not compress:
             self._observe_variance()
             if self.compressing:
                 self._enter_compression()
+
+    # -- GPU: one multi-tensor op per param group instead of one op per tensor (optimizers/_multi.py)
+    def _fold_all(self, pairs, views) -> bool:
+        if not _multi.applies(views):
+            return False
+        if self.preconditioned:
+            rows = [(g, views[k], p.grad, self.stale_denominator(k, p, g)) for k, (p, g) in enumerate(pairs)]
+            for g, us, grads, denoms in _multi.by_group(rows):
+                _multi.fold_preconditioned_(us, grads, denoms, g["betas"][0])
+        else:
+            for g, ms, grads in _multi.by_group((g, views[k], p.grad) for k, (p, g) in enumerate(pairs)):
+                _multi.fold_(ms, grads, g["betas"][0])
+        return True
+
+    def _update_all(self, pairs, views, masks, t: int) -> bool:
+        if (not self.preconditioned or not _multi.applies(views) or any(d is not None for d in masks)
+                or any(g.get("exp_avg_mask") is not None for _, g in pairs)):
+            return False
+        for g, ps, ms in _multi.by_group((g, p, views[k]) for k, (p, g) in enumerate(pairs)):
+            bc1 = 1.0 - g["betas"][0] ** t if g["bias_correction"] else 1.0
+            _multi.stale_update_(ps, ms, lr=g["lr"], weight_decay=g["weight_decay"], clip=self.update_clip,
+                                 bc1=bc1)
+        return True
+
+    def _adam_all(self, items, views, t: int) -> bool:
+        if not _multi.applies([views[k] for k, *_ in items]):
+            return False
+        rows = [(g, p, views[k], self.state[p]["exp_avg_sq"], grad) for k, p, g, grad in items]
+        for g, ps, ms, vs, grads in _multi.by_group(rows):
+            _multi.moments_(ms, vs, grads, g["betas"])
+            b1, b2 = g["betas"]
+            bc1, bc2 = (1.0 - b1**t, 1.0 - b2**t) if g["bias_correction"] else (1.0, 1.0)
+            _multi.adam_update_(ps, ms, vs, lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], bc1=bc1,
+                                bc2=bc2, eps_inside_sqrt=g["eps_inside_sqrt"])
+        return True
+
+    def _update_each(self, pairs, views, masks, t: int) -> None:
+        for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
+            m = mask_(views[k], dead, g.get("exp_avg_mask"))
+            if self._reference_maths():
+                self._apply(p, g, m, self.state[p]["exp_avg_sq"], t, frozen=True)
+            else:  # preconditioned: m is already m / denom
+                denom = None if self.preconditioned else self.stale_denominator(k, p, g)
+                self._apply_stale(p, g, m, denom, t)
 
     def _apply_stale(self, p, g: dict, m, denom, t: int) -> None:
         """Compression-stage update with the floored frozen denominator and the clip:

@@ -6,6 +6,7 @@ import torch
 
 from ..kernels import cpu_fused
 from ..kernels._checks import check_int
+from . import _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
@@ -184,14 +185,29 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 for k, (p, g) in enumerate(pairs):
                     self._load_grad(k, p, g, reducer.views[k])
                 reducer.compressed_mean_()
-            for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
-                grad = mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
-                m, b1 = self.state[p]["exp_avg"], g["betas"][0]
-                if self.preconditioned:  # m = b1*m + (1-b1) * mean(g / denom) * denom
-                    m.mul_(b1).addcmul_(grad, self.stale_denominator(k, p, g), value=1 - b1)
-                else:
-                    fold_(m, grad, g["betas"][0])
-                grad.zero_()
+            masks = self.auto_masks()
+            if not self._fold_all(pairs, reducer.views, masks):
+                self._fold_each(pairs, reducer.views, masks)
+        if not self._stale_step_all(pairs):
+            self._stale_step_each(pairs)
+        if var_step:
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter = 0
+                self.var_interval *= 2
+
+    def _fold_each(self, pairs, views, masks) -> None:
+        """Phase 1: the decompressed mean gradient into the momentum, then the accumulator zeroed."""
+        for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
+            grad = mask_(views[k], dead, g.get("exp_avg_mask"))
+            m, b1 = self.state[p]["exp_avg"], g["betas"][0]
+            if self.preconditioned:  # m = b1*m + (1-b1) * mean(g / denom) * denom
+                m.mul_(b1).addcmul_(grad, self.stale_denominator(k, p, g), value=1 - b1)
+            else:
+                fold_(m, grad, g["betas"][0])
+            grad.zero_()
+
+    def _stale_step_each(self, pairs) -> None:
         for k, (p, g) in enumerate(pairs):
             m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
             # even on a variance step m holds compressed gradients that v has never seen
@@ -205,17 +221,24 @@ class ZeroOneAdam(OnebitOptimizerBase):
                     continue  # the same maths in one pass (CPU)
                 update = stale_direction(p, m, denom, g["weight_decay"], self.update_clip)
             p.add_(update, alpha=-g["lr"])
-        if var_step:
-            self.var_counter += 1
-            if self.var_counter == self.var_update_scaler:
-                self.var_counter = 0
-                self.var_interval *= 2
 
     def _phase_two(self, reducer, pairs, t: int) -> None:
         if t == self.frozen_at + 1:  # replicas are identical here: remember them
             for p, _ in pairs:
                 self.state[p]["sync_params"].copy_(p)
         masks = self.auto_masks()
+        if not self._local_step_all(pairs, masks):
+            self._local_step_each(pairs, masks)
+        for i, g in enumerate(self.param_groups):
+            self.lrs[i] += g["lr"]
+        if t % self.local_step_interval == 0:
+            self._sync(reducer, pairs, masks, t)
+        self.local_step_counter += 1
+        if self.local_step_counter == self.local_step_scaler:
+            self.local_step_counter = 0
+            self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
+
+    def _local_step_each(self, pairs, masks) -> None:
         reference = self._reference_maths()
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state = self.state[p]
@@ -230,14 +253,47 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 update = stale_direction(p, m, self.stale_denominator(k, p, g), g["weight_decay"],
                                          self.update_clip)
             p.add_(update, alpha=-g["lr"])
-        for i, g in enumerate(self.param_groups):
-            self.lrs[i] += g["lr"]
-        if t % self.local_step_interval == 0:
-            self._sync(reducer, pairs, masks, t)
-        self.local_step_counter += 1
-        if self.local_step_counter == self.local_step_scaler:
-            self.local_step_counter = 0
-            self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
+
+    # -- GPU: one multi-tensor op per param group instead of one op per tensor (optimizers/_multi.py)
+    def _multi(self, pairs) -> bool:
+        return not self._reference_maths() and _multi.applies([p for p, _ in pairs])
+
+    def _fold_all(self, pairs, views, masks) -> bool:
+        if (not self._multi(pairs) or any(d is not None for d in masks)
+                or any(g.get("exp_avg_mask") is not None for _, g in pairs)):
+            return False
+        if self.preconditioned:
+            rows = [(g, self.state[p]["exp_avg"], views[k], self.stale_denominator(k, p, g))
+                    for k, (p, g) in enumerate(pairs)]
+            for g, ms, xs, denoms in _multi.by_group(rows):
+                _multi.fold_scaled_(ms, xs, denoms, g["betas"][0])
+        else:
+            for g, ms, xs in _multi.by_group((g, self.state[p]["exp_avg"], views[k]) for k, (p, g) in
+                                             enumerate(pairs)):
+                _multi.fold_(ms, xs, g["betas"][0])
+        torch._foreach_zero_(list(views))
+        return True
+
+    def _stale_step_all(self, pairs) -> bool:
+        if not self._multi(pairs):
+            return False
+        rows = [(g, p, self.state[p]["exp_avg"], self.stale_denominator(k, p, g))
+                for k, (p, g) in enumerate(pairs)]
+        for g, ps, ms, denoms in _multi.by_group(rows):
+            _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
+                               clip=self.update_clip)
+        return True
+
+    def _local_step_all(self, pairs, masks) -> bool:
+        if not self._multi(pairs) or any(d is not None for d in masks):
+            return False
+        rows = [(g, p, self.state[p]["exp_avg"], p.grad, self.stale_denominator(k, p, g))
+                for k, (p, g) in enumerate(pairs)]
+        for g, ps, ms, grads, denoms in _multi.by_group(rows):
+            _multi.fold_(ms, grads, g["betas"][0])
+            _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
+                               clip=self.update_clip)
+        return True
 
     def _sync(self, reducer, pairs, masks, t: int) -> None:
         """Phase 2's synchronisation: the replicas average their accumulated updates ``u``

@@ -6,14 +6,14 @@
 # without the network. Results go to $OUT (default bench/out/gpu).
 #
 #   bash scripts/gpu_check.sh            # everything, about 6 minutes on an H100
-#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer
+#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer | profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out/gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 py="${ONEBIT_GPU_PYTHON:-python3}"
-parts=("${@:-env tests kernels optimizer}")
+parts=("${@:-env tests kernels optimizer profile}")
 parts=(${parts[*]})
 has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
@@ -28,7 +28,7 @@ if has env; then
 fi
 if has tests; then
   # tests/test_cuda.py: Triton against the torch path and the float64 chain on CUDA tensors
-  timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py \
+  timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py tests/test_multi.py \
     --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
 fi
 if has kernels; then
@@ -38,4 +38,12 @@ fi
 if has optimizer; then
   timeout 90 "$py" bench/bench_optimizer.py --device cuda --csv "$OUT/optimizer-cuda.csv" 2>&1 \
     | tee "$OUT/optimizer.log"
+fi
+if has profile; then
+  # wall time against kernel time and launches per step, for each path of bench/TRAFFIC.md's table;
+  # the per-tensor ops first (the baseline), then the multi-tensor ones (optimizers/_multi.py)
+  for mode in --per-tensor ""; do
+    timeout 150 "$py" bench/bench_profile.py --device cuda $mode --top onebit_compress_nosync \
+      --csv "$OUT/profile-cuda.csv" 2>&1 | grep -v '^USDT' | tee -a "$OUT/profile.log" | tail -n 9
+  done
 fi

@@ -48,6 +48,18 @@ def test_bench_optimizer_appends_both_optimizers(tmp_path):
     assert {r["parameters"] for r in rows} == {str(12 * 64 * 64 + 4 * 64 + 4 * 64)}  # one block, d = 64
 
 
+def test_bench_profile_runs_every_path(tmp_path):
+    path = tmp_path / "p.csv"
+    _run("bench_profile.py", "--device", "cpu", "--blocks", "1", "--d-model", "64", "--steps", "2",
+         "--warmup", "1", "--csv", str(path))
+    rows = _rows(path)
+    paths = ["adamw_fused", "onebit_warmup", "onebit_compress", "onebit_compress_nosync",
+             "zoa_phase1_compressed",
+             "zoa_phase2_local"]
+    assert [r["path"] for r in rows] == paths
+    assert all(float(r["wall_ms"]) > 0 and int(r["launches_per_step"]) > 0 for r in rows)
+
+
 def test_hook_sim_runs_every_variant():
     import math
     import re
