@@ -38,6 +38,7 @@ def main() -> int:
     cpu_compiled.worker_compress(x, e, layout, message, True)
     cpu_compiled.decompress(message.clone(), layout, out, None, None)
     cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(n), message)
+    cpu_compiled.server_reduce(message, torch.zeros(layout.C), layout, empty_message(layout, 1, x.device))
     m, g, d = torch.zeros(n), torch.randn(n), torch.rand(n) + 0.5
     done = [cpu_fused.fold_preconditioned_(m, g, d, 0.9),
             cpu_fused.stale_update_(x, m, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)]

@@ -32,6 +32,7 @@ CASES = [  # (W, block, n, dtype)
     (4, 8, 4096, torch.bfloat16),
     (5, 64, 7 * 640 + 13, torch.float32),
     (4, None, 1 << 14, torch.float32),
+    (3, None, 1003, torch.bfloat16),
 ]
 
 

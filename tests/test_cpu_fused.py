@@ -217,6 +217,7 @@ for N, W in ((3 << 18, 3), (120000, 5)):  # the library's own calls
     cpu_compiled.worker_compress(x, e, layout, message, True)
     cpu_compiled.decompress(message.clone(), layout, out, None, None)
     cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(N), message)
+    cpu_compiled.server_reduce(message, torch.zeros(layout.C), layout, empty_message(layout, 1, x.device))
     u, d = torch.zeros(N), torch.rand(N) + 0.5
     assert cpu_fused.fold_preconditioned_(u, x, d, 0.9)
     assert cpu_fused.stale_update_(x, u, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)
@@ -230,12 +231,14 @@ print(graphs)
 
 def test_every_compiled_pass_compiles_once_per_process():
     """In a fresh process: the first size compiles each pass the calls use exactly once (the
-    codec's encode, update, decode and decode with update; the fold, the update, the stale step
-    and the local step, each with and without weight decay: 10), the other sizes nothing
-    (dynamic shapes; the availability check compiles with autograd off, as the callers run)."""
+    codec's encode, error update and decode, the server's two passes; the fold, the update, the
+    stale step and the local step, each with and without weight decay: 11), the
+    other size only the server's two passes again, for its other world size (their loop over the
+    W ranks is unrolled: one build per W), nothing else (dynamic shapes; the availability check
+    compiles with autograd off, as the callers run)."""
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[-2] == "[10, 10]", run.stdout
+    assert run.stdout.split("\n")[-2] == "[11, 13]", run.stdout
