@@ -36,6 +36,8 @@ def main() -> int:
     layout, x = Layout(n, 3), torch.randn(n)
     e, out, message = torch.zeros(n), torch.empty(n), empty_message(layout, layout.W, x.device)
     cpu_compiled.worker_compress(x, e, layout, message, True)
+    blocks = Layout(n, 3, 64)  # block scales (the hooks'): the 8-element sums' encode
+    cpu_compiled.worker_compress(x, torch.zeros(n), blocks, empty_message(blocks, 3, x.device), False)
     cpu_compiled.decompress(message.clone(), layout, out, None, None)
     cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(n), message)
     cpu_compiled.server_reduce(message, torch.zeros(layout.C), layout, empty_message(layout, 1, x.device))

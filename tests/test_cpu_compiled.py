@@ -6,6 +6,8 @@ the non-finite cases. Slow tier: each new variant compiles (seconds) on first us
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -204,7 +206,8 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
 
-    monkeypatch.setattr(cpu_compiled, "_fns", lambda: {"worker_encode": broken})
+    every = collections.defaultdict(lambda: broken)  # every compiled pass fails to build
+    monkeypatch.setattr(cpu_compiled, "_fns", lambda: every)
     monkeypatch.setattr(cpu_compiled, "_state", {})
     x, e, layout = _inputs(3, None, 1000, torch.float32, seed=1)
     with pytest.warns(RuntimeWarning, match="compiled CPU codec is not available.*InvalidCxxCompiler"):
