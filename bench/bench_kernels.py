@@ -35,10 +35,11 @@ from reference_path import reference_local  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
-    """(name, fn, bytes moved) for each kernel on fresh buffers."""
-    N = padded_numel(n, W)
-    layout = Layout(N, W)
+def cases(n: int, W: int, dtype: torch.dtype, device: torch.device, block: int | None = None):
+    """(name, fn, bytes moved) for each kernel on fresh buffers (``block``: block scales; the
+    bytes then leave out the scales, 4 / block B per element)."""
+    N = padded_numel(n, W, block)
+    layout = Layout(N, W, block)
     C, bx = N // W, torch.empty((), dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, generator=g, device=device).to(dtype)
@@ -46,16 +47,17 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
     we = torch.randn(N, generator=g, device=device) * 0.1
     se = torch.randn(C, generator=g, device=device) * 0.1
     msg = empty_message(layout, W, device)
-    worker_compress(x, we.clone(), W, out=msg)
+    worker_compress(x, we.clone(), W, out=msg, block=block)
     recv = torch.randint(0, 256, (layout.message_bytes,), dtype=torch.uint8, generator=g, device=device)
-    message_scales(recv, layout).copy_(torch.rand(W, generator=g, device=device) + 0.5)
+    sc = message_scales(recv, layout)
+    sc.copy_(torch.rand(sc.shape, generator=g, device=device) + 0.5)
     seg = empty_message(layout, 1, device)
     gathered = recv.clone()
 
     def local():  # one rank's whole compute: worker, its server chunk, decompress
-        worker_compress(out, we, W, update_error=False, out=msg)
-        server_reduce(recv, se, W, out=seg)
-        decompress(gathered, out, W, worker_error=we, worker_message=msg)
+        worker_compress(out, we, W, update_error=False, out=msg, block=block)
+        server_reduce(recv, se, W, out=seg, block=block)
+        decompress(gathered, out, W, worker_error=we, worker_message=msg, block=block)
 
     # The fewest bytes each kernel must move (read + write), whatever the implementation:
     b_worker = n * bx + 4 * N + N // 8  # read x, e; write the bits
@@ -68,19 +70,20 @@ def cases(n: int, W: int, dtype: torch.dtype, device: torch.device):
     group_we, group_se = [we.clone() for _ in range(W)], [se.clone() for _ in range(W)]
     return [
         ("copy_f32", lambda: dst.copy_(src), 8 * N),
-        ("worker", lambda: worker_compress(x, we, W, update_error=False, out=msg), b_worker),
-        ("worker+update", lambda: worker_compress(x, we, W, out=msg), b_worker + 4 * N),
-        ("server", lambda: server_reduce(recv, se, W, out=seg), b_server),
-        ("decompress+update", lambda: decompress(gathered, out, W, worker_error=we, worker_message=msg),
-         b_decomp),
+        ("worker", lambda: worker_compress(x, we, W, update_error=False, out=msg, block=block), b_worker),
+        ("worker+update", lambda: worker_compress(x, we, W, out=msg, block=block), b_worker + 4 * N),
+        ("server", lambda: server_reduce(recv, se, W, out=seg, block=block), b_server),
+        ("decompress+update", lambda: decompress(gathered, out, W, worker_error=we, worker_message=msg,
+                                                 block=block), b_decomp),
         ("local_total", local, b_worker + b_server + b_decomp),
         # every rank's compute of one call, as onebit.collectives.local_compressed_allreduce
         # runs it (allocating its messages like the collective): W times one rank's bytes
-        ("local_allreduce_all_ranks", lambda: local_compressed_allreduce(group_x, group_we, group_se),
+        ("local_allreduce_all_ranks",
+         lambda: local_compressed_allreduce(group_x, group_we, group_se, block=block),
          W * (b_worker + b_server + b_decomp)),
         # the reference implementation's chain of torch operations (bench/reference_path.py)
         ("reference_local", lambda: reference_local(x, ref_we, ref_se, W), b_worker + b_server + b_decomp),
-    ]
+    ][: None if block is None else -1]  # the reference has no block scales
 
 
 def transient_bytes(fn, device: torch.device) -> int | None:
@@ -103,6 +106,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--block", type=int, default=None, help="block scales (default: one scale per chunk)")
     p.add_argument("--csv", default=None, help="output CSV (default bench/out/kernels-<device>.csv)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -118,7 +122,7 @@ def main() -> None:
             for W in args.worlds:
                 copy_gbps = None
                 N = padded_numel(1 << k, W)
-                for name, fn, nbytes in cases(1 << k, W, DTYPES[dname], device):
+                for name, fn, nbytes in cases(1 << k, W, DTYPES[dname], device, args.block):
                     med, lo, hi = time_fn(fn)
                     whole = name in ("local_total", "reference_local")
                     extra = transient_bytes(fn, device) if whole else None

@@ -98,15 +98,16 @@ def _worker_encode_total(x, e):
     return sums8.sum(), packed
 
 
-def _server_column(bits: torch.Tensor, w: torch.Tensor, e8: torch.Tensor, k: int) -> torch.Tensor:
+def _server_column(bits: torch.Tensor, w: torch.Tensor, e_k: torch.Tensor, k: int) -> torch.Tensor:
     """Column k of the server's ``m = sum_r sgn_r * w_r + e`` (elements 8j+k), ranks in order as
     the plain path adds them (products with +-1 exact): one loop over the bytes, W rows of bits
-    read, no unpacked signs materialised. ``bits``: int32 [W, C/8]; ``w``: [W]; ``e8``: [C/8, 8]."""
+    read, no unpacked signs materialised. ``bits``: int32 [W, bytes...]; ``w``: [W] (or [W,
+    blocks, 1]); ``e_k``: column k of e, [bytes...]."""
     shift = 7 - k
     m = torch.where(((bits[0] >> shift) & 1) == 1, w[0], -w[0])
     for r in range(1, bits.shape[0]):
         m = m + torch.where(((bits[r] >> shift) & 1) == 1, w[r], -w[r])
-    return m + e8[:, k]
+    return m + e_k
 
 
 def _server_encode(bits, w, e):
@@ -115,7 +116,7 @@ def _server_encode(bits, w, e):
     b, e8 = bits.to(torch.int32), e.view(-1, 8)
     sums8 = packed = None
     for k in range(8):
-        m = _server_column(b, w, e8, k)
+        m = _server_column(b, w, e8[:, k], k)
         md = m.to(torch.float64)
         bit = (m < 0).logical_not().to(torch.int32) * (1 << (7 - k))  # NaN and -0.0: bit 1
         sums8 = md * md if sums8 is None else sums8 + md * md
@@ -147,13 +148,77 @@ def _fns() -> dict:
 
     def server_update(bits, w, e, scale) -> None:  # m again from the bits and e, then its error
         b, e8 = bits.to(torch.int32), e.view(-1, 8)
-        m = torch.stack([_server_column(b, w, e8, k) for k in range(8)], 1)
+        m = torch.stack([_server_column(b, w, e8[:, k], k) for k in range(8)], 1)
         e8.copy_(_minus_sgn_scaled(m, scale, None))
 
     return {"worker_encode": _compile(_worker_encode), "worker_encode_total": _compile(_worker_encode_total),
             "worker_update": _compile(worker_update),
             "decode32": _compile(decode32),
             "server_encode": _compile(_server_encode), "server_update": _compile(server_update)}
+
+
+def _marked(t: torch.Tensor, dynamic: int = 0) -> torch.Tensor:
+    """``t`` for the block-scale passes: dimension ``dynamic`` (the blocks) dynamic, every other
+    one static. With the block length static inside the loops they vectorise; with the whole
+    shape symbolic (``dynamic=True``) the same loops ran 4-40x slower."""
+    for d in range(t.dim()):
+        (torch._dynamo.mark_dynamic if d == dynamic else torch._dynamo.mark_static)(t, d)
+    return t
+
+
+def _word_signs(b4: torch.Tensor) -> torch.Tensor:
+    """+-1.0 of the 32 elements of each 4 bytes in the last dimension of ``b4`` (int32 [..., 4]):
+    the word assembled from the bytes (no alignment needed), one AVX-512 float vector wide."""
+    word = (b4[..., 0] | (b4[..., 1] << 8) | (b4[..., 2] << 16) | (b4[..., 3] << 24)).unsqueeze(-1)
+    shifts = torch.tensor(_WORD_SHIFTS, dtype=torch.int32, device=b4.device)
+    return torch.where(((word >> shifts) & 1) == 1, 1.0, -1.0)
+
+
+def _server_encode_blocks(bits, w, e):
+    """As :func:`_server_encode` on ``[W, blocks, block/8]`` bits, ``[W, blocks, 1]`` weights and
+    ``[blocks, block/8, 8]`` e; returns each block's float64 sum of squares and the bits."""
+    b = bits.to(torch.int32)
+    sums = packed = None
+    for k in range(8):
+        m = _server_column(b, w, e[..., k], k)
+        md = m.to(torch.float64)
+        bit = (m < 0).logical_not().to(torch.int32) * (1 << (7 - k))
+        sums = md * md if sums is None else sums + md * md
+        packed = bit if packed is None else packed + bit
+    return sums.sum(-1), packed.to(torch.uint8)
+
+
+def _server_update_blocks(bits, w, e, scales) -> None:
+    b = bits.to(torch.int32)
+    m = torch.stack([_server_column(b, w, e[..., k], k) for k in range(8)], -1)
+    e.copy_(_minus_sgn_scaled(m, scales, None))
+
+
+def _error_update_blocks(x, scales, e) -> None:  # [blocks, block], [blocks, 1], [blocks, block]
+    e.copy_(_minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
+
+
+def _decode_blocks(bits, scales, out) -> None:  # [blocks, block/32, 4 | 1 | 32]
+    out.copy_((_word_signs(bits.to(torch.int32)) * scales).to(out.dtype))
+
+
+@functools.cache
+def _block_fns() -> dict:
+    """The block-scale passes (block % 32 == 0): the error update, the decode and the server's
+    two passes, called on views whose block dimensions are static (see :func:`_marked`): one
+    build per block length, every size. Callers: :func:`server_reduce`, :func:`decompress`."""
+    def compiled(fn):
+        return torch.compile(fn, dynamic=None, fullgraph=True)
+
+    return {"error_update": compiled(_error_update_blocks), "decode": compiled(_decode_blocks),
+            "server_encode": compiled(_server_encode_blocks),
+            "server_update": compiled(_server_update_blocks)}
+
+
+def _blocks_compiled(layout: Layout) -> bool:
+    """Block scales the compiled passes take: words within blocks, two blocks or more a chunk (a
+    dynamic dimension must not be 1)."""
+    return layout.block is not None and layout.block % 32 == 0 and layout.C >= 2 * layout.block
 
 
 def usable() -> bool:
@@ -258,19 +323,29 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     """:func:`torch_kernels.server_reduce`, compiled: one pass for the sums of squares and the
     bits, one for the error (m recomputed from the bits and e, as the Triton server does);
     with block scales the plain path's (see SLOW_COMPILED)."""
-    if layout.block is not None:
+    if layout.block is not None and not _blocks_compiled(layout):
         torch_kernels.server_reduce(received, e, layout, out)
         return
     bits, received_scales = message_bits(received, layout), message_scales(received, layout)
     weights = received_scales * (1.0 / layout.W)  # 1/W multiplied, as the plain path
-    fns = _fns()
-    sums8, packed = fns["server_encode"](bits, weights, e)
-    message_bits(out, layout)[0].copy_(packed)
-    finite = bool(torch.isfinite(received_scales).all())
-    scale = torch.sqrt(sums8.sum() / layout.C).to(torch.float32) if finite else torch.tensor(float("nan"))
-    message_scales(out, layout).copy_(scale.view(1))
-    if bool(torch.isfinite(scale)):
-        fns["server_update"](bits, weights, e, scale.view(1))
+    scales, finite = message_scales(out, layout)[0], bool(torch.isfinite(received_scales).all())
+    B = layout.block
+    if B is None:
+        fns, args = _fns(), (bits, weights, e)
+        sums8, packed = fns["server_encode"](*args)
+        scale = torch.sqrt(sums8.sum() / layout.C).to(torch.float32)
+    else:  # [W, blocks, B/8] bits, [W, blocks, 1] weights, [blocks, B/8, 8] e
+        fns = _block_fns()
+        args = (_marked(bits.view(layout.W, -1, B // 8), 1), _marked(weights.view(layout.W, -1, 1), 1),
+                _marked(e.view(-1, B // 8, 8)))
+        block_sums, packed = fns["server_encode"](*args)
+        scale = torch.sqrt(block_sums / B).to(torch.float32)
+    message_bits(out, layout)[0].copy_(packed.view(-1))
+    scales.copy_(scale if finite else torch.full_like(scale, float("nan")))
+    if bool(torch.isfinite(scales).all()):  # any non-finite block: every scale NaN, e unchanged
+        fns["server_update"](*args, _marked(scales.view(-1, 1, 1)) if B else scales.view(-1))
+    else:
+        scales.fill_(float("nan"))
 
 
 @torch.no_grad()
@@ -278,22 +353,33 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                worker_error: torch.Tensor | None, worker_message: torch.Tensor | None) -> None:
     """:func:`torch_kernels.decompress`, compiled; with block scales the plain path's (see
     SLOW_COMPILED)."""
-    if layout.block is not None:
+    if layout.block is not None and not _blocks_compiled(layout):
         torch_kernels.decompress(gathered, layout, out, worker_error, worker_message)
         return
     scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), out.numel()
+    blocks, B = (None, None) if layout.block is None else (_block_fns(), layout.block)
     update = worker_error is not None and bool(torch.isfinite(scales).all())
     s_w = message_scales(worker_message, layout) if update else None
     for j in range(layout.W):
         lo, mid, hi = _split(layout, n, j)
+        if B is not None and mid - lo < 2 * B:  # one block: the eager ops below (a dynamic dimension
+            mid = lo                            # must not be 1)
         if mid > lo:
             fns, sj = _fns(), _piece_scales(scales, layout, j, lo, lo, mid)
             if update:  # the deferred worker error first (it reads the input out holds), one pass
                 s_wj = _piece_scales(s_w, layout, j, lo, lo, mid)
-                fns["worker_update"](out[lo:mid], worker_error[lo:mid], s_wj)
+                if blocks is None:
+                    fns["worker_update"](out[lo:mid], worker_error[lo:mid], s_wj)
+                else:
+                    blocks["error_update"](_marked(out[lo:mid].view(-1, B)), _marked(s_wj.view(-1, 1)),
+                                           _marked(worker_error[lo:mid].view(-1, B)))
             wide = (mid - lo) // 32 * 32  # whole 4-byte words: the compiled decode; the rest eager
-            if wide:
+            if wide and blocks is None:
                 fns["decode32"](bits[j, : wide // 8], sj, out[lo : lo + wide])
+            elif wide:
+                words = _marked(bits[j, : wide // 8].view(-1, B // 32, 4))
+                values = _marked(out[lo : lo + wide].view(-1, B // 32, 32))
+                blocks["decode"](words, _marked(sj.view(-1, 1, 1)), values)
             if mid > lo + wide:
                 rest = _scaled(_signs(bits[j, wide // 8 : (mid - lo) // 8]), sj, None)
                 out[lo + wide : mid] = rest.to(out.dtype)

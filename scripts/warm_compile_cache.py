@@ -37,7 +37,11 @@ def main() -> int:
     e, out, message = torch.zeros(n), torch.empty(n), empty_message(layout, layout.W, x.device)
     cpu_compiled.worker_compress(x, e, layout, message, True)
     blocks = Layout(n, 3, 64)  # block scales (the hooks'): the 8-element sums' encode
-    cpu_compiled.worker_compress(x, torch.zeros(n), blocks, empty_message(blocks, 3, x.device), False)
+    block_message = empty_message(blocks, 3, x.device)
+    cpu_compiled.worker_compress(x, torch.zeros(n), blocks, block_message, False)
+    segment = empty_message(blocks, 1, x.device)
+    cpu_compiled.server_reduce(block_message, torch.zeros(blocks.C), blocks, segment)
+    cpu_compiled.decompress(block_message.clone(), blocks, out, torch.zeros(n), block_message)
     cpu_compiled.decompress(message.clone(), layout, out, None, None)
     cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(n), message)
     cpu_compiled.server_reduce(message, torch.zeros(layout.C), layout, empty_message(layout, 1, x.device))

@@ -35,6 +35,8 @@ CASES = [  # (W, block, n, dtype)
     (5, 64, 7 * 640 + 13, torch.float32),
     (4, None, 1 << 14, torch.float32),
     (3, None, 1003, torch.bfloat16),
+    (3, 64, 3 * 64 * 5 + 7, torch.float32),  # block % 32 == 0: the compiled block-scale passes
+    (2, 96, 2 * 96 * 4, torch.bfloat16),
 ]
 
 
@@ -131,7 +133,7 @@ def test_decompress_matches_plain(W, block, n, dtype, with_update):
 
 
 @compiles
-@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("block", [None, 16, 32])
 def test_nonfinite_as_plain(block):
     """NaN in x, an infinite received scale, a NaN gathered scale: the same verdicts and the same
     untouched buffers as the plain path."""
