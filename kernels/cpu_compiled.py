@@ -1,15 +1,16 @@
 """The CPU codec compiled by torch's own compiler (inductor's C++ backend): the worker's pass
-(sum of squares and sign bits in one loop), its error update and decompress (with the
-deferred worker error update) each in one pass over memory, against the half dozen passes of
-:mod:`onebit.kernels.torch_kernels`.
+(sign bits and sum of squares in one loop over the bytes), the server's two passes (its sum over
+the W ranks' bits with the bits and sums, then its error) and decompress (the deferred worker
+error, then the decode, 32 elements per 4-byte word), against the half dozen passes per stage
+of :mod:`onebit.kernels.torch_kernels`.
 
-Same contracts and the same float32 arithmetic as the plain-torch path (``z = x + e``;
-products with +-1 exact), so the packed bits and, for equal scales, the errors and outputs are
-bitwise equal to it. The scales come from float64 sums of squares in another order (8-element
-partial sums, then the block or the whole message), so a scale can differ from the plain
-path's in its last float32 bit, and an error with it (tests/test_cpu_compiled.py; the plain
-path stays the reference). Stages listed in ``SLOW_COMPILED`` run the plain path: their
-compiled loops were slower when measured.
+Same contracts and the same float32 arithmetic as the plain-torch path (``z = x + e``; the
+server's sum in rank order; products with +-1 exact), so the packed bits and, for equal scales,
+the errors and outputs are bitwise equal to it. The scales come from float64 sums of squares in
+another order, so a scale can differ from the plain path's in its last float32 bit, and an error
+with it (tests/test_cpu_compiled.py; the plain path stays the reference). Block scales compile
+where ``block % 32 == 0`` and a chunk holds two blocks or more (:func:`_block_fns`); the stages
+in ``SLOW_COMPILED`` run the plain path.
 
 Work goes chunk by chunk over the elements that ``x`` (or ``out``) covers; the padded tail of
 the last chunk (fewer than ``8 * W`` or ``block * W`` elements) goes through plain torch. The
@@ -31,12 +32,10 @@ from . import torch_kernels
 from ._warn import warn_user
 from .layout import Layout, message_bits, message_scales
 
-# Stages whose compiled loop was slower than the plain path when measured (2^24 float32, W = 4,
-# this repository's 2-core CPU, bench/RESULTS.md "Kernels on CPU"): with block scales, the
-# server, the error update and decompress (inductor's loops with a per-block scale ran 4-20x
-# slower); these run the plain path until a faster form is found. (The server without block
-# scales, column by column over the bytes: 2.6-3.4x faster than the plain path.)
-SLOW_COMPILED = ("block-scale server", "block-scale error updates", "block-scale decompress")
+# What runs the plain path: the worker's error update with block scales (not on the collective's
+# path, which defers it into decompress), and block lengths that are not multiples of 32 (a
+# 4-byte word would straddle two blocks; with a symbolic block length the loops ran 4-40x slower).
+SLOW_COMPILED = ("block-scale worker error update", "block lengths not a multiple of 32")
 MIN_NUMEL = 1 << 20  # elements (padded N) from which api picks this path for CPU tensors
 _ENV = "ONEBIT_CPU_CODEC"  # "torch": never this path; anything else: the default choice
 _state: dict[str, bool] = {}
