@@ -39,10 +39,11 @@ MODEL_BYTES = {"adamw_fused": 28, "onebit_warmup": 100, "onebit_compress": 101, 
                "zoa_phase1_compressed": None, "zoa_phase2_local": None}
 
 
-def build(name: str, params):
+def build(name: str, params, bucket_cap_mb: float = 25.0):
     kw = dict(lr=1e-4, weight_decay=0.01)
     if name == "adamw_fused":
         return torch.optim.AdamW(params, fused=True, **kw), 2
+    kw["bucket_cap_mb"] = bucket_cap_mb
     if name == "onebit_warmup":
         return OnebitAdam(params, freeze_step=10**6, **kw), 2
     if name.startswith("onebit_compress"):
@@ -65,7 +66,7 @@ def build(name: str, params):
 def run(name: str, args, device) -> dict:
     params = make_params(args.blocks, args.d_model, device)
     n = sum(q.numel() for q in params)
-    opt, warm = build(name, params)
+    opt, warm = build(name, params, args.bucket_cap_mb)
     for _ in range(max(warm, args.warmup)):
         opt.step()
     cuda = device.type == "cuda"
@@ -93,6 +94,8 @@ def run(name: str, args, device) -> dict:
         print(table, file=sys.stderr)
     b = MODEL_BYTES[name]
     label = name + ("_per_tensor" if args.per_tensor else "")
+    if args.bucket_cap_mb != 25.0 and name != "adamw_fused":
+        label += f"_bucket{args.bucket_cap_mb:g}mb"
     row = {"path": label, "parameters": n, "steps": args.steps, "wall_ms": f"{wall:.3f}",
            "kernel_ms": f"{device_ms:.3f}", "launches_per_step": f"{launches:.0f}",
            "model_B_per_elem": b or "", "model_GB_per_s": f"{b * n / wall / 1e6:.0f}" if b else ""}
@@ -110,6 +113,7 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=list(MODEL_BYTES))
     p.add_argument("--per-tensor", action="store_true",
                    help="per-tensor ops on GPU too (onebit.optimizers._multi.ENABLED = False): the baseline")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the 1-bit optimizers' bucket size")
     p.add_argument("--top", nargs="*", default=[], help="paths whose top ops to print")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "profile.csv"))
     args = p.parse_args()
