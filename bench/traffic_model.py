@@ -67,15 +67,17 @@ def rows():
     r.append(("OnebitAdam warm-up, W=1", fin + 8 + 40 + 40))
     # DDP hook, AdamW freeze_step, compressed iterations, block=64 (HOOK_BLOCK)
     ddp = 16
-    pre = 4 + 12 + 12 + 12  # norm, c = zeros_like + k*m (d: built once per bucket), add_ c, div_ d
-    post = 12 + 12
+    # norm, then c = zeros_like + k*m (d: built once per bucket), add_ c, div_ d; after: mul_ d, sub_ c.
+    # CPU (2026-11-27, parameters of 2^16+ elements): one fused pass each way, (g + k*m)/d and out*d - k*m
+    pre = {"CPU gloo": 4 + 16, "GPU NCCL": 4 + 12 + 12 + 12}
+    post = {"CPU gloo": 16, "GPU NCCL": 12 + 12}
     prep = 28 + 32 + 8 + 8 + 4 + 8  # prepare() + post-hook restore
     for dev, codec in (("CPU gloo", codec_cpu_blocks(4)), ("GPU NCCL", codec_triton(4, B=64))):
         for opt, cost in (("fused AdamW", 28), ("default AdamW", 80)):
             r.append(
                 (
                     f"DDP hook + {opt}, freeze_step, {dev}, W=4 (incl. DDP's 16)",
-                    ddp + pre + codec + post + prep + cost,
+                    ddp + pre[dev] + codec + post[dev] + prep + cost,
                 )
             )
     # ZeroOneAdam (wd=0; +12 per update with wd>0)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..kernels import cpu_fused
 from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._fsdp_replicas import to_local
@@ -160,8 +161,9 @@ class FrozenAdam:
 
 
 def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
-    """``(d, c)`` of section 8.2: the frozen denominators and ``b1 / (1 - b1) * exp_avg`` of the
-    bucket's parameters (1 and 0 where a parameter has none); None, None if none has them."""
+    """``(d, parts)`` of section 8.2: the bucket's flat frozen denominators (1 where a parameter
+    has none) and, per parameter that has them, ``(lo, hi, exp_avg, b1 / (1 - b1))`` (its place in
+    the bucket, the momentum and the factor of ``c``); None, None if none has them."""
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
     grads = bucket.gradients()
     found = []
@@ -189,10 +191,45 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
             view.copy_(di)
             fa.denominators[layout[i]] = view
         fa.flat[bucket.index()] = (key, d)
-    c = torch.zeros_like(buffer)
-    for i, _, mi, factor in found:  # written in place: no per-parameter temporaries
-        torch.mul(mi, factor, out=c[offsets[i]:offsets[i + 1]].view_as(mi))
-    return d, c
+    return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
+
+
+def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list):
+    """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
+    (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
+
+    On CPU each parameter of 2^16 elements or more takes one fused pass each way
+    (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
+    is never stored; the others (and every parameter on a GPU) take the plain ops, with ``c``
+    kept for the post-pass in one bucket-sized buffer."""
+    fused, rest = [], []
+    for part in parts:
+        lo, hi, m, factor = part
+        piece, d_piece = buffer[lo:hi].view_as(m), d[lo:hi].view_as(m)
+        if buffer.device.type == "cpu" and cpu_fused.hook_pre_(piece, m, d_piece, factor):
+            fused.append(part)
+        else:
+            rest.append(part)
+    c = None
+    if rest:
+        c = torch.zeros_like(buffer)
+        for lo, hi, m, factor in rest:  # written in place: no per-parameter temporaries
+            torch.mul(m, factor, out=c[lo:hi].view_as(m))
+        if not fused:  # the whole bucket at once (a GPU: two launches, not two per parameter)
+            buffer.add_(c).div_(d)
+        for lo, hi, _, _ in rest if fused else ():
+            buffer[lo:hi].add_(c[lo:hi]).div_(d[lo:hi])
+
+    def post(out: torch.Tensor) -> torch.Tensor:
+        for lo, hi, m, factor in fused:
+            cpu_fused.hook_post_(out[lo:hi].view_as(m), m, d[lo:hi].view_as(m), factor)
+        if rest and not fused:
+            out.mul_(d).sub_(c)
+        for lo, hi, _, _ in rest if fused else ():
+            out[lo:hi].mul_(d[lo:hi]).sub_(c[lo:hi])
+        return out
+
+    return post
 
 
 def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_norm: float, norm_type: float,

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
-from ._frozen_adam import FrozenAdam, clip_agreed, frozen_terms, is_adam_type
+from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
 from ._unwrap import unwrap_optimizer
@@ -405,9 +405,12 @@ def onebit_compress_hook(state: OnebitCompressHookState,
             fa.freeze(state.optimizer, state._names)
         fa.add_local(buffer)
         fa.pending = True
-        d, c = frozen_terms(state.optimizer, fa, bucket, layout)
-    else:
-        d, c = _optimizer_terms(state, bucket)  # the same on every rank
+        d, parts = frozen_terms(state.optimizer, fa, bucket, layout)
+        if d is None:
+            return _compressed(state, bucket, buffer, layout, index)
+        post = frozen_pre_(buffer, d, parts)  # buffer <- (g + c) / d
+        return _compressed(state, bucket, buffer, layout, index).then(lambda done: post(done.value()))
+    d, c = _optimizer_terms(state, bucket)  # the same on every rank
     if c is not None:
         buffer.add_(c)  # SGD: compress this rank's momentum, b * m + g (scaled by 1 / (1 - dampening))
     if d is not None:

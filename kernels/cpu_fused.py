@@ -16,7 +16,8 @@ are not contiguous float32 CPU tensors of the same size, fewer than ``MIN_NUMEL`
 compiled call costs tens of microseconds), ``ONEBIT_CPU_CODEC=torch``, or no working compiler
 (:func:`cpu_compiled.usable` warns once); the caller then runs the plain ops. Used by
 OnebitAdam's compression stage and ZeroOneAdam's steps on a stale variance (phase 1's, and
-phase 2's local steps with their fold); the DDP hook still runs the plain ops.
+phase 2's local steps with their fold), and the DDP hook with ``freeze_step`` (its passes before
+and after the collective, per parameter: ``hook_pre_``, ``hook_post_``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,18 @@ def _fns() -> dict:
         m.copy_(m * b1 + w * g)
         p.copy_(p + neg_lr * (torch.clamp(m / d, lo, hi) + wd * p))
 
+    def hook_pre(g, m, d, k) -> None:
+        # the DDP hook with freeze_step: g.add_(c).div_(d) with c = m * k (onebit.collectives._frozen_adam)
+        g.copy_((g + m * k) / d)
+
+    def hook_post(out, m, d, k) -> None:
+        # out.mul_(d).sub_(c), c = m * k again (m has not changed since the pre-pass)
+        out.copy_(out * d - m * k)
+
     return {name: cpu_compiled._compile(fn) for name, fn in (
         ("fold", fold), ("stale_update", stale_update), ("stale_step", stale_step),
-        ("stale_step_wd", stale_step_wd), ("local_step", local_step), ("local_step_wd", local_step_wd))}
+        ("stale_step_wd", stale_step_wd), ("local_step", local_step), ("local_step_wd", local_step_wd),
+        ("hook_pre", hook_pre), ("hook_post", hook_post))}
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
@@ -137,3 +147,24 @@ def _step(p, m, grad, denom, beta1: float, lr: float, weight_decay: float, clip:
         _fns()[name + "_wd"](*args, _scalar(weight_decay), _scalar(-lr))
     else:
         _fns()[name](*args, _scalar(-lr))
+
+
+@torch.no_grad()
+def hook_pre_(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float) -> bool:
+    """The DDP hook's pre-pass on one parameter's piece of a bucket, ``g = (g + m * factor) / d``,
+    in one pass (the plain ops: ``c = m * factor`` into a bucket-sized buffer, ``add_``, ``div_``:
+    36 B per element against 16); False (nothing done) where it does not apply."""
+    if not _applies(g, m, d):
+        return False
+    _fns()["hook_pre"](g.view(-1), m.view(-1), d.view(-1), _scalar(factor))
+    return True
+
+
+@torch.no_grad()
+def hook_post_(out: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float) -> bool:
+    """Its post-pass, ``out = out * d - m * factor``, in one pass (plain: ``mul_``, ``sub_``, 24 B
+    against 16); False (nothing done) where it does not apply."""
+    if not _applies(out, m, d):
+        return False
+    _fns()["hook_post"](out.view(-1), m.view(-1), d.view(-1), _scalar(factor))
+    return True

@@ -48,6 +48,7 @@ def main() -> int:
     m, g, d = torch.zeros(n), torch.randn(n), torch.rand(n) + 0.5
     done = [cpu_fused.fold_preconditioned_(m, g, d, 0.9),
             cpu_fused.stale_update_(x, m, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)]
+    done += [cpu_fused.hook_pre_(g.clone(), m, d, 9.0), cpu_fused.hook_post_(g.clone(), m, d, 9.0)]
     for wd in (0.0, 0.1):
         done.append(cpu_fused.stale_step_(x, m, d, lr=1e-3, weight_decay=wd, clip=1.0))
         done.append(cpu_fused.local_step_(x, m, g, d, beta1=0.9, lr=1e-3, weight_decay=wd, clip=1.0))

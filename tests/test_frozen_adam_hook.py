@@ -161,3 +161,59 @@ def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
             assert torch.equal(a, b), f"rank {r}: the closure run differs"
     failed = ranks(2).run(_body_closure, 8, False)
     assert failed[0][0] == F and "state.prepare_step()" in failed[0][1], failed[0]
+
+
+def _wide_body(steps, fused):
+    """A layer of 2^16 weights (the fused CPU passes' size) behind the hook with freeze_step; with
+    ``fused=False`` the fused passes are out of reach (their size threshold raised)."""
+    from onebit.kernels import cpu_fused
+
+    saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_
+    cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
+    calls = {"pre": 0, "post": 0}
+    for name in ("pre", "post"):
+        fn = getattr(cpu_fused, f"hook_{name}_")
+
+        def counted(*a, _fn=fn, _name=name):
+            done = _fn(*a)
+            calls[_name] += int(done)
+            return done
+
+        setattr(cpu_fused, f"hook_{name}_", counted)
+    try:  # the rank processes serve later tests: the module is put back as it was
+        return _wide_run(steps), calls
+    finally:
+        cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_ = saved
+
+
+def _wide_run(steps):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64)
+    model.register_comm_hook(state, onebit_compress_hook)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + r)
+        x = torch.randn(16, 256, generator=g)
+        x[:, :7] = 0.0  # always-zero features: zero gradient columns in the big layer
+        torch.nn.functional.cross_entropy(model(x), (x[:, 7:11]).argmax(1)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_hooks_fused_passes_are_bitwise_the_plain_ops(ranks):
+    """On CPU the hook's passes around the collective (``(g + c) / d`` before, ``out * d - c``
+    after) run as one compiled pass each for parameters of 2^16 elements or more: the same
+    float32 operations, so the run is bitwise the one with the plain ops; the fused passes ran
+    (4 compressed iterations, one large weight) and the replicas agree."""
+    fused = ranks(2).run(_wide_body, F + 4, True)
+    plain = ranks(2).run(_wide_body, F + 4, False)
+    for r in range(2):
+        assert fused[r][1] == {"pre": 4, "post": 4}, fused[r][1]
+        assert plain[r][1] == {"pre": 0, "post": 0}
+        for a, b in zip(fused[r][0], plain[r][0], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(fused[r][0], fused[0][0], strict=True):
+            assert torch.equal(a, b)
