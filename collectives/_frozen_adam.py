@@ -222,7 +222,9 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list):
 
     def post(out: torch.Tensor) -> torch.Tensor:
         for lo, hi, m, factor in fused:
-            cpu_fused.hook_post_(out[lo:hi].view_as(m), m, d[lo:hi].view_as(m), factor)
+            piece, d_piece = out[lo:hi].view_as(m), d[lo:hi].view_as(m)
+            if not cpu_fused.hook_post_(piece, m, d_piece, factor):  # (out is the buffer: it applies)
+                piece.mul_(d_piece).sub_(torch.mul(m, factor))
         if rest and not fused:
             out.mul_(d).sub_(c)
         for lo, hi, _, _ in rest if fused else ():

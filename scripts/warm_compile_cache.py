@@ -45,6 +45,12 @@ def main() -> int:
     cpu_compiled.decompress(message.clone(), layout, out, None, None)
     cpu_compiled.decompress(message.clone(), layout, out, torch.zeros(n), message)
     cpu_compiled.server_reduce(message, torch.zeros(layout.C), layout, empty_message(layout, 1, x.device))
+    # the server unrolls its loop over the W ranks: one build per W; W = 4 with the hooks' blocks is
+    # what the advisor's timed test (tests/test_advise.py) runs
+    lw = Layout(cpu_fused.MIN_NUMEL * 4, 4, 64)
+    received = empty_message(lw, 4, x.device)
+    received.zero_()
+    cpu_compiled.server_reduce(received, torch.zeros(lw.C), lw, empty_message(lw, 1, x.device))
     m, g, d = torch.zeros(n), torch.randn(n), torch.rand(n) + 0.5
     done = [cpu_fused.fold_preconditioned_(m, g, d, 0.9),
             cpu_fused.stale_update_(x, m, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)]

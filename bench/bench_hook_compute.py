@@ -1,0 +1,128 @@
+"""The DDP hook's per-step compute against plain DDP's all-reduce, on an unshaped loopback.
+
+W gloo ranks (torchrun, one thread each) train a stack of Linear layers (default 4 of 2048 x
+2048: 16.8M parameters, 64 MB of float32 gradients) with ``torch.optim.AdamW(fused=True)``, once
+as plain DDP and once behind ``onebit_compress_hook`` with ``optimizer=`` and ``freeze_step``
+(every timed step compressed). Each timed step runs a backward under ``no_sync()`` (the
+backward's own compute), a backward with the gradients' communication, and the optimizer step;
+medians over --steps of the slowest rank, each piece behind a barrier. On loopback the wire
+costs little, so what the communication adds is compute: plain DDP's all-reduce (gloo's copies
+and sums) against the hook's passes, codec and tiny messages, plus what its optimizer pre/post
+hooks add to AdamW's step. Prints both and the ratio (issue 38: at most 1.5x).
+
+  python bench/bench_hook_compute.py                    # 2 ranks, 20 steps
+  python bench/bench_hook_compute.py --ranks 4 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import child_arguments, markdown_table, provenance, run_child, write_csv  # noqa: E402
+
+
+def _slowest(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) * 1e3
+
+
+def _variant(hooked: bool, args) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+    model = DDP(torch.nn.Sequential(*layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    if hooked:
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=2)
+        model.register_comm_hook(state, onebit_compress_hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(args.batch, args.width, generator=g)
+
+    def backward():
+        model(x).square().mean().backward()
+
+    def local_backward():
+        with model.no_sync():
+            backward()
+        opt.zero_grad()
+
+    rows = {"local": [], "synced": [], "step": []}
+    for t in range(4 + args.steps):
+        local = _slowest(local_backward)
+        synced = _slowest(backward)
+        step = _slowest(opt.step)
+        opt.zero_grad()
+        if t >= 4:  # past the freeze: every timed step compressed
+            for k, v in zip(rows, (local, synced, step), strict=True):
+                rows[k].append(v)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def child(args) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    out = {"plain": _variant(False, args), "hook": _variant(True, args)}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "hook_compute.csv"))
+    child_arguments(p)
+    args = p.parse_args()
+    run_child(args, child)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(args.ranks), os.path.abspath(__file__), "--child", "--out", out]
+        cmd += ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
+                "--steps", str(args.steps)]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800)
+        with open(out) as fh:
+            res = json.load(fh)
+    plain, hook = res["plain"], res["hook"]
+    ddp = plain["synced"] - plain["local"]  # the all-reduce's share of the step
+    ours = hook["synced"] - hook["local"] + hook["step"] - plain["step"]
+    n = args.layers * (args.width * args.width + args.width)
+    table = [[name, *(f"{res[key][k]:.1f}" for k in ("local", "synced", "step")), f"{c:.1f}"]
+             for name, key, c in (("plain DDP", "plain", ddp), ("hook, freeze_step", "hook", ours))]
+    print(f"# {args.ranks} gloo ranks on loopback, {n / 1e6:.1f}M parameters, medians of {args.steps} steps "
+          "(ms, the slowest rank)")
+    header = ["", "backward, no_sync", "backward, synced", "AdamW step", "communication's compute"]
+    print(markdown_table(header, table))
+    print(f"hook / DDP all-reduce: {ours / ddp:.2f}x")
+    meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps)
+    print(write_csv(args.csv, [{**meta, "variant": name, **{k: f"{v:.3f}" for k, v in res[name].items()},
+                                "communication_ms": f"{c:.3f}"}
+                               for name, c in (("plain", ddp), ("hook", ours))], append=True))
+
+
+if __name__ == "__main__":
+    main()
