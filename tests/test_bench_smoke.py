@@ -72,3 +72,13 @@ def test_hook_sim_runs_every_variant():
         assert len(found) == 1 and all(math.isfinite(float(v)) for v in found[0]), text
         errors = re.findall(r"step 8 worker error / input (\S+)", text)
         assert len(errors) == (0 if variant == "exact" else 1), text
+
+
+def test_bench_hook_compute_times_both_variants(tmp_path):
+    path = tmp_path / "h.csv"
+    out = _run("bench_hook_compute.py", "--ranks", "2", "--layers", "1", "--width", "64", "--steps", "2",
+               "--csv", str(path))
+    rows = _rows(path)
+    assert [r["variant"] for r in rows] == ["plain", "hook"]
+    assert all(float(r[k]) > 0 for r in rows for k in ("local", "synced", "step"))
+    assert "hook / DDP all-reduce:" in out
