@@ -91,14 +91,15 @@ def wall_ms(fn: Callable[[], object], device=None) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def slowest_rank_times(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn`` (a collective every rank makes) after one warm-up,
-    each the slowest rank's (a barrier before, a MAX all-reduce after): the same on every rank."""
+def slowest_rank_times(fn: Callable[[], object], repeats: int, warmup: bool = True) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` (a collective every rank makes) after one warm-up
+    (none with ``warmup=False``), each the slowest rank's (a barrier before, a MAX all-reduce
+    after): the same on every rank."""
     import torch
     import torch.distributed as dist
 
     times = []
-    for rep in range(repeats + 1):
+    for rep in range(int(not warmup), repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
         fn()

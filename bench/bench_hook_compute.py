@@ -23,22 +23,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import child_arguments, markdown_table, provenance, run_child, write_csv  # noqa: E402
+from _common import child_arguments, markdown_table, provenance, run_child, slowest_rank_times, write_csv  # noqa: E402
 
 
 def _slowest(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) * 1e3
+    """One call's milliseconds, the slowest rank's (no warm-up: each call is one step's piece)."""
+    return slowest_rank_times(fn, 1, warmup=False)[0] * 1e3
 
 
 def _variant(hooked: bool, args) -> dict:

@@ -146,9 +146,8 @@ class OnebitAdam(WarmupThenCompress):
                 or any(g.get("exp_avg_mask") is not None for _, g in pairs)):
             return False
         for g, ps, ms in _multi.by_group((g, p, views[k]) for k, (p, g) in enumerate(pairs)):
-            bc1 = 1.0 - g["betas"][0] ** t if g["bias_correction"] else 1.0
             _multi.stale_update_(ps, ms, lr=g["lr"], weight_decay=g["weight_decay"], clip=self.update_clip,
-                                 bc1=bc1)
+                                 bc1=_stale_bc1(g, t))
         return True
 
     def _adam_all(self, items, views, t: int) -> bool:
@@ -175,7 +174,7 @@ class OnebitAdam(WarmupThenCompress):
     def _apply_stale(self, p, g: dict, m, denom, t: int) -> None:
         """Compression-stage update with the floored frozen denominator and the clip:
         ``p -= lr * (clip(m / denom / bc1) + wd * p)`` (``denom=None``: m is m/denom)."""
-        bc1 = 1.0 - g["betas"][0] ** t if g["bias_correction"] else 1.0
+        bc1 = _stale_bc1(g, t)
         if denom is None and cpu_fused.stale_update_(p, m, lr=g["lr"], weight_decay=g["weight_decay"],
                                                      clip=self.update_clip, bc1=bc1):
             return  # the same maths in one pass (CPU)
@@ -212,3 +211,8 @@ class OnebitAdam(WarmupThenCompress):
             p, m, v, lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], bc1=bc1, bc2=bc2,
             eps_inside_sqrt=g["eps_inside_sqrt"],
         )
+
+
+def _stale_bc1(g: dict, t: int) -> float:
+    """The compression-stage update's first-moment bias correction (1 without ``bias_correction``)."""
+    return 1.0 - g["betas"][0] ** t if g["bias_correction"] else 1.0
