@@ -22,7 +22,7 @@ import sys
 import torch
 
 from onebit.collectives import local_compressed_allreduce
-from onebit.optimizers import OnebitAdam
+from onebit.optimizers import OnebitAdam, _fused
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, wall_ms, write_csv  # noqa: E402
@@ -31,6 +31,11 @@ from _common import provenance, wall_ms, write_csv  # noqa: E402
 def forced_single_rank(tensor, worker_error, server_error, group=None):
     """compressed_allreduce with the whole local compute at W = 1 (no identity shortcut)."""
     return local_compressed_allreduce([tensor], [worker_error], [server_error])[0]
+
+
+# OnebitAdam's fused GPU passes (onebit.optimizers._fused) run this local compute too: their
+# own worker and decompress passes, the server, the two collectives as copies
+forced_single_rank.local_compute = True
 
 
 def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
@@ -56,9 +61,12 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--unfused", action="store_true",
+                   help="GPU: OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
     device = torch.device(args.device)
+    _fused.ENABLED = not args.unfused
     results = {}
     for name in ("adamw_fused", "onebit_adam"):
         params = make_params(args.blocks, args.d_model, device)
@@ -76,7 +84,9 @@ def main() -> None:
     ratio = results["onebit_adam"] / results["adamw_fused"]
     print(f"OnebitAdam compression-stage step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
     meta = provenance(device)
-    rows = [{**meta, "parameters": n, "optimizer": name, "ms_median": f"{ms:.3f}",
+    tag = "_unfused" if args.unfused and device.type == "cuda" else ""
+    rows = [{**meta, "parameters": n, "optimizer": name + (tag if name != "adamw_fused" else ""),
+             "ms_median": f"{ms:.3f}",
              "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]
     print(write_csv(args.csv, rows, append=True))
 

@@ -15,6 +15,7 @@ steps and its phase-2 local steps (interval 16: fifteen local steps and one sync
 
   python bench/bench_profile.py                      # CUDA if present, else CPU
   python bench/bench_profile.py --per-tensor         # GPU: one op per tensor, as before _multi
+  python bench/bench_profile.py --unfused            # GPU: multi-tensor ops, no fused passes
   python bench/bench_profile.py --device cpu --blocks 1 --steps 4
 """
 
@@ -28,7 +29,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from onebit.optimizers import OnebitAdam, ZeroOneAdam, _multi
+from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused, _multi
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, provenance, wall_ms, write_csv  # noqa: E402
@@ -37,6 +38,9 @@ from bench_optimizer import forced_single_rank, make_params  # noqa: E402
 # bytes per element per step, float32, W = 1 local compute (bench/TRAFFIC.md, traffic_model.py)
 MODEL_BYTES = {"adamw_fused": 28, "onebit_warmup": 100, "onebit_compress": 101, "onebit_compress_nosync": 97,
                "zoa_phase1_compressed": None, "zoa_phase2_local": None}
+# OnebitAdam's compression stage in its fused GPU passes (TRAFFIC.md section 3d): 56.9 B and the
+# non-finite check's 4
+FUSED_BYTES = {"onebit_compress": 61, "onebit_compress_nosync": 57}
 
 
 def build(name: str, params, bucket_cap_mb: float = 25.0):
@@ -92,8 +96,11 @@ def run(name: str, args, device) -> dict:
         print(f"{name}: the top ops over {args.steps} steps", file=sys.stderr)
         table = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60)
         print(table, file=sys.stderr)
-    b = MODEL_BYTES[name]
+    fused = cuda and _fused.ENABLED and name in FUSED_BYTES
+    b = FUSED_BYTES[name] if fused else MODEL_BYTES[name]
     label = name + ("_per_tensor" if args.per_tensor else "")
+    if args.unfused and cuda and name in FUSED_BYTES:
+        label += "_unfused"
     if args.bucket_cap_mb != 25.0 and name != "adamw_fused":
         label += f"_bucket{args.bucket_cap_mb:g}mb"
     row = {"path": label, "parameters": n, "steps": args.steps, "wall_ms": f"{wall:.3f}",
@@ -113,12 +120,15 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=list(MODEL_BYTES))
     p.add_argument("--per-tensor", action="store_true",
                    help="per-tensor ops on GPU too (onebit.optimizers._multi.ENABLED = False): the baseline")
+    p.add_argument("--unfused", action="store_true",
+                   help="GPU: OnebitAdam's compression stage without its fused passes (_fused.ENABLED False)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the 1-bit optimizers' bucket size")
     p.add_argument("--top", nargs="*", default=[], help="paths whose top ops to print")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "profile.csv"))
     args = p.parse_args()
     device = torch.device(args.device)
     _multi.ENABLED = not args.per_tensor
+    _fused.ENABLED = not (args.unfused or args.per_tensor)
     rows = []
     for name in args.paths:
         rows.append(run(name, args, device))

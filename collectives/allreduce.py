@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
-from ..kernels.layout import check_block, pad_unit, padded_numel
+from ..kernels.layout import check_block, empty_message, pad_unit, padded_numel
 from . import _async
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
@@ -26,7 +26,7 @@ from .mesh import hierarchy, is_mesh
 from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
-__all__ = ["compressed_allreduce", "error_buffers"]
+__all__ = ["compressed_allreduce", "compressed_allreduce_passes", "error_buffers"]
 
 
 def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
@@ -190,8 +190,39 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def compressed_allreduce_passes(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                                group, passes, *, local: bool = False) -> None:
+    """``compressed_allreduce(tensor, ...)`` (block None, validated arguments, a flat contiguous
+    float32 ``tensor``) whose worker and decompress passes the caller runs with its own maths
+    fused in: ``passes.worker(flat, worker_error, layout, msg)`` writes the worker message
+    (``worker_compress(update_error=False)``'s contract) and ``passes.finish(gathered, layout,
+    flat, worker_error, msg)`` does at least ``decompress``'s (onebit.optimizers._fused). The
+    all-to-all, the server and the all-gather are the collective's. ``local``: the whole
+    compute of a one-rank group with the two collectives as copies (the benchmarks' W = 1)."""
+    W = 1 if local else group_size(group)
+    transport = _LOCAL if local else None
+    _compressed_allreduce(tensor, worker_error, server_error, group, W, None, transport, passes)
+    traffic.compressed += compressed_bytes(worker_error.numel(), W, None)
+    traffic.compressed_calls += 1
+
+
+class _Copies:
+    """A one-rank group's two collectives, as copies (what they move)."""
+
+    @staticmethod
+    def all_to_all(recv: torch.Tensor, msg: torch.Tensor) -> None:
+        recv.copy_(msg)
+
+    @staticmethod
+    def all_gather(out: torch.Tensor, seg: torch.Tensor) -> None:
+        out.copy_(seg)
+
+
+_LOCAL = _Copies()
+
+
 def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None,
-                          transport=None) -> torch.Tensor:
+                          transport=None, passes=None) -> torch.Tensor:
     """The algorithm on validated arguments, W > 1; returns the W server scales (a view).
     (:func:`onebit.collectives.local.local_compressed_allreduce` is the same compute for
     all ranks in one process.) ``transport``: None (torch.distributed over ``group``) or an
@@ -201,7 +232,11 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     timer = CallTimer(tensor.device)  # compute ("codec") and collectives ("comm"), see telemetry
     with timer.stage("codec"):
         flat = _flat_target(tensor)
-        msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
+        if passes is None:
+            msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
+        else:
+            msg = empty_message(layout, W, tensor.device)
+            passes.worker(flat, worker_error, layout, msg)
         recv = torch.empty_like(msg)
     with timer.stage("comm"), guard("compressed_allreduce (all_to_all)", group):
         if transport is None:
@@ -217,7 +252,10 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
         else:
             transport.all_gather(gathered, seg)
     with timer.stage("codec"):
-        decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
+        if passes is None:
+            decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
+        else:
+            passes.finish(gathered, layout, flat, worker_error, msg)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
     return message_scales(gathered, layout)

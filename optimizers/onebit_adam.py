@@ -6,7 +6,7 @@ import torch
 
 from ..collectives.bucket import allreduce_mean_
 from ..kernels import cpu_fused
-from . import _multi
+from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
@@ -106,7 +106,9 @@ class OnebitAdam(WarmupThenCompress):
         self.updates += 1
         t = self.updates
         pairs = self.compressed_params()
-        if compress:
+        if compress and _fused.applies(self, reducer, pairs):  # a GPU: two passes per bucket
+            self._fused_plan(reducer).step(self, pairs, t)
+        elif compress:
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
                 if not self._fold_all(pairs, reducer.views):
                     for k, (p, g) in enumerate(pairs):
@@ -127,6 +129,12 @@ class OnebitAdam(WarmupThenCompress):
             self._observe_variance()
             if self.compressing:
                 self._enter_compression()
+
+    def _fused_plan(self, reducer) -> _fused.FusedCompression:
+        plan = getattr(self, "_fused_cache", None)
+        if plan is None or plan.reducer is not reducer:
+            plan = self._fused_cache = _fused.FusedCompression(reducer)
+        return plan
 
     # -- GPU: one multi-tensor op per param group instead of one op per tensor (optimizers/_multi.py)
     def _fold_all(self, pairs, views) -> bool:

@@ -22,8 +22,10 @@ path alone: "full-block path" (what every block but the last runs) and "masked p
 each path's access widths. The launchers never launch these (the kernel they launch holds both
 paths, the stricter test of registers and spills), so CI leaves them out: they were 58 of the
 132 variants per target. The targets compile
-in parallel (one process each, as many as there are cores). Exits 1 if any variant fails to
-compile or has an FMA it should not have.
+in parallel (one process each, as many as there are cores). Also OnebitAdam's fused passes
+(``onebit.kernels.triton_fused``: ``fold_worker_launches``, ``decompress_update_launches``).
+Exits 1 if any variant fails to compile or has an FMA it should not have, or if a fused-pass
+variant spills registers.
 
   python scripts/compile_check.py                               # sm_80, sm_90, gfx942, gfx90a
   python scripts/compile_check.py --archs 90,gfx942 --dump out/  # also write the IRs and asm
@@ -56,6 +58,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
 from onebit.kernels import triton_blocks as tb  # noqa: E402
+from onebit.kernels import triton_fused as tf  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
 from onebit.kernels.layout import Layout  # noqa: E402
 
@@ -83,6 +86,26 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
                                                 Layout(size, W)):
             yield from _with_paths(align, launch, split=paths and bool(align))
     yield from block_launches(N, W, paths)
+    yield from fused_launches(N, W)
+
+
+def fused_launches(N: int, W: int):
+    """OnebitAdam's fused passes (onebit.kernels.triton_fused): float32 only, n a multiple of 16
+    and not; the parameter tables of 17 parameters (a number that is not 1: Triton would make a
+    1 a constant)."""
+    T, f32, f64, u8 = MockTensor, torch.float32, torch.float64, torch.uint8
+    i32, i64 = torch.int32, torch.int64
+    layout = Layout(N, W)
+    tiles = tf.Tiles(T(i32), T(i32))
+    for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
+        addr = MockTensor(i64, shape=[3, 17])
+        tag = f"fused{align}"
+        for launch in tf.fold_worker_launches(T(f32), T(f32), T(u8), T(f32), T(f64), T(i32), tiles, T(i64),
+                                              T(i64), addr, T(f32), n, layout):
+            yield tag, launch
+        for launch in tf.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), tiles, T(i64),
+                                                    T(i64), addr, T(f32), n, layout, 1.0):
+            yield tag, launch
 
 
 def block_launches(N: int, W: int, paths: bool = False):
@@ -198,11 +221,12 @@ def fma_count(code: str, backend: str) -> tuple[int, int]:
     if backend == "cuda":
         return len(_FMA["cuda"].findall(code)), 0
     contracted = expansion = 0
-    in_div, sqrt_fmas = False, 0
-    for line in code.splitlines():
+    scales = fixups = sqrt_fmas = 0  # a division opens with two v_div_scale, closes with v_div_fixup;
+    for line in code.splitlines():  # the scheduler interleaves several divisions' sequences
         text = line.strip()
         if text.startswith(("v_div_scale_f32", "v_div_scale_f64")):
-            in_div = True
+            scales += 1
+        in_div = scales > 2 * fixups
         if text.startswith("v_rsq_f64"):
             sqrt_fmas += 7  # LLVM's float64 sqrt: v_rsq_f64 and 7 Newton FMAs (interleaved when several)
         if _FMA["hip"].match(text):
@@ -215,7 +239,7 @@ def fma_count(code: str, backend: str) -> tuple[int, int]:
             else:
                 contracted += 1
         if text.startswith(("v_div_fixup_f32", "v_div_fixup_f64")):
-            in_div = False
+            fixups += 1
     return contracted, expansion
 
 
@@ -227,13 +251,14 @@ def target_of(arch: str):
 
 
 def compile_target(arch: str, dump: str | None = None,
-                   paths: bool = False) -> tuple[list[str], int, int, int]:
-    """Compile every variant for one target: (lines, compiled, failures, variants with an FMA)."""
+                   paths: bool = False) -> tuple[list[str], int, int, int, int]:
+    """Compile every variant for one target: (lines, compiled, failures, variants with an FMA,
+    variants of the fused optimizer passes that spill registers)."""
     target = target_of(arch)
     backend = make_backend(target)
     knobs.nvidia.dump_ptxas_log = True  # the registers and spills of the compile itself (ptxas -v)
     label = f"sm_{arch}" if target.backend == "cuda" else arch
-    lines, compiled, failures, fused, seen = [], 0, 0, 0, set()
+    lines, compiled, failures, fused, spilled, seen = [], 0, 0, 0, 0, set()
     for tag, launch in launches(paths=paths):
         options, signature, constexprs, attrs = specialise(launch, backend)
         key = (launch.name, str(signature), str(constexprs), str(attrs))
@@ -249,12 +274,14 @@ def compile_target(arch: str, dump: str | None = None,
             if target.backend == "cuda":
                 code = kernel.asm["ptx"]
                 use = ptxas_usage(log.getvalue())
+                spills = use["spills"] != "0/0B"
                 usage = (f"regs {use['regs']:3d}  spills {use['spills']:6} stack {use['stack']}B  "
                          f"shared {kernel.metadata.shared}B  warps {kernel.metadata.num_warps}  "
                          f"{vector_widths(code)}")
             else:
                 code = kernel.asm["amdgcn"]
                 use = amd_usage(code)
+                spills = use["vgpr_spill_count"] > 0 or use["sgpr_spill_count"] > 0
                 usage = (f"vgpr {use['vgpr_count']:3d} sgpr {use['sgpr_count']:3d}  spills "
                          f"{use['vgpr_spill_count']}/{use['sgpr_spill_count']}  "
                          f"lds {use['group_segment_fixed_size']}B  "
@@ -270,6 +297,9 @@ def compile_target(arch: str, dump: str | None = None,
         if fma and not tk.FP_FUSION:
             fused += 1
         wrong = "  <- contraction is off" if fma and not tk.FP_FUSION else ""
+        if spills and launch.kernel.fn.__module__ == tf.__name__:  # issue 38: the fused passes must not spill
+            spilled += 1
+            wrong += "  <- spills"
         lines.append(f"{label} {name:44} {usage}  fma {fma}" + (f" (+{expansion} exact)" if expansion
                                                                   else "") + wrong)
         if dump:
@@ -278,7 +308,7 @@ def compile_target(arch: str, dump: str | None = None,
             for ext in [k for k in ("ttir", "ttgir", "llir", "ptx", "amdgcn") if k in kernel.asm]:
                 with open(f"{base}.{ext}", "w") as fh:
                     fh.write(kernel.asm[ext])
-    return lines, compiled, failures, fused
+    return lines, compiled, failures, fused, spilled
 
 
 def main(argv: list[str]) -> int:
@@ -306,13 +336,14 @@ def main(argv: list[str]) -> int:
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(compile_target, archs, [args.dump] * len(archs),
                                 [args.paths] * len(archs)))
-    compiled = failures = fused = 0
-    for lines, c, f, u in results:
+    compiled = failures = fused = spilled = 0
+    for lines, c, f, u, s in results:
         print("\n".join(lines), flush=True)
-        compiled, failures, fused = compiled + c, failures + f, fused + u
+        compiled, failures, fused, spilled = compiled + c, failures + f, fused + u, spilled + s
     print(f"{compiled} variants compiled for {', '.join(archs)}, {failures} failed, {fused} with an FMA "
-          f"while contraction is off, {time.time() - t0:.0f} s", flush=True)
-    return 1 if failures or fused or not compiled else 0
+          f"while contraction is off, {spilled} fused-pass variants that spill, {time.time() - t0:.0f} s",
+          flush=True)
+    return 1 if failures or fused or spilled or not compiled else 0
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ fi
 if has tests; then
   # tests/test_cuda.py: Triton against the torch path and the float64 chain on CUDA tensors
   timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py tests/test_multi.py \
+    tests/test_triton_fused.py \
     --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
 fi
 if has kernels; then
@@ -36,13 +37,16 @@ if has kernels; then
     --dtypes float32 bfloat16 --csv "$OUT/kernels-cuda.csv" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
 fi
 if has optimizer; then
-  timeout 90 "$py" bench/bench_optimizer.py --device cuda --csv "$OUT/optimizer-cuda.csv" 2>&1 \
-    | tee "$OUT/optimizer.log"
+  for mode in --unfused ""; do
+    timeout 90 "$py" bench/bench_optimizer.py --device cuda $mode --csv "$OUT/optimizer-cuda.csv" 2>&1 \
+      | tee -a "$OUT/optimizer.log"
+  done
 fi
 if has profile; then
   # wall time against kernel time and launches per step, for each path of bench/TRAFFIC.md's table;
-  # the per-tensor ops first (the baseline), then the multi-tensor ones (optimizers/_multi.py)
-  for mode in --per-tensor ""; do
+  # the per-tensor ops first (the baseline), the multi-tensor ones (optimizers/_multi.py), then
+  # OnebitAdam's fused passes (optimizers/_fused.py)
+  for mode in --per-tensor --unfused ""; do
     timeout 150 "$py" bench/bench_profile.py --device cuda $mode --top onebit_compress_nosync \
       --csv "$OUT/profile-cuda.csv" 2>&1 | grep -v '^USDT' | tee -a "$OUT/profile.log" | tail -n 9
   done

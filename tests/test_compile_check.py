@@ -54,3 +54,19 @@ def test_the_fma_column_shows_contraction_exactly_when_it_is_on(arch):
     on = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(on) == 4
     assert sum(n for _, n in on) > 0, on  # the kernels fuse when asked: the column sees it
+
+
+def test_the_fma_column_tells_interleaved_divisions_from_contraction():
+    """AMD's correctly rounded division is a sequence with FMAs (v_div_scale twice, ..., v_div_fixup);
+    the scheduler interleaves several divisions' sequences (the fused passes' per-element divisions
+    do): their FMAs are exact, an FMA outside every sequence is a contraction."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import compile_check as cc
+
+    one = ["v_div_scale_f32 v1, s[0:1], v8, v8, v2", "v_rcp_f32_e32 v3, v1", "v_fma_f32 v4, -v1, v3, 1.0",
+           "v_fmac_f32_e32 v3, v4, v3", "v_div_scale_f32 v5, vcc, v2, v8, v2", "v_mul_f32_e32 v6, v5, v3",
+           "v_fma_f32 v7, -v1, v6, v5", "v_fmac_f32_e32 v6, v7, v3", "v_fma_f32 v1, -v1, v6, v5",
+           "v_div_fmas_f32 v1, v1, v3, v6", "v_div_fixup_f32 v1, v1, v8, v2"]
+    interleaved = one[:5] + one[:5] + one[5:] + one[5:]  # the first closes while the second is open
+    assert cc.fma_count("\n".join(interleaved), "hip") == (0, 10)
+    assert cc.fma_count("\n".join(one + ["v_fma_f32 v9, v1, v2, v3"]), "hip") == (1, 5)
