@@ -49,6 +49,15 @@ def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
     return params
 
 
+def build(name: str, args, device):
+    params = make_params(args.blocks, args.d_model, device)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb)
+    opt.reducer().allreduce = forced_single_rank  # the reducer's only collective
+    return opt
+
+
 def time_steps(opt, device, repeats: int) -> list[float]:
     for _ in range(2):
         opt.step()
@@ -61,30 +70,48 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam's bucket size")
     p.add_argument("--unfused", action="store_true",
                    help="GPU: OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False)")
+    p.add_argument("--interleave", action="store_true",
+                   help="GPU: time fused AdamW, OnebitAdam unfused and fused in turn, step by step, in one "
+                        "process (the host's speed drifts between runs by more than the difference)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
     device = torch.device(args.device)
     _fused.ENABLED = not args.unfused
-    results = {}
-    for name in ("adamw_fused", "onebit_adam"):
-        params = make_params(args.blocks, args.d_model, device)
-        n = sum(q.numel() for q in params)
-        if name == "adamw_fused":
-            opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-        else:
-            opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1)
-            opt.reducer().allreduce = forced_single_rank  # the reducer's only collective
+    results, n = {}, 0
+    if args.interleave:
+        runs = {"adamw_fused": (build("adamw_fused", args, device), True),
+                "onebit_adam_unfused": (build("onebit_adam", args, device), False),
+                "onebit_adam": (build("onebit_adam", args, device), True)}
+        n = sum(q.numel() for q in runs["adamw_fused"][0].param_groups[0]["params"])
+        times = {name: [] for name in runs}
+        for i in range(args.repeats + 2):
+            for name, (opt, fused) in runs.items():
+                _fused.ENABLED = fused
+                ms = wall_ms(opt.step, device)
+                if i >= 2:
+                    times[name].append(ms)
+        results = {name: statistics.median(t) for name, t in times.items()}
+        for name, ms in results.items():
+            print(f"{name:20} {n / 1e6:.1f}M parameters: {ms:9.2f} ms/step (median of {args.repeats}, "
+                  f"interleaved)", file=sys.stderr)
+        print(f"OnebitAdam unfused / fused = {results['onebit_adam_unfused'] / results['onebit_adam']:.2f}",
+              file=sys.stderr)
+    for name in () if args.interleave else ("adamw_fused", "onebit_adam"):
+        opt = build(name, args, device)
+        n = sum(q.numel() for q in opt.param_groups[0]["params"])
         times = time_steps(opt, device, args.repeats)
         results[name] = statistics.median(times)
         print(f"{name:12} {n / 1e6:.1f}M parameters: {results[name]:9.2f} ms/step (median of {len(times)})",
               file=sys.stderr)
-        del opt, params
+        del opt
     ratio = results["onebit_adam"] / results["adamw_fused"]
     print(f"OnebitAdam compression-stage step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
     meta = provenance(device)
     tag = "_unfused" if args.unfused and device.type == "cuda" else ""
+    tag += "_interleaved" if args.interleave else ""
     rows = [{**meta, "parameters": n, "optimizer": name + (tag if name != "adamw_fused" else ""),
              "ms_median": f"{ms:.3f}",
              "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]

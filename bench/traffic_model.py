@@ -89,14 +89,14 @@ def rows():
         sync = 56 + 12 + c + 20 + 12 + 8 + 4
         r.append((f"ZeroOneAdam P2 sync step, {dev} W=4", sync))
         r.append((f"ZeroOneAdam P2 mean over 16 steps (15 local + 1 sync), {dev} W=4", (15 * 56 + sync) / 16))
-    # fused targets
-    for W in (1, 4):
-        r.append(
-            (
-                f"target: OnebitAdam 2 fused passes + Triton server, W={W}",
-                20.125 + (0.25 + 12.125 / W) + 24.125,
-            )
-        )
+    # OnebitAdam's fused GPU passes (optimizers/_fused.py, kernels/triton_fused.py): pass A reads g, d,
+    # u, e and writes u and the bits (20.125); the Triton server as above; pass B reads the bits, u, e
+    # and p and writes e, u and p (24.125)
+    for W, local in ((1, True), (4, False), (8, False)):
+        tag = "W=1 bench (local)" if local else f"W={W}"
+        server = (2 * W * 0.125 + 12 + 0.125) / W
+        xfer = 0.5 if local else 0.25 * 2 / W
+        r.append((f"OnebitAdam compression, GPU fused passes, {tag}", fin + 20.125 + server + 24.125 + xfer))
     return r
 
 

@@ -238,20 +238,20 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
             msg = empty_message(layout, W, tensor.device)
             passes.worker(flat, worker_error, layout, msg)
         recv = torch.empty_like(msg)
-    with timer.stage("comm"), guard("compressed_allreduce (all_to_all)", group):
+    with timer.stage("comm", follows=True), guard("compressed_allreduce (all_to_all)", group):
         if transport is None:
             dist.all_to_all_single(recv, msg, group=group)
         else:
             transport.all_to_all(recv, msg)
-    with timer.stage("codec"):
+    with timer.stage("codec", follows=True):
         seg = server_reduce(recv, server_error, W, block=block)
         gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
-    with timer.stage("comm"), guard("compressed_allreduce (all_gather)", group):
+    with timer.stage("comm", follows=True), guard("compressed_allreduce (all_gather)", group):
         if transport is None:
             all_gather_single(gathered, seg, group)
         else:
             transport.all_gather(gathered, seg)
-    with timer.stage("codec"):
+    with timer.stage("codec", follows=True):
         if passes is None:
             decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
         else:

@@ -424,7 +424,13 @@ def ticket(device: torch.device) -> torch.Tensor:
     arrivals here; the last one resets it to zero. Launches on one stream run one after
     another, so one counter per stream suffices; created once (zeroed) per stream.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    # the raw stream handle (what Triton's launcher asks for): torch.cuda.current_stream(device)
+    # costs more host time than the kernel launch it precedes
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        stream = torch._C._cuda_getCurrentRawStream(index)
+    else:
+        stream = 0
     key = (device, stream)
     t = _TICKETS.get(key)
     if t is None:

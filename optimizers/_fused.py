@@ -2,8 +2,8 @@
 
 The fold of every gradient into the preconditioned momentum runs inside the worker pass, and
 the update of every parameter inside the decompress pass: per bucket two launches instead of
-about 4 per parameter, and 51.6 B of memory traffic per element at W = 4 instead of 92 (bench/
-TRAFFIC.md). The all-to-all, the server and the all-gather are the collective's
+about 4 per parameter, and 51.7 B of memory traffic per element at W = 4 instead of 92 (bench/
+TRAFFIC.md section 3d). The all-to-all, the server and the all-gather are the collective's
 (:func:`onebit.collectives.allreduce.compressed_allreduce_passes`). The maths is the plain
 path's, element by element (tests/test_triton_fused.py).
 

@@ -174,3 +174,22 @@ def test_call_timer_uses_cuda_events_resolved_when_read():
     assert counter.codec_seconds == 0 and len(counter._pending) == 1  # no host synchronisation yet
     counter.resolve()
     assert counter.codec_seconds > 0 and counter._pending == []
+
+
+def test_call_timer_chains_a_stage_that_follows_another():
+    """``follows=True``: the stage starts at the previous stage's end event (one event fewer);
+    the stream is the one current when the timer was made."""
+    from onebit.collectives.telemetry import CallTimer
+    from onebit.collectives.wire import Traffic
+
+    counter = Traffic()
+    timer = CallTimer(torch.device("cuda"), counter)
+    x = torch.randn(2048, 2048, device="cuda")
+    with timer.stage("codec"):
+        x = x @ x / 64
+    with timer.stage("comm", follows=True):
+        x = x @ x / 64
+    (_, s1, e1), (_, s2, e2) = counter._pending
+    assert s2 is e1 and s1 is not e1 and e2 is not e1
+    counter.resolve()
+    assert counter.codec_seconds > 0 and counter.comm_seconds > 0
