@@ -68,7 +68,7 @@ def child(args) -> None:
 
         def validation() -> float:
             return evaluate(model, valid, args, "cpu")
-    else:  # a task of bench/train_task.py (digits: an MLP classifier on sklearn's digits)
+    else:  # a task of bench/train_task.py (digits: an MLP classifier on the UCI digits, bench/data/)
         import train_task
 
         load, build, size = train_task.TASKS[args.task]

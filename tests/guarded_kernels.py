@@ -72,6 +72,40 @@ def run_case(n: int, W: int, block: int | None, dtype: torch.dtype, seed: int) -
     assert torch.isfinite(out.float()).all() and torch.isfinite(e).all() and torch.isfinite(se).all()
 
 
+def run_fused_case(n: int, W: int, seed: int) -> None:
+    """OnebitAdam's fused passes (kernels/triton_fused.py): every parameter's gradient,
+    denominator and data in a fenced buffer of its own, read through the address table."""
+    from onebit.kernels import triton_fused as tf
+
+    g = torch.Generator().manual_seed(seed)
+    N = padded_numel(n, W)
+    layout = Layout(N, W)
+    sizes = [s for s in (n // 3, 1, n - n // 3 - 1) if s > 0]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    grads = [guarded(torch.randn(s, generator=g)) for s in sizes]
+    if len(grads) > 1:
+        grads[1] = None  # a missing gradient: its address is 0 and must never be read
+    denoms = [guarded(torch.rand(s, generator=g) + 0.5) for s in sizes]
+    params = [guarded(torch.randn(s, generator=g)) for s in sizes]
+    tiles = tf.tiles(0, offsets, sizes, N, "cpu")
+    table = tf.Table(tf.Tiles(guarded(tiles.lo), guarded(tiles.hi)),
+                     guarded(torch.tensor(offsets, dtype=torch.int64)),
+                     guarded(torch.tensor(sizes, dtype=torch.int64)),
+                     guarded(tf.addresses(grads, denoms, params, "cpu")),
+                     guarded(tf.scalars([(0.9, 0.1, 0.999, -1e-3, 1.0)] * len(sizes), "cpu")))
+    u = guarded(torch.randn(n, generator=g))
+    e = guarded(torch.randn(N, generator=g) * 0.1)
+    msg = guarded(empty_message(layout, W, torch.device("cpu")).zero_())
+    tf.fold_worker(u, e, layout, msg, table)
+    received = guarded(msg.clone())
+    se = guarded(torch.randn(N // W, generator=g) * 0.1)
+    seg = guarded(empty_message(layout, 1, torch.device("cpu")).zero_())
+    server_reduce(received, se, W, out=seg, backend="triton")
+    tf.decompress_update(guarded(torch.cat([seg] * W)), layout, u, e, msg, table, 1.0)
+    assert torch.isfinite(u).all() and torch.isfinite(e).all()
+    assert all(torch.isfinite(p).all() for p in params)
+
+
 def main() -> None:
     sizes = [int(s) for s in sys.argv[1:]] or [1, 1000, 5000, 20001]
     worlds, blocks = (1, 3, 5, 7), (None, 8, 64, 4096)
@@ -79,6 +113,9 @@ def main() -> None:
     for seed, (n, W, block, dtype) in enumerate(itertools.product(sizes, worlds, blocks, dtypes)):
         print(f"case n={n} W={W} block={block} dtype={dtype}", flush=True)
         run_case(n, W, block, dtype, seed)
+    for seed, (n, W) in enumerate(itertools.product(sizes, worlds)):
+        print(f"fused n={n} W={W}", flush=True)
+        run_fused_case(n, W, seed)
     print("all cases ran", flush=True)
 
 

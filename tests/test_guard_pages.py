@@ -1,4 +1,5 @@
-"""Every Triton kernel on buffers fenced by unmapped pages (tests/guarded_kernels.py).
+"""Every Triton kernel on buffers fenced by unmapped pages (tests/guarded_kernels.py), the fused
+passes' per-parameter tensors (reached through an address table) included.
 
 Under the interpreter an out-of-bounds load or store touches a guard page and the child dies
 with SIGSEGV. Odd world sizes and tile counts that W does not divide are where a last,
@@ -24,3 +25,4 @@ def test_kernels_stay_inside_their_buffers():
                                   f"at {last}\n{proc.stderr[-2000:]}")
     assert last == "all cases ran"
     assert sum(line.startswith("case ") for line in lines) == 4 * 4 * 4 * 2
+    assert sum(line.startswith("fused ") for line in lines) == 4 * 4  # OnebitAdam's fused passes
