@@ -71,15 +71,13 @@ def rows():
     # CPU (2026-11-27, parameters of 2^16+ elements): one fused pass each way, (g + k*m)/d and out*d - k*m
     pre = {"CPU gloo": 4 + 16, "GPU NCCL": 4 + 12 + 12 + 12}
     post = {"CPU gloo": 16, "GPU NCCL": 12 + 12}
-    prep = 28 + 32 + 8 + 8 + 4 + 8  # prepare() + post-hook restore
+    prep = 28 + 32 + 8 + 8 + 4 + 8  # prepare() + post-hook restore (Adam-types other than torch's)
+    own = 28  # torch's Adam/AdamW (2026-11-27): the pre-hook's own step, p g m d read, p m v written
     for dev, codec in (("CPU gloo", codec_cpu_blocks(4)), ("GPU NCCL", codec_triton(4, B=64))):
-        for opt, cost in (("fused AdamW", 28), ("default AdamW", 80)):
-            r.append(
-                (
-                    f"DDP hook + {opt}, freeze_step, {dev}, W=4 (incl. DDP's 16)",
-                    ddp + pre[dev] + codec + post[dev] + prep + cost,
-                )
-            )
+        base = ddp + pre[dev] + codec + post[dev]
+        r.append((f"DDP hook + torch AdamW, freeze_step, {dev}, W=4 (DDP's 16 in)", base + own))
+        for opt, cost in (("another Adam-type, fused step", 28), ("another Adam-type, unfused step", 80)):
+            r.append((f"DDP hook + {opt} (prepared state), {dev}, W=4", base + prep + cost))
     # ZeroOneAdam (wd=0; +12 per update with wd>0)
     r.append(("ZeroOneAdam P1 variance step, W>1 (+ all_reduce)", fin + 8 + 8 + 40 + 16 + 32 + 32))
     for dev, c in (("CPU", codec_cpu(4)), ("GPU", codec_triton(4))):

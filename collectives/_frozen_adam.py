@@ -30,6 +30,10 @@ from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._fsdp_replicas import to_local
 
+# torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
+# (FrozenAdam._own_step); False: every Adam-type optimizer through the preparing route
+OWN_STEP = True
+
 
 def is_adam_type(optimizer: torch.optim.Optimizer) -> bool:
     """Adam-type: every group has ``betas``; SGD-type groups have ``momentum``."""
@@ -56,6 +60,7 @@ class FrozenAdam:
         self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) hidden from torch's step
         # per bucket index: (what it holds, d): the bucket's frozen denominators in one flat tensor,
         # built once (frozen_terms); the entries of `denominators` then view it (no second copy).
         # Emptied whenever the denominators change
@@ -86,11 +91,13 @@ class FrozenAdam:
         self.local_sq = None
 
     def prepare(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
-        """Set the optimizer's state for the update on this iteration's (clipped) gradients."""
+        """Set the optimizer's state for the update on this iteration's (clipped) gradients; for
+        torch's own Adam and AdamW, make the update here instead (:meth:`_own_step`)."""
         if not self.pending:
             return
         self.pending = False
         self._saved = []
+        own = OWN_STEP and type(opt) in (torch.optim.Adam, torch.optim.AdamW)
         for group in opt.param_groups:
             b1, b2 = group["betas"]
             eps = group["eps"]
@@ -100,6 +107,8 @@ class FrozenAdam:
                 if d is None or p.grad is None or not entry or "exp_avg" not in entry:
                     continue
                 t = float(entry["step"]) + 1.0  # torch counts the step before its bias corrections
+                if own and self._own_step(p, entry, group, d, t):
+                    continue
                 m, grad = to_local(entry["exp_avg"]), to_local(p.grad)  # DTensors (FSDP2): their slices
                 m.mul_(b1).add_(grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
                 target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
@@ -107,7 +116,41 @@ class FrozenAdam:
                 self._saved.append((grad, grad.clone()))
                 grad.zero_()
 
+    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, d: torch.Tensor, t: float) -> bool:
+        """torch's Adam/AdamW update of ``p`` on the frozen denominator, done here: the momentum
+        takes this iteration's gradient, ``p -= lr * m / (bc1 * d)`` (after AdamW's decay; Adam's
+        L2 term joins the gradient), ``exp_avg_sq`` is left as torch's step would leave it for
+        that denominator and the step count advances; then the gradient is hidden from torch's
+        step (set to None, restored by the post-hook), which skips the parameter. One pass over
+        p, g, m, d and v instead of preparing the state, torch's step and the restore (bench/
+        TRAFFIC.md section 4, item 1). The same maths as :meth:`prepare`'s route, to rounding
+        (that route's denominator is ``d`` after a square and a root). False: not done (options
+        this does not model: the caller takes the preparing route)."""
+        if any(group.get(k) for k in ("maximize", "amsgrad", "capturable", "differentiable")):
+            return False
+        b1, b2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        decoupled = group.get("decoupled_weight_decay", False)
+        pl, grad = to_local(p).detach(), to_local(p.grad)
+        m, v = to_local(entry["exp_avg"]), to_local(entry["exp_avg_sq"])
+        g = grad.add(pl, alpha=wd) if wd and not decoupled else grad
+        decay = 1.0 - lr * wd if wd and decoupled else 1.0
+        if not cpu_fused.frozen_adam_(pl, m, g, d, v, beta1=b1, decay=decay, step=lr / bc1, eps=eps, bc2=bc2):
+            m.mul_(b1).add_(g, alpha=1.0 - b1)
+            if decay != 1.0:
+                pl.mul_(decay)
+            pl.addcdiv_(m, d, value=-lr / bc1)
+            torch.sub(d, eps, out=v).square_().mul_(bc2)
+        entry["step"] += 1
+        self._hidden.append((p, p.grad))
+        p.grad = None
+        return True
+
     def _after(self, opt: torch.optim.Optimizer, names) -> None:
+        for p, grad in self._hidden:
+            p.grad = grad
+        self._hidden = []
         for grad, saved in self._saved:
             grad.copy_(saved)
         self._saved = []

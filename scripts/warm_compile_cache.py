@@ -54,7 +54,9 @@ def main() -> int:
     m, g, d = torch.zeros(n), torch.randn(n), torch.rand(n) + 0.5
     done = [cpu_fused.fold_preconditioned_(m, g, d, 0.9),
             cpu_fused.stale_update_(x, m, lr=1e-3, weight_decay=0.1, clip=1.0, bc1=0.5)]
-    done += [cpu_fused.hook_pre_(g.clone(), m, d, 9.0), cpu_fused.hook_post_(g.clone(), m, d, 9.0)]
+    done += [cpu_fused.hook_pre_(g.clone(), m, d, 9.0), cpu_fused.hook_post_(g.clone(), m, d, 9.0),
+             cpu_fused.frozen_adam_(x.clone(), m.clone(), g, d, torch.empty(n), beta1=0.9, decay=0.99,
+                                    step=1e-3, eps=1e-8, bc2=0.1)]
     for wd in (0.0, 0.1):
         done.append(cpu_fused.stale_step_(x, m, d, lr=1e-3, weight_decay=wd, clip=1.0))
         done.append(cpu_fused.local_step_(x, m, g, d, beta1=0.9, lr=1e-3, weight_decay=wd, clip=1.0))

@@ -168,8 +168,9 @@ def _wide_body(steps, fused):
     ``fused=False`` the fused passes are out of reach (their size threshold raised)."""
     from onebit.kernels import cpu_fused
 
-    saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_
+    saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
     cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
+    cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
     calls = {"pre": 0, "post": 0}
     for name in ("pre", "post"):
         fn = getattr(cpu_fused, f"hook_{name}_")
@@ -183,7 +184,7 @@ def _wide_body(steps, fused):
     try:  # the rank processes serve later tests: the module is put back as it was
         return _wide_run(steps), calls
     finally:
-        cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_ = saved
+        cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
 
 
 def _wide_run(steps):
@@ -217,3 +218,65 @@ def test_the_hooks_fused_passes_are_bitwise_the_plain_ops(ranks):
             assert torch.equal(a, b)
         for a, b in zip(fused[r][0], fused[0][0], strict=True):
             assert torch.equal(a, b)
+
+
+def _own_step_body(steps, own, kind):
+    """The wide layer behind the hook with freeze_step under torch's AdamW (or Adam with L2):
+    the update made by the hook's pre-hook itself (``own``) or by torch's step on the prepared
+    state; the compiled one-pass step counted."""
+    from onebit.collectives import _frozen_adam
+    from onebit.kernels import cpu_fused
+
+    saved = _frozen_adam.OWN_STEP, cpu_fused.frozen_adam_
+    _frozen_adam.OWN_STEP = own
+    calls = []
+
+    def counted(*a, **k):
+        done = saved[1](*a, **k)
+        calls.append(done)
+        return done
+
+    cpu_fused.frozen_adam_ = counted
+    try:
+        r = dist.get_rank()
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4)))
+        # Adam without L2 decay: with it the prepared route's variance takes (1 - b2) (wd p)^2
+        # (docs/ALGORITHMS.md 8.2), the own step keeps it frozen: the routes differ by more than rounding
+        cls, wd = (torch.optim.AdamW, 0.01) if kind == "adamw" else (torch.optim.Adam, 0.0)
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=wd)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64)
+        model.register_comm_hook(state, onebit_compress_hook)
+        for t in range(steps):
+            g = torch.Generator().manual_seed(100 * t + r)
+            x = torch.randn(16, 256, generator=g)
+            torch.nn.functional.cross_entropy(model(x), (x[:, 7:11]).argmax(1)).backward()
+            handed = [p.grad for p in model.parameters()]
+            opt.step()
+            assert all(p.grad is h for p, h in zip(model.parameters(), handed, strict=True))  # restored
+            opt.zero_grad()
+        steps_counted = [int(opt.state[p]["step"]) for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], calls, steps_counted
+    finally:
+        _frozen_adam.OWN_STEP, cpu_fused.frozen_adam_ = saved
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam"])
+def test_the_hooks_own_adam_step_is_torchs_step_on_the_frozen_denominator(ranks, kind):
+    """For torch's Adam and AdamW the pre-hook makes the update itself (one pass over p, g, m, d
+    and v; torch's step skips the parameter) instead of preparing the state for torch's step:
+    the same maths to rounding (the prepared route's denominator is d after a square and a root),
+    torch's step count kept, the gradient handed back, the replicas identical, and the large
+    layer's update in the compiled pass."""
+    own = ranks(2).run(_own_step_body, F + 4, True, kind)
+    prepared = ranks(2).run(_own_step_body, F + 4, False, kind)
+    for r in range(2):
+        params, calls, counted = own[r]
+        assert calls.count(True) == 4 and prepared[r][1] == [], calls  # 4 compressed steps, 1 big weight
+        assert counted == prepared[r][2] == [F + 4] * 4
+        for a, b in zip(params, prepared[r][0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(params, own[0][0], strict=True):
+            assert torch.equal(a, b)
+    moved = [not torch.equal(a, b) for a, b in zip(own[0][0], prepared[0][0], strict=True)]
+    assert any(moved)  # two routes, not one: rounding tells them apart
