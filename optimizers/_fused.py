@@ -33,7 +33,9 @@ def _plain(t: torch.Tensor) -> bool:
 
 def applies(opt, reducer, pairs) -> bool:
     """Whether ``opt`` (an OnebitAdam) can take this compression-stage step fused."""
-    if not (ENABLED and pairs and opt.preconditioned) or opt.block is not None or reducer.mesh is not None:
+    if not (ENABLED and pairs and opt.compressing and opt.preconditioned):
+        return False
+    if opt.block is not None or reducer.mesh is not None:
         return False
     if opt._overlapped or opt.auto_mask is not None or any(g.get("exp_avg_mask") is not None
                                                            for _, g in pairs):
@@ -44,10 +46,13 @@ def applies(opt, reducer, pairs) -> bool:
     device = pairs[0][0].device
     if not (device.type == "cuda" or (ON_CPU and device.type == "cpu")):
         return False
-    for p, _ in pairs:
+    for k, (p, g) in enumerate(pairs):
         if not _plain(p) or p.device != device:
             return False
         if p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape):
+            return False
+        d = opt.stale_denominator(k, p, g)  # cached: the step reads the same tensor
+        if not _plain(d) or d.numel() != p.numel() or d.device != device:
             return False
     try:
         from ..kernels import triton_fused  # noqa: F401  (triton may be missing on a CPU machine)
