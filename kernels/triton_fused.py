@@ -150,9 +150,8 @@ def _decompress_update_kernel(
 @dataclass(frozen=True)
 class Tiles:
     """Which parameters each program of a bucket's passes touches (static per bucket layout):
-    ``lo[t] <= k < hi[t]`` are the parameters with elements in program t's 1024; ``start[k]``
-    and ``count[k]`` their offsets in their bucket and sizes (k numbers the parameters of all
-    buckets together)."""
+    ``lo[t] <= k < hi[t]`` are the parameters with elements in program t's 1024 (k numbers the
+    parameters of all buckets together; their offsets and sizes are :class:`Table`'s)."""
 
     lo: torch.Tensor  # int32 [programs]
     hi: torch.Tensor  # int32 [programs]
