@@ -48,6 +48,10 @@ def child(args) -> None:
     rows = []
     rate = LINKS[args.link]
     block = None if args.block == "none" else int(args.block)
+    from onebit.collectives import _pipeline
+
+    if args.slices:
+        _pipeline.MAX_SLICES = args.slices
     for k in args.log2:
         n = 1 << k
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
@@ -90,7 +94,7 @@ def child(args) -> None:
                              algbw_gbps=4 * n / med / 1e9, wire_bytes_per_rank=wire))
     if rank == 0:
         with open(args.out, "w") as fh:
-            json.dump(rows, fh)
+            json.dump([{**row, "max_slices": _pipeline.MAX_SLICES} for row in rows], fh)
     dist.barrier()  # gloo aborts now and then if a peer tears down mid-collective
     dist.destroy_process_group()
 
@@ -140,6 +144,9 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=30.0)
     p.add_argument("--block", default="none", help="also time compressed_allreduce(block=B) (row "
                    "onebit_block): the hooks' default is 64")
+    p.add_argument("--slices", type=int, default=None,
+                   help="at most this many slices per block-scale call on CPU (onebit.collectives._pipeline."
+                   "MAX_SLICES; 1: unsliced; default: the library's)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "allreduce.csv"))
     p.add_argument("--plot", default=None, help="PNG path (default: next to the CSV)")
     p.add_argument("--link", default="none", help=argparse.SUPPRESS)
@@ -162,7 +169,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                        str(W), os.path.abspath(__file__), "--child", "--link", link, "--out", out,
                        "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
-                       "--block", args.block,
+                       "--block", args.block, *(["--slices", str(args.slices)] if args.slices else []),
                        "--log2", *map(str, args.log2)]
                 env_cmd = (ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd]
                 t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """compressed_allreduce: error-compensated 1-bit all-reduce over torch.distributed.
 
-Per call, two collective launches: an all-to-all of the worker messages (sign bits of
+Per call, two collective launches (with block scales on CPU, two per slice: _pipeline): an
+all-to-all of the worker messages (sign bits of
 chunk j plus the worker scale, to rank j) and an all-gather of the server segments (sign
 bits of chunk j plus the server scale). See docs/ALGORITHMS.md section 2 for the maths.
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
 from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
 from ..kernels.layout import check_block, empty_message, pad_unit, padded_numel
-from . import _async
+from . import _async, _pipeline
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
 from .hierarchical import hierarchical_allreduce, shard_numel, validate_hierarchical
@@ -223,12 +224,21 @@ _LOCAL = _Copies()
 
 def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None,
                           transport=None, passes=None) -> torch.Tensor:
-    """The algorithm on validated arguments, W > 1; returns the W server scales (a view).
+    """The algorithm on validated arguments, W > 1; returns the server scales (a view; a copy
+    where the call was sliced, :mod:`onebit.collectives._pipeline`).
     (:func:`onebit.collectives.local.local_compressed_allreduce` is the same compute for
     all ranks in one process.) ``transport``: None (torch.distributed over ``group``) or an
     object with ``all_to_all(recv, msg)`` and ``all_gather(out, seg)`` that complete before
     returning (a process group torch.distributed does not know: onebit.collectives.torchft)."""
     layout = Layout(worker_error.numel(), W, block)
+    if transport is None and passes is None and not tensor.is_cuda:
+        K = _pipeline.slices(layout)  # block scales on CPU: in slices whose compute overlaps the wire
+        if K > 1:
+            flat = _flat_target(tensor)
+            scales = _pipeline.allreduce(flat, worker_error, server_error, group, layout, K)
+            if not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
+            return scales
     timer = CallTimer(tensor.device)  # compute ("codec") and collectives ("comm"), see telemetry
     with timer.stage("codec"):
         flat = _flat_target(tensor)

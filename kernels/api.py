@@ -45,6 +45,13 @@ def _backend(device: torch.device, backend: str | None, block: int | None = None
     return triton_kernels
 
 
+def implementation(device: torch.device, block: int | None, layout: Layout) -> ModuleType:
+    """The module the default choice runs a call of ``layout`` on (its ``worker_compress``,
+    ``server_reduce`` and ``decompress`` take validated arguments and a Layout), for callers that
+    split one call into pieces (onebit.collectives._pipeline) but want the whole call's choice."""
+    return _backend(device, None, block, layout)
+
+
 def _message_out(name: str, out: torch.Tensor | None, layout: Layout, segments: int, device):
     if out is None:
         return empty_message(layout, segments, device)
