@@ -175,7 +175,9 @@ def _word_signs(b4: torch.Tensor) -> torch.Tensor:
 
 def _server_encode_blocks(bits, w, e):
     """As :func:`_server_encode` on ``[W, blocks, block/8]`` bits, ``[W, blocks, 1]`` weights and
-    ``[blocks, block/8, 8]`` e; returns each block's float64 sum of squares and the bits."""
+    ``[blocks, block/8, 8]`` e; returns the float64 sums of squares of each 8 elements ``[blocks,
+    block/8]`` (the caller sums each block's: the pass with that sum inside ran 1.7x slower) and
+    the bits."""
     b = bits.to(torch.int32)
     sums = packed = None
     for k in range(8):
@@ -184,7 +186,7 @@ def _server_encode_blocks(bits, w, e):
         bit = (m < 0).logical_not().to(torch.int32) * (1 << (7 - k))
         sums = md * md if sums is None else sums + md * md
         packed = bit if packed is None else packed + bit
-    return sums.sum(-1), packed.to(torch.uint8)
+    return sums, packed.to(torch.uint8)
 
 
 def _server_update_words(bits, w, e, scales) -> None:
@@ -343,8 +345,8 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
         fns = _block_fns()
         args = (_marked(bits.view(layout.W, -1, B // 8), 1), _marked(weights.view(layout.W, -1, 1), 1),
                 _marked(e.view(-1, B // 8, 8)))
-        block_sums, packed = fns["server_encode"](*args)
-        scale = torch.sqrt(block_sums / B).to(torch.float32)
+        sums8, packed = fns["server_encode"](*args)
+        scale = torch.sqrt(sums8.sum(-1) / B).to(torch.float32)
     message_bits(out, layout)[0].copy_(packed.view(-1))
     scales.copy_(scale if finite else torch.full_like(scale, float("nan")))
     if not bool(torch.isfinite(scales).all()):  # any non-finite block: every scale NaN, e unchanged
