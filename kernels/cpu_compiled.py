@@ -369,12 +369,12 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
         scales.fill_(float("nan"))
         return
     W, words = layout.W, layout.C // 32 if B is None else layout.C // B
-    update = _block_fns()["server_update"]
     if B is not None:
         _block_fns()["server_update_blocks"](_marked(bits.view(W, words, B // 32, 4), 1),
                                              _marked(weights.view(W, words), 1),
                                              _marked(e.view(words, B // 32, 32)), _marked(scales.view(words)))
         return
+    update = _block_fns()["server_update"]
     if words < 2:  # a dynamic dimension must not be 1: all by columns
         fns["server_update"](bits, weights, e, scales.view(1))
         return
