@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from . import torch_kernels
+from . import cpu_simd, torch_kernels
 from ._warn import warn_user
 from .layout import Layout, message_bits, message_scales
 
@@ -298,10 +298,18 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
     """:func:`torch_kernels.worker_compress`, compiled."""
     bits, scales, n = message_bits(out, layout), message_scales(out, layout), x.numel()
     parts, total = [], torch.zeros((), dtype=torch.float64)
+    simd = x.dtype == torch.float32 and x.is_contiguous() and e.is_contiguous() and cpu_simd.available()
     for j in range(layout.W):
         lo, mid, hi = _split(layout, n, j)
         pieces = []
-        if mid > lo and layout.block is None:  # the piece's sum of squares inside the pass
+        if mid > lo and simd:  # the C pass (onebit.kernels.cpu_simd): at copy bandwidth
+            out_bits = bits[j, : (mid - lo) // 8]
+            if layout.block is None:
+                pieces.append(torch.tensor([cpu_simd.encode_total(x[lo:mid], e[lo:mid], out_bits)],
+                                           dtype=torch.float64))
+            else:
+                pieces.append(cpu_simd.encode_blocks(x[lo:mid], e[lo:mid], out_bits, layout.block))
+        elif mid > lo and layout.block is None:  # the piece's sum of squares inside the pass
             piece_sum, packed = _fns()["worker_encode_total"](x[lo:mid], e[lo:mid])
             bits[j, : (mid - lo) // 8] = packed
             pieces.append(piece_sum.view(1))
@@ -353,9 +361,16 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     weights = received_scales * (1.0 / layout.W)  # 1/W multiplied, as the plain path
     scales, finite = message_scales(out, layout)[0], bool(torch.isfinite(received_scales).all())
     B = layout.block
-    if B is None:
-        fns, args = _fns(), (bits, weights, e)
-        sums8, packed = fns["server_encode"](*args)
+    fns = _fns()
+    if cpu_simd.available() and e.is_contiguous():  # the C pass (onebit.kernels.cpu_simd)
+        packed, w = torch.empty(layout.C // 8, dtype=torch.uint8), weights.contiguous()
+        if B is None:
+            sums = torch.tensor(cpu_simd.server_total(bits, w, e, packed), dtype=torch.float64) / layout.C
+        else:
+            sums = cpu_simd.server_blocks(bits, w, e, packed, B) / B
+        scale = torch.sqrt(sums).to(torch.float32)
+    elif B is None:
+        sums8, packed = fns["server_encode"](bits, weights, e)
         scale = torch.sqrt(sums8.sum() / layout.C).to(torch.float32)
     else:  # [W, blocks, B/8] bits, [W, blocks] weights, [blocks, B/8, 8] e
         fns = _block_fns()

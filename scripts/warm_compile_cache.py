@@ -7,7 +7,8 @@ of one core for all of them, paid by every rank of every test that starts at onc
 first, every later process finds them in the cache (inductor's FX graph cache and AOTAutograd
 cache, by default in the system's temporary folder) and only traces: about 1 s. The calls go
 through the library's own entry points at a size no two of whose lengths are equal (sizes are
-dynamic; see tests/test_cpu_fused.py, which counts the graphs). Prints what it built and the
+dynamic; see tests/test_cpu_fused.py, which counts the graphs), and the C sign-packing passes
+(onebit.kernels.cpu_simd: one compiler run, cached likewise). Prints what it built and the
 time; exits 0 where no compiler exists (the library then warns and runs the plain ops).
 
   python scripts/warm_compile_cache.py
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from onebit.kernels import cpu_compiled, cpu_fused
+from onebit.kernels import cpu_compiled, cpu_fused, cpu_simd
 from onebit.kernels.layout import Layout, empty_message
 
 
@@ -63,8 +64,10 @@ def main() -> int:
     assert all(done), done
     from torch._dynamo.utils import counters
 
+    isa = f"ISA level {cpu_simd.best_isa()}" if cpu_simd.library() else "none"
+    simd = f"C sign-packing passes: {isa}"
     print(f"compiled CPU passes built: {counters['stats']['unique_graphs']} graphs, "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+          f"{time.perf_counter() - t0:.0f} s; {simd}", flush=True)
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 from onebit.collectives import local_compressed_allreduce
 from onebit.kernels import (
     cpu_compiled,
+    cpu_simd,
     decompress,
     message_bits,
     message_scales,
@@ -38,6 +39,17 @@ CASES = [  # (W, block, n, dtype)
     (3, 64, 3 * 64 * 5 + 7, torch.float32),  # block % 32 == 0: the compiled block-scale passes
     (2, 96, 2 * 96 * 4, torch.bfloat16),
 ]
+
+
+@pytest.fixture(params=["c", "inductor"])
+def encode(request, monkeypatch):
+    """Which encode passes the compiled codec runs: the C ones (onebit.kernels.cpu_simd, where this
+    CPU has them) or torch.compile's (their fallback)."""
+    if request.param == "c" and not cpu_simd.available():
+        pytest.skip("no C sign-packing passes here")
+    if request.param == "inductor":
+        monkeypatch.setitem(cpu_simd._state, "available", False)
+    return request.param
 
 
 def _eps_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -78,7 +90,7 @@ def _inputs(W, block, n, dtype, seed):
 @compiles
 @pytest.mark.parametrize("W, block, n, dtype", CASES)
 @pytest.mark.parametrize("update_error", [True, False])
-def test_worker_matches_plain(W, block, n, dtype, update_error, poison):
+def test_worker_matches_plain(W, block, n, dtype, update_error, poison, encode):
     x, e, layout = _inputs(W, block, n, dtype, seed=W + n)
     e_ref, e_got = e.clone(), e.clone()
     ref = worker_compress(x, e_ref, W, block=block, update_error=update_error, backend="torch")
@@ -94,7 +106,7 @@ def test_worker_matches_plain(W, block, n, dtype, update_error, poison):
 
 @compiles
 @pytest.mark.parametrize("W, block, n, dtype", CASES)
-def test_server_matches_plain(W, block, n, dtype):
+def test_server_matches_plain(W, block, n, dtype, encode):
     x, e, layout = _inputs(W, block, n, dtype, seed=7 * W + n)
     g = torch.Generator().manual_seed(n)
     received = torch.randint(0, 256, (layout.message_bytes,), dtype=torch.uint8, generator=g)
@@ -134,7 +146,7 @@ def test_decompress_matches_plain(W, block, n, dtype, with_update):
 
 @compiles
 @pytest.mark.parametrize("block", [None, 16, 32])
-def test_nonfinite_as_plain(block):
+def test_nonfinite_as_plain(block, encode):
     """NaN in x, an infinite received scale, a NaN gathered scale: the same verdicts and the same
     untouched buffers as the plain path."""
     W, n = 3, 3 * 16 * 20
@@ -161,7 +173,7 @@ def test_nonfinite_as_plain(block):
 
 @compiles
 @pytest.mark.parametrize("block", [None, 32])
-def test_allreduce_matches_plain(block):
+def test_allreduce_matches_plain(block, encode):
     """local_compressed_allreduce (every rank's compute of one call), W = 3, three steps:
     outputs and errors of both paths agree to the scale's last bit, and ranks agree bitwise."""
     W, n = 3, 5000

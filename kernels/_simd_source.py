@@ -1,0 +1,285 @@
+"""The C source of :mod:`onebit.kernels.cpu_simd` (one string: no data file to package).
+
+Lines up to 120 characters: the intrinsics' names are long."""
+# ruff: noqa: E501
+
+from __future__ import annotations
+
+_REV = ", ".join(str(int(f"{b:08b}"[::-1], 2)) for b in range(256))
+
+SOURCE = r"""
+#include <stdint.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ONEBIT_X86 1
+#endif
+
+/* bit i of b moved to bit 7 - i: a movemask puts element i in bit i, the wire wants it in 7 - i */
+static const uint8_t REV[256] = {@REV@};
+
+/* the 8 elements at x + i, e + i: their byte of bits, and the sum of their squares (float64) */
+static inline uint8_t byte8(const float* x, const float* e, double* sum) {
+  int b = 0;
+  double s = 0.0;
+  for (int k = 0; k < 8; k++) {
+    float z = x[k] + e[k];
+    b |= (!(z < 0.0f)) << (7 - k);
+    s += (double)z * (double)z;
+  }
+  *sum += s;
+  return (uint8_t)b;
+}
+
+/* elements [0, n) (n a multiple of 8); sums[j] = sum of block j (n / block of them) */
+static void blocks_c(const float* x, const float* e, uint8_t* bits, double* sums, int64_t n, int64_t block) {
+  for (int64_t j = 0; j < n / block; j++) {
+    double s = 0.0;
+    for (int64_t i = j * block; i < (j + 1) * block; i += 8) bits[i / 8] = byte8(x + i, e + i, &s);
+    sums[j] = s;
+  }
+}
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx2,fma")))
+static void blocks_avx2(const float* x, const float* e, uint8_t* bits, double* sums, int64_t n, int64_t block) {
+  for (int64_t j = 0; j < n / block; j++) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    for (int64_t i = j * block; i < (j + 1) * block; i += 8) {
+      __m256 z = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+      bits[i / 8] = REV[_mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_NLT_UQ))];
+      __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
+      a0 = _mm256_fmadd_pd(lo, lo, a0);
+      a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    __m256d a = _mm256_add_pd(a0, a1);
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    sums[j] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+  }
+}
+
+__attribute__((target("avx512f")))
+static void blocks_avx512(const float* x, const float* e, uint8_t* bits, double* sums, int64_t n, int64_t block) {
+  for (int64_t j = 0; j < n / block; j++) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    int64_t i = j * block, end = (j + 1) * block;
+    for (; i + 16 <= end; i += 16) {
+      __m512 z = _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(e + i));
+      __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
+      bits[i / 8] = REV[m & 255];
+      bits[i / 8 + 1] = REV[m >> 8];
+      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+      __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+      a0 = _mm512_fmadd_pd(lo, lo, a0);
+      a1 = _mm512_fmadd_pd(hi, hi, a1);
+    }
+    if (i < end) { /* a block of 16k + 8 elements: its last 8 */
+      __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, x + i), _mm512_maskz_loadu_ps(0xFF, e + i));
+      __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
+      bits[i / 8] = REV[m & 255];
+      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+      a0 = _mm512_fmadd_pd(lo, lo, a0);
+    }
+    sums[j] = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+  }
+}
+#endif
+
+typedef void (*blocks_fn)(const float*, const float*, uint8_t*, double*, int64_t, int64_t);
+
+int onebit_best_isa(void) {
+#ifdef ONEBIT_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+static blocks_fn pick(int isa) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) return blocks_avx512;
+  if (isa == 1) return blocks_avx2;
+#endif
+  return blocks_c;
+}
+
+/* Block sums: sums[j] for each block of `block` elements (a multiple of 8) of [0, n); threads
+   split the blocks, each block summed in the same order whatever the split. */
+void onebit_encode_blocks(const float* x, const float* e, uint8_t* bits, double* sums, int64_t n,
+                          int64_t block, int isa, int threads) {
+  blocks_fn f = pick(isa);
+  int64_t nb = n / block;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
+    if (hi > lo) f(x + lo * block, e + lo * block, bits + lo * block / 8, sums + lo, (hi - lo) * block, block);
+  }
+}
+
+/* The sum over [0, n) (a multiple of 8): thread t sums a contiguous range in runs of `run`
+   elements, the runs' sums added in order; the threads' sums added in thread order. */
+double onebit_encode_total(const float* x, const float* e, uint8_t* bits, int64_t n, int isa, int threads) {
+  enum { RUN = 4096, MAXT = 256 };
+  double part[MAXT];
+  blocks_fn f = pick(isa);
+  if (threads > MAXT) threads = MAXT;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t units = n / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
+    double s = 0.0, r;
+    for (int64_t i = lo; i < hi; i += RUN) {
+      int64_t len = hi - i < RUN ? hi - i : RUN;
+      f(x + i, e + i, bits + i / 8, &r, len, len);
+      s += r;
+    }
+    part[t] = s;
+    if (t == 0) used = T;
+  }
+  double total = 0.0;
+  for (int t = 0; t < used; t++) total += part[t];
+  return total;
+}
+
+/* The server's sum m = sum_r (bit ? w_r : -w_r) + e over the W ranks' bits, in rank order as the
+   plain path adds it (products with +-1 exact); then its bits and float64 sums of squares, as above.
+   Row r of the bits starts at bits + r * stride; rank r's weight for block j is w[r * wr + j * wj]. */
+static inline float weight(const float* w, int64_t wr, int64_t wj, int r, int64_t j) { return w[r * wr + j * wj]; }
+
+static void server_c(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                     const float* e, uint8_t* out, double* sums, int64_t n, int64_t block) {
+  for (int64_t j = 0; j < n / block; j++) {
+    double s = 0.0;
+    for (int64_t i = j * block; i < (j + 1) * block; i += 8) {
+      int b = 0;
+      for (int k = 0; k < 8; k++) {
+        float m = 0.0f;
+        for (int r = 0; r < W; r++) {
+          float wv = weight(w, wr, wj, r, j), v = (bits[r * stride + i / 8] >> (7 - k)) & 1 ? wv : -wv;
+          m = r == 0 ? v : m + v;
+        }
+        m = m + e[i + k];
+        b |= (!(m < 0.0f)) << (7 - k);
+        s += (double)m * (double)m;
+      }
+      out[i / 8] = (uint8_t)b;
+    }
+    sums[j] = s;
+  }
+}
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx2,fma")))
+static void server_avx2(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                        const float* e, uint8_t* out, double* sums, int64_t n, int64_t block) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t j = 0; j < n / block; j++) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    for (int64_t i = j * block; i < (j + 1) * block; i += 8) {
+      __m256 m = _mm256_setzero_ps();
+      for (int r = 0; r < W; r++) {
+        __m256i bit = _mm256_and_si256(_mm256_set1_epi32(REV[bits[r * stride + i / 8]]), lane);
+        __m256 on = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane));
+        __m256 wv = _mm256_set1_ps(weight(w, wr, wj, r, j));
+        __m256 v = _mm256_blendv_ps(_mm256_xor_ps(wv, sign), wv, on);
+        m = r == 0 ? v : _mm256_add_ps(m, v);
+      }
+      m = _mm256_add_ps(m, _mm256_loadu_ps(e + i));
+      out[i / 8] = REV[_mm256_movemask_ps(_mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_NLT_UQ))];
+      __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(m)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1));
+      a0 = _mm256_fmadd_pd(lo, lo, a0);
+      a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    __m256d a = _mm256_add_pd(a0, a1);
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    sums[j] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+  }
+}
+
+__attribute__((target("avx512f")))
+static void server_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                          const float* e, uint8_t* out, double* sums, int64_t n, int64_t block) {
+  for (int64_t j = 0; j < n / block; j++) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    int64_t i = j * block, end = (j + 1) * block;
+    for (; i < end; i += 16) {
+      __mmask16 live = end - i >= 16 ? 0xFFFF : 0xFF; /* a block of 16k + 8: its last 8 */
+      __m512 m = _mm512_setzero_ps();
+      for (int r = 0; r < W; r++) {
+        const uint8_t* b = bits + r * stride + i / 8;
+        __mmask16 on = (__mmask16)(REV[b[0]] | (live == 0xFFFF ? REV[b[1]] << 8 : 0));
+        __m512 wv = _mm512_set1_ps(weight(w, wr, wj, r, j));
+        __m512 neg = _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), _mm512_set1_epi32(INT32_MIN)));
+        __m512 v = _mm512_mask_blend_ps(on, neg, wv);
+        m = r == 0 ? v : _mm512_add_ps(m, v);
+      }
+      m = _mm512_maskz_add_ps(live, m, _mm512_maskz_loadu_ps(live, e + i));
+      __mmask16 s = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ);
+      out[i / 8] = REV[s & 255];
+      if (live == 0xFFFF) out[i / 8 + 1] = REV[s >> 8];
+      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(m));
+      __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+      a0 = _mm512_fmadd_pd(lo, lo, a0);
+      a1 = _mm512_fmadd_pd(hi, hi, a1);
+    }
+    sums[j] = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+  }
+}
+#endif
+
+typedef void (*server_fn)(const uint8_t*, int64_t, int, const float*, int64_t, int64_t, const float*, uint8_t*,
+                          double*, int64_t, int64_t);
+
+static server_fn pick_server(int isa) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) return server_avx512;
+  if (isa == 1) return server_avx2;
+#endif
+  return server_c;
+}
+
+/* Block scales: sums[j] per block (weights w[r * nb + j]); threads split the blocks. */
+void onebit_server_blocks(const uint8_t* bits, int64_t stride, int W, const float* w, const float* e, uint8_t* out,
+                          double* sums, int64_t n, int64_t block, int isa, int threads) {
+  server_fn f = pick_server(isa);
+  int64_t nb = n / block;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
+    if (hi > lo) f(bits + lo * block / 8, stride, W, w + lo, nb, 1, e + lo * block, out + lo * block / 8, sums + lo,
+                   (hi - lo) * block, block);
+  }
+}
+
+/* One weight per rank (w[r]): the sum over [0, n), added as onebit_encode_total adds it. */
+double onebit_server_total(const uint8_t* bits, int64_t stride, int W, const float* w, const float* e, uint8_t* out,
+                           int64_t n, int isa, int threads) {
+  enum { RUN = 4096, MAXT = 256 };
+  double part[MAXT];
+  server_fn f = pick_server(isa);
+  if (threads > MAXT) threads = MAXT;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t units = n / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
+    double s = 0.0, r;
+    for (int64_t i = lo; i < hi; i += RUN) {
+      int64_t len = hi - i < RUN ? hi - i : RUN;
+      f(bits + i / 8, stride, W, w, 1, 0, e + i, out + i / 8, &r, len, len);
+      s += r;
+    }
+    part[t] = s;
+    if (t == 0) used = T;
+  }
+  double total = 0.0;
+  for (int t = 0; t < used; t++) total += part[t];
+  return total;
+}
+
+""".replace("@REV@", _REV)

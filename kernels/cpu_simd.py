@@ -1,0 +1,194 @@
+"""The sign-packing pass of the CPU codec in C with SIMD intrinsics, built with the system's C
+compiler on first use and loaded with ctypes.
+
+torch's compiler vectorises the codec's element-wise passes but not the packing of 8 signs into a
+byte (element 8k+i in bit 7-i of byte k): its loop over the bytes stays scalar, and the worker's
+encode (``z = x + e``, the float64 sum of ``z * z``, the bits of ``not z < 0``) ran at 0.25-0.4 of
+copy bandwidth (bench/HISTORY.md, "A C encode"; no formulation in torch ops did better). Here one
+AVX-512 compare gives the 16 bits of 16 elements (AVX2: a movemask, 8), a table reverses the bit
+order within each byte, and the sum accumulates in float64 vectors: the pass runs at copy bandwidth.
+
+Same contract and float32 arithmetic as :func:`onebit.kernels.cpu_compiled._encode`: the bits are
+bitwise the plain path's (NaN and -0.0 give 1); the sums are exact squares added in float64 in
+another order (a scale can differ in its last float32 bit, as the compiled path's can). Each block
+of ``block`` elements is summed on its own in a fixed order, so a block's sum does not depend on
+where a piece starts or on the thread count (the sliced calls of onebit.collectives._pipeline stay
+bitwise the unsliced ones); the whole-piece sum adds per-thread partial sums in thread order.
+
+Used by :mod:`onebit.kernels.cpu_compiled` (the worker's encode of float32 inputs, the server's
+first pass) where :func:`available`; else its torch.compile'd passes run. The library is cached
+under ``$XDG_CACHE_HOME/onebit`` (or ``~/.cache/onebit``, else the temporary folder), keyed by the
+source's hash; a failed build warns once and leaves the compiled path in place.
+``ONEBIT_CPU_SIMD=off``: never this path (A/B runs).
+Each function takes ``isa`` (2: AVX-512, 1: AVX2 + FMA, 0: portable C; None: the best this CPU
+has) so that the tests run every variant the machine supports against the plain path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from ._simd_source import SOURCE
+from ._warn import warn_user
+
+_ENV = "ONEBIT_CPU_SIMD"
+_state: dict = {}
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for d in (os.path.join(base, "onebit"), os.path.join(tempfile.gettempdir(), f"onebit-{os.getuid()}")):
+        try:
+            os.makedirs(d, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise OSError("no writable cache folder")
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+    key = hashlib.sha256((SOURCE + cc + " ".join(flags)).encode()).hexdigest()[:16]
+    d = _cache_dir()
+    path = os.path.join(d, f"simd-{key}.so")
+    if not os.path.exists(path):
+        fd, src = tempfile.mkstemp(suffix=".c", dir=d)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(SOURCE)
+        tmp = src[:-2] + ".so"
+        try:
+            run = subprocess.run([cc, *flags, src, "-o", tmp], capture_output=True, text=True, timeout=120)
+            if run.returncode != 0:
+                last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
+                raise RuntimeError(f"{cc} failed: {last}")
+            os.replace(tmp, path)  # atomic: ranks that build at once each install a whole file
+        finally:
+            for f in (src, tmp):
+                if os.path.exists(f):
+                    os.remove(f)
+    lib = ctypes.CDLL(path)
+    p = ctypes.c_void_p
+    i64, i32 = ctypes.c_int64, ctypes.c_int
+    lib.onebit_encode_total.argtypes = [p, p, p, i64, i32, i32]
+    lib.onebit_encode_total.restype = ctypes.c_double
+    lib.onebit_encode_blocks.argtypes = [p, p, p, p, i64, i64, i32, i32]
+    lib.onebit_encode_blocks.restype = None
+    lib.onebit_best_isa.restype = ctypes.c_int
+    lib.onebit_server_total.argtypes = [p, i64, i32, p, p, p, i64, i32, i32]
+    lib.onebit_server_total.restype = ctypes.c_double
+    lib.onebit_server_blocks.argtypes = [p, i64, i32, p, p, p, p, i64, i64, i32, i32]
+    lib.onebit_server_blocks.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (``ONEBIT_CPU_SIMD=off``, or the build failed: warned once)."""
+    if os.environ.get(_ENV, "") == "off":
+        return None
+    if "lib" not in _state:
+        try:
+            _state["lib"] = _build()
+        except Exception as exc:  # noqa: BLE001 - any failure to build means: not here
+            _state["lib"] = None
+            warn_user(f"onebit: the C sign-packing pass could not be built ({type(exc).__name__}: {exc}); "
+                      f"the compiled CPU codec packs signs with torch.compile's loops (slower, same bits). "
+                      f"{_ENV}=off silences this", RuntimeWarning)
+    return _state["lib"]
+
+
+def available() -> bool:
+    """Whether the codec takes these passes: built, on a CPU with AVX2 or AVX-512 (the portable C
+    variant is a reference for the tests, slower than torch.compile's loops: not chosen)."""
+    if "available" not in _state:
+        _state["available"] = library() is not None and best_isa() >= 1
+    return _state["available"]
+
+
+def best_isa() -> int:
+    lib = library()
+    return 0 if lib is None else int(lib.onebit_best_isa())
+
+
+def _isa(isa: int | None) -> int:
+    return best_isa() if isa is None else min(int(isa), best_isa())
+
+
+def _threads(n: int) -> int:
+    return 1 if n < (1 << 16) else torch.get_num_threads()
+
+
+def _ok(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, n: int) -> None:
+    if not (x.dtype == e.dtype == torch.float32 and bits.dtype == torch.uint8 and x.is_contiguous()
+            and e.is_contiguous() and bits.is_contiguous() and x.numel() == e.numel() == n
+            and bits.numel() == n // 8 and n % 8 == 0 and x.device.type == "cpu"):
+        raise ValueError("cpu_simd: expected contiguous float32 x and e of n elements (a multiple of 8) and "
+                         "n / 8 contiguous uint8 bits on the CPU")
+
+
+def encode_total(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, isa: int | None = None) -> float:
+    """Writes the packed bits of ``sgn(x + e)`` into ``bits`` and returns the float64 sum of
+    ``(x + e)^2``."""
+    n = x.numel()
+    _ok(x, e, bits, n)
+    return float(library().onebit_encode_total(x.data_ptr(), e.data_ptr(), bits.data_ptr(), n, _isa(isa),
+                                                _threads(n)))
+
+
+def encode_blocks(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, block: int,
+                  isa: int | None = None) -> torch.Tensor:
+    """Writes the packed bits of ``sgn(x + e)`` into ``bits``; returns each ``block``'s float64
+    sum of squares (``block`` a multiple of 8 dividing ``x.numel()``)."""
+    n = x.numel()
+    _ok(x, e, bits, n)
+    if block % 8 or n % block:
+        raise ValueError(f"block: expected a multiple of 8 dividing {n}, got {block}")
+    sums = torch.empty(n // block, dtype=torch.float64)
+    library().onebit_encode_blocks(x.data_ptr(), e.data_ptr(), bits.data_ptr(), sums.data_ptr(), n, block,
+                                   _isa(isa), _threads(n))
+    return sums
+
+
+def _server_ok(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor, blocks: int) -> None:
+    W, n = bits.shape[0], e.numel()
+    if not (bits.dtype == out.dtype == torch.uint8 and w.dtype == e.dtype == torch.float32
+            and bits.dim() == 2 and bits.stride(1) == 1 and bits.shape[1] == n // 8 and w.is_contiguous()
+            and w.numel() == W * blocks and e.is_contiguous() and out.is_contiguous()
+            and out.numel() == n // 8 and n % 8 == 0 and bits.device.type == "cpu"):
+        raise ValueError("cpu_simd: expected bits uint8 [W, n/8] with contiguous rows, weights float32 "
+                         "[W, blocks], e float32 [n] (a multiple of 8) and out uint8 [n/8], contiguous, "
+                         "on the CPU")
+
+
+def server_total(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor,
+                 isa: int | None = None) -> float:
+    """The server's first pass with one weight per rank: ``m = sum_r sgn_r * w[r] + e`` (ranks in
+    order), its packed bits into ``out``; returns the float64 sum of ``m^2``. ``bits``: uint8 [W, n/8]."""
+    _server_ok(bits, w, e, out, 1)
+    n = e.numel()
+    return float(library().onebit_server_total(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(),
+                                               e.data_ptr(), out.data_ptr(), n, _isa(isa), _threads(n)))
+
+
+def server_blocks(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor, block: int,
+                  isa: int | None = None) -> torch.Tensor:
+    """As :func:`server_total` with ``w`` [W, n / block] (rank r's weight for each block); returns
+    each block's float64 sum of squares."""
+    n = e.numel()
+    if block % 8 or n % block:
+        raise ValueError(f"block: expected a multiple of 8 dividing {n}, got {block}")
+    _server_ok(bits, w, e, out, n // block)
+    sums = torch.empty(n // block, dtype=torch.float64)
+    library().onebit_server_blocks(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), e.data_ptr(),
+                                   out.data_ptr(), sums.data_ptr(), n, block, _isa(isa), _threads(n))
+    return sums

@@ -1,0 +1,150 @@
+"""The C sign-packing passes (onebit.kernels.cpu_simd), every variant this CPU runs (AVX-512, AVX2,
+portable C), against the plain-torch path: packed bits bitwise, float64 sums of squares to 1e-12
+(exact squares added in another order). Sizes not a multiple of 16, odd world sizes, block lengths
+that are odd multiples of 8, NaN, inf and -0.0, unaligned views and strided rows; a block's sum
+independent of the thread count and of where the piece starts; a build that fails warns once and
+leaves the compiled path."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from onebit.kernels import cpu_simd, torch_kernels
+
+pytestmark = pytest.mark.skipif("not cpu_simd.library()", reason="no C compiler here: the compiled path runs")
+
+
+def _isas() -> list[int]:
+    return list(range(cpu_simd.best_isa() + 1))
+
+
+def _inputs(n: int, seed: int, offset: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n + offset, generator=g) * torch.rand(n + offset, generator=g).pow(4) * 3
+    x = base[offset:]  # a view that starts off any vector alignment
+    x[: n // 7] = 0.0  # a run of zeros (unused rows)
+    e = torch.randn(n, generator=g) * 0.2
+    e[: n // 11] = 0.0
+    if n > 40:
+        x[20], e[20] = -0.0, -0.0
+        x[33] = float("inf")
+        e[37] = float("nan")
+    return x, e
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    nan = ref.isnan()
+    return bool(torch.equal(got.isnan(), nan)
+                and ((got - ref).abs() <= 1e-12 * ref.abs()).masked_fill(nan | ref.isinf(), True).all()
+                and torch.equal(got[ref.isinf()], ref[ref.isinf()]))
+
+
+@pytest.mark.parametrize("n", [8, 24, 8 * 101, (1 << 16) + 40])  # the last one on every thread
+@pytest.mark.parametrize("seed", [0, 1])
+def test_encode_is_the_plain_paths_bits_and_sums(n, seed):
+    x, e = _inputs(n, seed)
+    z = x + e
+    bits_ref, sq = torch_kernels.pack_signs(z), z.double() ** 2
+    for isa in _isas():
+        bits = torch.full((n // 8,), 0xA5, dtype=torch.uint8)
+        total = cpu_simd.encode_total(x, e, bits, isa)
+        assert torch.equal(bits, bits_ref), isa
+        assert _close(torch.tensor([total], dtype=torch.float64), sq.sum().view(1)), (isa, total)
+        for block in (8, 24, 64, 96):
+            if n % block:
+                continue
+            bits = torch.full((n // 8,), 0xA5, dtype=torch.uint8)
+            sums = cpu_simd.encode_blocks(x, e, bits, block, isa)
+            assert torch.equal(bits, bits_ref), (isa, block)
+            assert _close(sums, sq.view(-1, block).sum(-1)), (isa, block)
+
+
+def test_finite_inputs_give_finite_sums_close_to_float64():
+    x, e = torch.randn(8 * 999), torch.randn(8 * 999)
+    ref = float(((x + e).double() ** 2).sum())
+    for isa in _isas():
+        got = cpu_simd.encode_total(x, e, torch.empty(999, dtype=torch.uint8), isa)
+        assert abs(got - ref) <= 1e-12 * ref, (isa, got, ref)
+
+
+def test_a_blocks_sum_does_not_depend_on_threads_or_where_the_piece_starts():
+    # the sliced calls (onebit.collectives._pipeline) encode pieces of a chunk: each block's sum
+    # must be the one the whole chunk's call gives, bitwise
+    x, e = torch.randn(64 * 4096), torch.randn(64 * 4096)
+    whole = cpu_simd.encode_blocks(x, e, torch.empty(x.numel() // 8, dtype=torch.uint8), 64)
+    lo, hi = 64 * 1000, 64 * 3001
+    piece = cpu_simd.encode_blocks(x[lo:hi], e[lo:hi], torch.empty((hi - lo) // 8, dtype=torch.uint8), 64)
+    assert torch.equal(piece, whole[1000:3001])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_simd.encode_blocks(x, e, torch.empty(x.numel() // 8, dtype=torch.uint8), 64)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, whole)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [8, 24, 8 * 131, (1 << 16) + 24])
+def test_server_is_the_plain_paths_sum_bits_and_sums(W, n):
+    g = torch.Generator().manual_seed(W * 1000 + n)
+    rows = torch.randint(0, 256, (W, n // 8 + 5), generator=g, dtype=torch.uint8)
+    rows = rows[:, 2 : n // 8 + 2]  # rows strided, starting off alignment
+    e = torch.randn(n, generator=g) * 0.05
+    e[: n // 9], e[3] = 0.0, -0.0
+    signs = [torch_kernels.unpack_signs(rows[r].contiguous()) for r in range(W)]
+
+    def m_of(w):  # the plain path's sum, ranks in order, then e
+        m = signs[0] * w[0]
+        for r in range(1, W):
+            m = m + signs[r] * w[r]
+        return m + e
+
+    w = torch.rand(W, generator=g) * 0.1
+    if W > 2:
+        w[1] = 0.0  # a rank whose scale is zero
+    m = m_of(w)
+    for isa in _isas():
+        out = torch.full((n // 8,), 0xA5, dtype=torch.uint8)
+        total = cpu_simd.server_total(rows, w, e, out, isa)
+        assert torch.equal(out, torch_kernels.pack_signs(m)), isa
+        assert _close(torch.tensor([total], dtype=torch.float64), (m.double() ** 2).sum().view(1)), isa
+        for block in (8, 24, 64):
+            if n % block:
+                continue
+            wb = torch.rand(W, n // block, generator=g)
+            mb = m_of([wb[r].repeat_interleave(block) for r in range(W)])
+            out = torch.full((n // 8,), 0xA5, dtype=torch.uint8)
+            sums = cpu_simd.server_blocks(rows, wb, e, out, block, isa)
+            assert torch.equal(out, torch_kernels.pack_signs(mb)), (isa, block)
+            assert _close(sums, (mb.double() ** 2).view(-1, block).sum(-1)), (isa, block)
+
+
+def test_bad_buffers_are_refused_before_any_write():
+    x, e, bits = torch.randn(64), torch.randn(64), torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="float32 x and e"):
+        cpu_simd.encode_total(x.double(), e, bits)
+    with pytest.raises(ValueError, match="n / 8"):
+        cpu_simd.encode_total(x, e, torch.zeros(7, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="block: expected a multiple of 8 dividing 64"):
+        cpu_simd.encode_blocks(x, e, bits, 12)
+    assert torch.equal(bits, torch.zeros(8, dtype=torch.uint8))
+
+
+def test_a_failed_build_warns_once_and_leaves_the_compiled_path(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_simd, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached library to fall back on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not cpu_simd.available() and cpu_simd.library() is None
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "could not be built" in messages[0], messages
+    monkeypatch.setattr(cpu_simd, "_state", {})
+    monkeypatch.setenv("ONEBIT_CPU_SIMD", "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cpu_simd.available()  # switched off: no build, no warning
