@@ -282,4 +282,183 @@ double onebit_server_total(const uint8_t* bits, int64_t stride, int W, const flo
   return total;
 }
 
+
+/* ---- decompress: the deferred worker error (e = z - copysign(ws, z + 0), z = out + e), then the
+   decode (out = +-1 * s); one pass. Scales by runs of 8: s[(i / block) * sstep] for element i. */
+static inline float bitcopysign(float mag, float sgn) {
+  union { float f; uint32_t u; } a = {mag}, b = {sgn};
+  a.u = (a.u & 0x7FFFFFFFu) | (b.u & 0x80000000u);
+  return a.f;
+}
+
+static void decompress_c(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
+                         int64_t wstep, int64_t n, int64_t block) {
+  for (int64_t i = 0; i < n; i += 8) {
+    int64_t j = i / block;
+    if (e) {
+      float w = ws[j * wstep];
+      for (int k = 0; k < 8; k++) {
+        float z = out[i + k] + e[i + k];
+        e[i + k] = z - bitcopysign(w, z + 0.0f);
+      }
+    }
+    float sc = s[j * sstep];
+    for (int k = 0; k < 8; k++) out[i + k] = ((bits[i / 8] >> (7 - k)) & 1 ? 1.0f : -1.0f) * sc;
+  }
+}
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx2,fma")))
+static void decompress_avx2(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
+                            int64_t wstep, int64_t n, int64_t block) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    int64_t j = i / block;
+    if (e) {
+      __m256 z = _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(e + i));
+      __m256 w = _mm256_set1_ps(ws[j * wstep]);
+      __m256 c = _mm256_or_ps(_mm256_and_ps(w, mag), _mm256_andnot_ps(mag, _mm256_add_ps(z, zero)));
+      _mm256_storeu_ps(e + i, _mm256_sub_ps(z, c));
+    }
+    __m256i bit = _mm256_and_si256(_mm256_set1_epi32(REV[bits[i / 8]]), lane);
+    __m256 on = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane));
+    __m256 sg = _mm256_blendv_ps(_mm256_set1_ps(-1.0f), _mm256_set1_ps(1.0f), on);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(sg, _mm256_set1_ps(s[j * sstep])));
+  }
+}
+
+__attribute__((target("avx512f")))
+static inline __m512 halves(const float* v, int64_t step, int64_t i, int64_t block) {
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[(i / block) * step]), _mm512_set1_ps(v[((i + 8) / block) * step]));
+}
+
+__attribute__((target("avx512f")))
+static void decompress_avx512(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
+                              int64_t wstep, int64_t n, int64_t block) {
+  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 live = n - i >= 16 ? 0xFFFF : 0xFF;
+    if (e) {
+      __m512 z = _mm512_add_ps(_mm512_maskz_loadu_ps(live, out + i), _mm512_maskz_loadu_ps(live, e + i));
+      __m512 w = live == 0xFFFF ? halves(ws, wstep, i, block) : _mm512_set1_ps(ws[(i / block) * wstep]);
+      __m512i zz = _mm512_castps_si512(_mm512_add_ps(z, _mm512_setzero_ps()));
+      __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(w), zz, 0xCA)); /* mag ? w : zz */
+      _mm512_mask_storeu_ps(e + i, live, _mm512_sub_ps(z, c));
+    }
+    __mmask16 on = (__mmask16)(REV[bits[i / 8]] | (live == 0xFFFF ? REV[bits[i / 8 + 1]] << 8 : 0));
+    __m512 sg = _mm512_mask_blend_ps(on, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f));
+    __m512 sv = live == 0xFFFF ? halves(s, sstep, i, block) : _mm512_set1_ps(s[(i / block) * sstep]);
+    _mm512_mask_storeu_ps(out + i, live, _mm512_mul_ps(sg, sv));
+  }
+}
+#endif
+
+typedef void (*decompress_fn)(const uint8_t*, const float*, int64_t, float*, float*, const float*, int64_t, int64_t,
+                              int64_t);
+
+/* elements [0, n) (a multiple of 8); e NULL: the decode only. One scale (sstep and wstep 0): the
+   threads split runs of 16 elements; else each thread takes whole blocks. */
+void onebit_decompress(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
+                       int64_t wstep, int64_t n, int64_t block, int isa, int threads) {
+  decompress_fn f = decompress_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = decompress_avx512;
+  else if (isa == 1) f = decompress_avx2;
+#endif
+  int per_block = sstep != 0 || wstep != 0;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t a, b;
+    if (per_block) {
+      int64_t nb = n / block;
+      a = nb * t / T * block;
+      b = nb * (t + 1) / T * block;
+    } else {
+      int64_t u = n / 16;
+      a = u * t / T * 16;
+      b = t == T - 1 ? n : u * (t + 1) / T * 16;
+    }
+    int64_t j = per_block ? a / block : 0;
+    if (b > a) f(bits + a / 8, s + j * sstep, sstep, out + a, e ? e + a : 0, e ? ws + j * wstep : 0, wstep, b - a,
+                 per_block ? block : b - a);
+  }
+}
+
+/* ---- the server's error pass: m again from the bits and e (as its first pass), then
+   e = m - copysign(scale, m + 0), the scale s[(i / block) * sstep]. */
+static void server_update_c(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                            float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
+  for (int64_t i = 0; i < n; i += 8) {
+    int64_t j = i / block;
+    for (int k = 0; k < 8; k++) {
+      float m = 0.0f;
+      for (int r = 0; r < W; r++) {
+        float wv = w[r * wr + j * wj], v = (bits[r * stride + i / 8] >> (7 - k)) & 1 ? wv : -wv;
+        m = r == 0 ? v : m + v;
+      }
+      m = m + e[i + k];
+      e[i + k] = m - bitcopysign(s[j * sstep], m + 0.0f);
+    }
+  }
+}
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f")))
+static void server_update_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                                 float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
+  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 live = n - i >= 16 ? 0xFFFF : 0xFF;
+    __m512 m = _mm512_setzero_ps();
+    for (int r = 0; r < W; r++) {
+      const uint8_t* b = bits + r * stride + i / 8;
+      __mmask16 on = (__mmask16)(REV[b[0]] | (live == 0xFFFF ? REV[b[1]] << 8 : 0));
+      __m512 wv = live == 0xFFFF ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w[r * wr + (i / block) * wj]),
+                                                        _mm512_set1_ps(w[r * wr + ((i + 8) / block) * wj]))
+                                 : _mm512_set1_ps(w[r * wr + (i / block) * wj]);
+      __m512 neg = _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), _mm512_set1_epi32(INT32_MIN)));
+      __m512 v = _mm512_mask_blend_ps(on, neg, wv);
+      m = r == 0 ? v : _mm512_add_ps(m, v);
+    }
+    m = _mm512_add_ps(m, _mm512_maskz_loadu_ps(live, e + i));
+    __m512 sv = live == 0xFFFF ? halves(s, sstep, i, block) : _mm512_set1_ps(s[(i / block) * sstep]);
+    __m512i mm = _mm512_castps_si512(_mm512_add_ps(m, _mm512_setzero_ps()));
+    __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(sv), mm, 0xCA));
+    _mm512_mask_storeu_ps(e + i, live, _mm512_sub_ps(m, c));
+  }
+}
+#endif
+
+typedef void (*server_update_fn)(const uint8_t*, int64_t, int, const float*, int64_t, int64_t, float*, const float*,
+                                 int64_t, int64_t, int64_t);
+
+/* w: [W] (wj 0) or [W, n / block] (wj 1); s: one scale (sstep 0) or one per block (sstep 1). */
+void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wj, float* e,
+                          const float* s, int64_t sstep, int64_t n, int64_t block, int isa, int threads) {
+  server_update_fn f = server_update_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = server_update_avx512;
+#endif
+  int per_block = sstep != 0 || wj != 0;
+  int64_t wr = wj ? n / block : 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t a, b;
+    if (per_block) {
+      int64_t nb = n / block;
+      a = nb * t / T * block;
+      b = nb * (t + 1) / T * block;
+    } else {
+      int64_t u = n / 16;
+      a = u * t / T * 16;
+      b = t == T - 1 ? n : u * (t + 1) / T * 16;
+    }
+    int64_t j = per_block ? a / block : 0;
+    if (b > a) f(bits + a / 8, stride, W, w + j * wj, wr, wj, e + a, s + j * sstep, sstep, b - a,
+                 per_block ? block : b - a);
+  }
+}
 """.replace("@REV@", _REV)

@@ -362,7 +362,8 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     scales, finite = message_scales(out, layout)[0], bool(torch.isfinite(received_scales).all())
     B = layout.block
     fns = _fns()
-    if cpu_simd.available() and e.is_contiguous():  # the C pass (onebit.kernels.cpu_simd)
+    simd = cpu_simd.available() and e.is_contiguous()
+    if simd:  # the C pass (onebit.kernels.cpu_simd)
         packed, w = torch.empty(layout.C // 8, dtype=torch.uint8), weights.contiguous()
         if B is None:
             sums = torch.tensor(cpu_simd.server_total(bits, w, e, packed), dtype=torch.float64) / layout.C
@@ -382,6 +383,8 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     scales.copy_(scale if finite else torch.full_like(scale, float("nan")))
     if not bool(torch.isfinite(scales).all()):  # any non-finite block: every scale NaN, e unchanged
         scales.fill_(float("nan"))
+        return
+    if simd and cpu_simd.server_update(bits, w, e, scales.view(-1), B):  # AVX-512: the C pass
         return
     W, words = layout.W, layout.C // 32 if B is None else layout.C // B
     if B is not None:
@@ -412,29 +415,36 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
     blocks, B = (None, None) if layout.block is None else (_block_fns(), layout.block)
     update = worker_error is not None and bool(torch.isfinite(scales).all())
     s_w = message_scales(worker_message, layout) if update else None
+    simd = (cpu_simd.available() and out.dtype == torch.float32 and out.is_contiguous()
+            and (worker_error is None or worker_error.is_contiguous()))
     for j in range(layout.W):
         lo, mid, hi = _split(layout, n, j)
-        if B is not None and mid - lo < 2 * B:  # one block: the eager ops below (a dynamic dimension
-            mid = lo                            # must not be 1)
-        if mid > lo:
-            fns, sj = _fns(), _piece_scales(scales, layout, j, lo, lo, mid)
-            if update:  # the deferred worker error first (it reads the input out holds), one pass
-                s_wj = _piece_scales(s_w, layout, j, lo, lo, mid)
-                if blocks is None:
-                    fns["worker_update"](out[lo:mid], worker_error[lo:mid], s_wj)
-                else:
-                    blocks["error_update"](_marked(out[lo:mid].view(-1, B)), _marked(s_wj.view(-1, 1)),
-                                           _marked(worker_error[lo:mid].view(-1, B)))
-            wide = (mid - lo) // 32 * 32  # whole 4-byte words: the compiled decode; the rest eager
-            if wide and blocks is None:
-                fns["decode32"](bits[j, : wide // 8], sj, out[lo : lo + wide])
-            elif wide:
-                words = _marked(bits[j, : wide // 8].view(-1, B // 32, 4))
-                values = _marked(out[lo : lo + wide].view(-1, B // 32, 32))
-                blocks["decode"](words, _marked(sj.view(-1, 1, 1)), values)
-            if mid > lo + wide:
-                rest = _scaled(_signs(bits[j, wide // 8 : (mid - lo) // 8]), sj, None)
-                out[lo + wide : mid] = rest.to(out.dtype)
+        if simd and mid > lo:  # both passes in one (onebit.kernels.cpu_simd)
+            ws = _piece_scales(s_w, layout, j, lo, lo, mid) if update else None
+            cpu_simd.decompress(bits[j, : (mid - lo) // 8], _piece_scales(scales, layout, j, lo, lo, mid),
+                                out[lo:mid], B, worker_error[lo:mid] if update else None, ws)
+        else:
+            if B is not None and mid - lo < 2 * B:  # one block: the eager ops below (a dynamic
+                mid = lo                            # dimension must not be 1)
+            if mid > lo:
+                fns, sj = _fns(), _piece_scales(scales, layout, j, lo, lo, mid)
+                if update:  # the deferred worker error first (it reads the input out holds), one pass
+                    s_wj = _piece_scales(s_w, layout, j, lo, lo, mid)
+                    if blocks is None:
+                        fns["worker_update"](out[lo:mid], worker_error[lo:mid], s_wj)
+                    else:
+                        blocks["error_update"](_marked(out[lo:mid].view(-1, B)), _marked(s_wj.view(-1, 1)),
+                                               _marked(worker_error[lo:mid].view(-1, B)))
+                wide = (mid - lo) // 32 * 32  # whole 4-byte words: the compiled decode; the rest eager
+                if wide and blocks is None:
+                    fns["decode32"](bits[j, : wide // 8], sj, out[lo : lo + wide])
+                elif wide:
+                    words = _marked(bits[j, : wide // 8].view(-1, B // 32, 4))
+                    values = _marked(out[lo : lo + wide].view(-1, B // 32, 32))
+                    blocks["decode"](words, _marked(sj.view(-1, 1, 1)), values)
+                if mid > lo + wide:
+                    rest = _scaled(_signs(bits[j, wide // 8 : (mid - lo) // 8]), sj, None)
+                    out[lo + wide : mid] = rest.to(out.dtype)
         if hi == mid:
             continue
         block = _block(layout, mid, hi)  # the padded rest: the plain path's arithmetic

@@ -89,6 +89,10 @@ def _build() -> ctypes.CDLL:
     lib.onebit_server_total.restype = ctypes.c_double
     lib.onebit_server_blocks.argtypes = [p, i64, i32, p, p, p, p, i64, i64, i32, i32]
     lib.onebit_server_blocks.restype = None
+    lib.onebit_decompress.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i32, i32]
+    lib.onebit_decompress.restype = None
+    lib.onebit_server_update.argtypes = [p, i64, i32, p, i64, p, p, i64, i64, i64, i32, i32]
+    lib.onebit_server_update.restype = None
     return lib
 
 
@@ -192,3 +196,50 @@ def server_blocks(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: tor
     library().onebit_server_blocks(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), e.data_ptr(),
                                    out.data_ptr(), sums.data_ptr(), n, block, _isa(isa), _threads(n))
     return sums
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+
+
+def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int | None,
+               worker_error: torch.Tensor | None = None, worker_scales: torch.Tensor | None = None,
+               isa: int | None = None) -> None:
+    """One pass over ``out`` (n elements): with ``worker_error``, first the deferred worker error
+    ``e = z - copysign(ws, z + 0)``, ``z = out + e``; then the decode ``out = sgn * s`` of
+    ``bits``. ``scales`` and ``worker_scales``: one scale (``block`` None) or one per ``block``."""
+    n = out.numel()
+    per = 1 if block is None else n // block
+    if not (_f32(out) and _f32(scales) and scales.numel() == per and bits.dtype == torch.uint8
+            and bits.is_contiguous() and bits.numel() == n // 8 and n % 8 == 0
+            and (block is None or (block % 8 == 0 and n % block == 0))
+            and (worker_error is None or (_f32(worker_error) and worker_error.numel() == n
+                                          and _f32(worker_scales) and worker_scales.numel() == per))):
+        raise ValueError("cpu_simd.decompress: expected contiguous float32 out (n, a multiple of 8 and of "
+                         "block), n / 8 uint8 bits, and float32 scales, one or one per block")
+    step = 0 if block is None else 1
+    e = None if worker_error is None else worker_error.data_ptr()
+    ws = None if worker_scales is None else worker_scales.data_ptr()
+    library().onebit_decompress(bits.data_ptr(), scales.data_ptr(), step, out.data_ptr(), e, ws, step, n,
+                                n if block is None else block, _isa(isa), _threads(n))
+
+
+def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: torch.Tensor,
+                  block: int | None, isa: int | None = None) -> bool:
+    """The server's error pass: ``m`` again as :func:`server_total` / :func:`server_blocks` sum
+    it, then ``e = m - copysign(s, m + 0)``. Returns False, having done nothing, where this CPU
+    has no AVX-512 and no ``isa`` is asked for (the compiled pass is the faster one there)."""
+    n = e.numel()
+    blocks = 1 if block is None else n // block
+    if block is not None and (block % 8 or n % block):
+        raise ValueError(f"block: expected a multiple of 8 dividing {n}, got {block}")
+    _server_ok(bits, w, e, torch.empty(n // 8, dtype=torch.uint8), blocks)
+    if not (_f32(scales) and scales.numel() == blocks):
+        raise ValueError("cpu_simd.server_update: expected float32 scales, one or one per block")
+    if isa is None and best_isa() < 2:
+        return False
+    step = 0 if block is None else 1
+    library().onebit_server_update(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), step,
+                                   e.data_ptr(), scales.data_ptr(), step, n, n if block is None else block,
+                                   _isa(isa), _threads(n))
+    return True

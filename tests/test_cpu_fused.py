@@ -236,9 +236,9 @@ def test_every_compiled_pass_compiles_once_per_process(simd):
     stale step and the local step, each with and without weight decay: 11), the
     other size only the server's two passes again, for its other world size (their loop over the
     W ranks is unrolled: one build per W), nothing else (dynamic shapes; the availability check
-    compiles with autograd off, as the callers run). With the C sign-packing passes
-    (onebit.kernels.cpu_simd) the worker's encode and the server's first pass are not graphs: 10,
-    then the server's error pass for the other W."""
+    compiles with autograd off, as the callers run). With the C passes (onebit.kernels.cpu_simd:
+    the worker's encode, the server's two passes, decompress) the codec's only graph is the
+    availability check's encode: 8, and nothing for the other size and W."""
     import os
     import subprocess
     import sys
@@ -250,5 +250,5 @@ def test_every_compiled_pass_compiles_once_per_process(simd):
     env = dict(os.environ, ONEBIT_CPU_SIMD=simd)
     run = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    expected = "[11, 13]" if simd == "off" else "[10, 11]"
+    expected = "[11, 13]" if simd == "off" else "[8, 8]"
     assert run.stdout.split("\n")[-2] == expected, run.stdout

@@ -148,3 +148,51 @@ def test_a_failed_build_warns_once_and_leaves_the_compiled_path(monkeypatch, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not cpu_simd.available()  # switched off: no build, no warning
+
+
+@pytest.mark.parametrize("block", [None, 8, 24, 64])
+@pytest.mark.parametrize("n", [24 * 8, 8 * 24 * 7, 64 * 1031 + 0])
+@pytest.mark.parametrize("update", [True, False])
+def test_decompress_is_the_plain_error_update_and_decode(block, n, update):
+    if block is not None and n % block:
+        pytest.skip("n is not whole blocks")
+    g = torch.Generator().manual_seed(n + (block or 0))
+    per = 1 if block is None else n // block
+    bits = torch.randint(0, 256, (n // 8,), generator=g, dtype=torch.uint8)
+    scales, ws = torch.rand(per, generator=g), torch.rand(per, generator=g)
+    scales[0] = 0.0
+    x, e = _inputs(n, n, offset=1)
+    x, e = x.nan_to_num(0.0, 0.0, 0.0), e.nan_to_num(0.0, 0.0, 0.0)  # finite: the update runs only then
+    B = n if block is None else block
+    z = x + e
+    e_ref = z - torch.copysign(ws.repeat_interleave(B), z + 0.0)
+    out_ref = (torch_kernels.unpack_signs(bits).view(-1, B) * scales.view(-1, 1)).view(-1)
+    for isa in _isas():
+        out, ee = x.clone(), e.clone()
+        cpu_simd.decompress(bits, scales, out, block, ee if update else None, ws if update else None, isa=isa)
+        assert torch.equal(out, out_ref), isa
+        assert torch.equal(ee, e_ref if update else e), isa
+
+
+@pytest.mark.parametrize("W", [1, 3, 4])
+@pytest.mark.parametrize("block", [None, 8, 64])
+def test_server_update_is_the_plain_error_pass(W, block):
+    n = 64 * 517
+    g = torch.Generator().manual_seed(W)
+    rows = torch.randint(0, 256, (W, n // 8 + 3), generator=g, dtype=torch.uint8)[:, 1 : n // 8 + 1]
+    per = 1 if block is None else n // block
+    B = n if block is None else block
+    w = torch.rand(W, per, generator=g).squeeze(1) if block is None else torch.rand(W, per, generator=g)
+    e = torch.randn(n, generator=g) * 0.05
+    e[5] = -0.0
+    s = torch.rand(per, generator=g)
+    signs = [torch_kernels.unpack_signs(rows[r].contiguous()) for r in range(W)]
+    m = (signs[0].view(-1, B) * w[0].view(-1, 1)).view(-1)
+    for r in range(1, W):
+        m = m + (signs[r].view(-1, B) * w[r].view(-1, 1)).view(-1)
+    m = m + e
+    ref = m - torch.copysign(s.repeat_interleave(B), m + 0.0)
+    for isa in [i for i in _isas() if i != 1]:  # AVX2 machines keep the compiled pass
+        got = e.clone()
+        assert cpu_simd.server_update(rows, w.contiguous(), got, s, block, isa=isa)
+        assert torch.equal(got, ref), isa
