@@ -293,8 +293,8 @@ static inline float bitcopysign(float mag, float sgn) {
 
 static void decompress_c(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
                          int64_t wstep, int64_t n, int64_t block) {
-  for (int64_t i = 0; i < n; i += 8) {
-    int64_t j = i / block;
+  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 8, rem += 8) {
+    if (rem == block) { rem = 0; j++; } /* j = i / block, without a division per 8 elements */
     if (e) {
       float w = ws[j * wstep];
       for (int k = 0; k < 8; k++) {
@@ -313,8 +313,8 @@ static void decompress_avx2(const uint8_t* bits, const float* s, int64_t sstep, 
                             int64_t wstep, int64_t n, int64_t block) {
   const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), zero = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    int64_t j = i / block;
+  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 8, rem += 8) {
+    if (rem == block) { rem = 0; j++; }
     if (e) {
       __m256 z = _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(e + i));
       __m256 w = _mm256_set1_ps(ws[j * wstep]);
@@ -328,28 +328,30 @@ static void decompress_avx2(const uint8_t* bits, const float* s, int64_t sstep, 
   }
 }
 
+/* the scales of elements i .. i + 15: v[j0 * step] for the first 8, v[j1 * step] for the next 8 */
 __attribute__((target("avx512f")))
-static inline __m512 halves(const float* v, int64_t step, int64_t i, int64_t block) {
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[(i / block) * step]), _mm512_set1_ps(v[((i + 8) / block) * step]));
+static inline __m512 halves(const float* v, int64_t step, int64_t j0, int64_t j1) {
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[j0 * step]), _mm512_set1_ps(v[j1 * step]));
 }
 
 __attribute__((target("avx512f")))
 static void decompress_avx512(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
                               int64_t wstep, int64_t n, int64_t block) {
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
-  for (int64_t i = 0; i < n; i += 16) {
+  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 16) {
     __mmask16 live = n - i >= 16 ? 0xFFFF : 0xFF;
+    int64_t j1 = live == 0xFFFF && rem + 8 >= block ? j + 1 : j; /* the block of element i + 8 */
     if (e) {
       __m512 z = _mm512_add_ps(_mm512_maskz_loadu_ps(live, out + i), _mm512_maskz_loadu_ps(live, e + i));
-      __m512 w = live == 0xFFFF ? halves(ws, wstep, i, block) : _mm512_set1_ps(ws[(i / block) * wstep]);
+      __m512 w = halves(ws, wstep, j, j1);
       __m512i zz = _mm512_castps_si512(_mm512_add_ps(z, _mm512_setzero_ps()));
       __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(w), zz, 0xCA)); /* mag ? w : zz */
       _mm512_mask_storeu_ps(e + i, live, _mm512_sub_ps(z, c));
     }
     __mmask16 on = (__mmask16)(REV[bits[i / 8]] | (live == 0xFFFF ? REV[bits[i / 8 + 1]] << 8 : 0));
     __m512 sg = _mm512_mask_blend_ps(on, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f));
-    __m512 sv = live == 0xFFFF ? halves(s, sstep, i, block) : _mm512_set1_ps(s[(i / block) * sstep]);
-    _mm512_mask_storeu_ps(out + i, live, _mm512_mul_ps(sg, sv));
+    _mm512_mask_storeu_ps(out + i, live, _mm512_mul_ps(sg, halves(s, sstep, j, j1)));
+    for (rem += 16; rem >= block; rem -= block) j++;
   }
 }
 #endif
@@ -390,8 +392,8 @@ void onebit_decompress(const uint8_t* bits, const float* s, int64_t sstep, float
    e = m - copysign(scale, m + 0), the scale s[(i / block) * sstep]. */
 static void server_update_c(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                             float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
-  for (int64_t i = 0; i < n; i += 8) {
-    int64_t j = i / block;
+  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 8, rem += 8) {
+    if (rem == block) { rem = 0; j++; }
     for (int k = 0; k < 8; k++) {
       float m = 0.0f;
       for (int r = 0; r < W; r++) {
@@ -409,24 +411,24 @@ __attribute__((target("avx512f")))
 static void server_update_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                                  float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
-  for (int64_t i = 0; i < n; i += 16) {
+  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 16) {
     __mmask16 live = n - i >= 16 ? 0xFFFF : 0xFF;
+    int64_t j1 = live == 0xFFFF && rem + 8 >= block ? j + 1 : j; /* the block of element i + 8 */
     __m512 m = _mm512_setzero_ps();
     for (int r = 0; r < W; r++) {
       const uint8_t* b = bits + r * stride + i / 8;
       __mmask16 on = (__mmask16)(REV[b[0]] | (live == 0xFFFF ? REV[b[1]] << 8 : 0));
-      __m512 wv = live == 0xFFFF ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w[r * wr + (i / block) * wj]),
-                                                        _mm512_set1_ps(w[r * wr + ((i + 8) / block) * wj]))
-                                 : _mm512_set1_ps(w[r * wr + (i / block) * wj]);
+      __m512 wv = halves(w + r * wr, wj, j, j1);
       __m512 neg = _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), _mm512_set1_epi32(INT32_MIN)));
       __m512 v = _mm512_mask_blend_ps(on, neg, wv);
       m = r == 0 ? v : _mm512_add_ps(m, v);
     }
     m = _mm512_add_ps(m, _mm512_maskz_loadu_ps(live, e + i));
-    __m512 sv = live == 0xFFFF ? halves(s, sstep, i, block) : _mm512_set1_ps(s[(i / block) * sstep]);
+    __m512 sv = halves(s, sstep, j, j1);
     __m512i mm = _mm512_castps_si512(_mm512_add_ps(m, _mm512_setzero_ps()));
     __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(sv), mm, 0xCA));
     _mm512_mask_storeu_ps(e + i, live, _mm512_sub_ps(m, c));
+    for (rem += 16; rem >= block; rem -= block) j++;
   }
 }
 #endif
