@@ -463,4 +463,123 @@ void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const floa
                  per_block ? block : b - a);
   }
 }
+
+/* ---- OnebitAdam's compression stage with its element-wise maths inside the codec's passes (as
+   onebit.optimizers._fused does on a GPU). A bucket's table: tensor k covers flat elements
+   [start[k], start[k] + count[k]); its gradient (0: a zero gradient), frozen denominator and
+   parameter at the addresses g[k], d[k], p[k]; its group's float32 scalars sc[5k .. 5k + 4]:
+   b1, 1 - b1, decay (1 - lr * wd), -lr, bc1. The maths and its order are
+   onebit.kernels.cpu_fused's: u = u * b1 + (w * g) / d; p = p * decay + (-lr) * clamp(u / bc1). */
+#define FOLD_LOOP if (g) { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1 + (w * g[i]) / d[i]; } \
+                  else { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1; } /* no gradient: u.mul_(b1) only */
+#define UPDATE_LOOP for (int64_t i = 0; i < n; i++) { float v = u[i] / bc1; v = v < lo ? lo : v; v = v > hi ? hi : v; p[i] = p[i] * decay + nlr * v; }
+
+static void fold_c(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+static void update_c(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void fold_512(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+__attribute__((target("avx512f"))) static void update_512(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+__attribute__((target("avx2,fma"))) static void fold_256(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+__attribute__((target("avx2,fma"))) static void update_256(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+#endif
+
+typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int K; } table_t;
+
+static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    int64_t o = lo - t->start[kk];
+    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
+    const float* d = (const float*)t->d[kk] + o;
+    float b1 = t->sc[5 * kk], w = t->sc[5 * kk + 1];
+#ifdef ONEBIT_X86
+    if (isa >= 2) { fold_512(flat + lo, g, d, b1, w, hi - lo); continue; }
+    if (isa == 1) { fold_256(flat + lo, g, d, b1, w, hi - lo); continue; }
+#endif
+    fold_c(flat + lo, g, d, b1, w, hi - lo);
+  }
+}
+
+static void update_range(int isa, const float* flat, int64_t a, int64_t b, const table_t* t, float lo_c, float hi_c, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    float* p = (float*)t->p[kk] + (lo - t->start[kk]);
+    const float* sc = t->sc + 5 * kk;
+#ifdef ONEBIT_X86
+    if (isa >= 2) { update_512(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
+    if (isa == 1) { update_256(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
+#endif
+    update_c(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo);
+  }
+}
+
+/* The worker's pass of chunk elements [off, off + n_enc) of the flat bucket with the fold inside:
+   each run of 4096 elements folded, then encoded (bits of u + e, float64 sum of squares) while in
+   cache; the fold alone over [off + n_enc, off + n_fold) (the padded chunk's data tail). Returns
+   the sum, added as onebit_encode_total adds it. */
+double onebit_fold_encode(float* flat, const float* e, uint8_t* bits, int64_t off, int64_t n_enc, int64_t n_fold,
+                          const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
+                          const float* sc, int K, int isa, int threads) {
+  enum { RUN = 4096, MAXT = 256 };
+  table_t tab = {start, count, g, d, 0, sc, K};
+  double part[MAXT];
+  blocks_fn f = pick(isa);
+  if (threads > MAXT) threads = MAXT;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    int64_t units = n_enc / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
+    double s = 0.0, r;
+    for (int64_t i = lo; i < hi; i += RUN) {
+      int64_t len = hi - i < RUN ? hi - i : RUN;
+      fold_range(isa, flat, off + i, off + i + len, &tab, &k);
+      f(flat + off + i, e + off + i, bits + i / 8, &r, len, len);
+      s += r;
+    }
+    part[t] = s;
+    if (t == 0) used = T;
+  }
+  int k = 0;
+  if (n_fold > n_enc) fold_range(isa, flat, off + n_enc, off + n_fold, &tab, &k);
+  double total = 0.0;
+  for (int t = 0; t < used; t++) total += part[t];
+  return total;
+}
+
+/* Decompress of chunk elements [off, off + n) with the update inside: each run decoded (with the
+   deferred worker error where e is not NULL), then the parameters it covers updated. */
+void onebit_decompress_update(const uint8_t* bits, const float* s, float* flat, float* e, const float* ws, int64_t off,
+                              int64_t n, const int64_t* start, const int64_t* count, const int64_t* p, const float* sc,
+                              int K, float lo_c, float hi_c, int isa, int threads) {
+  enum { RUN = 4096 };
+  table_t tab = {start, count, 0, 0, p, sc, K};
+  decompress_fn f = decompress_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = decompress_avx512;
+  else if (isa == 1) f = decompress_avx2;
+#endif
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    int64_t units = n / 16, lo = units * t / T * 16, hi = t == T - 1 ? n : units * (t + 1) / T * 16;
+    for (int64_t i = lo; i < hi; i += RUN) {
+      int64_t len = hi - i < RUN ? hi - i : RUN;
+      f(bits + i / 8, s, 0, flat + off + i, e ? e + off + i : 0, ws, 0, len, len);
+      update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+    }
+  }
+}
+
+/* The update alone over flat elements [a, b) (a chunk's tail, decoded by the caller). */
+void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count, const int64_t* p,
+                   const float* sc, int K, float lo_c, float hi_c, int isa) {
+  table_t tab = {start, count, 0, 0, p, sc, K};
+  int k = 0;
+  update_range(isa, flat, a, b, &tab, lo_c, hi_c, &k);
+}
 """.replace("@REV@", _REV)

@@ -93,6 +93,13 @@ def _build() -> ctypes.CDLL:
     lib.onebit_decompress.restype = None
     lib.onebit_server_update.argtypes = [p, i64, i32, p, i64, p, p, i64, i64, i64, i32, i32]
     lib.onebit_server_update.restype = None
+    lib.onebit_fold_encode.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, p, i32, i32, i32]
+    lib.onebit_fold_encode.restype = ctypes.c_double
+    lib.onebit_decompress_update.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p, i32, ctypes.c_float,
+                                             ctypes.c_float, i32, i32]
+    lib.onebit_decompress_update.restype = None
+    lib.onebit_update.argtypes = [p, i64, i64, p, p, p, p, i32, ctypes.c_float, ctypes.c_float, i32]
+    lib.onebit_update.restype = None
     return lib
 
 
@@ -243,3 +250,64 @@ def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: 
                                    e.data_ptr(), scales.data_ptr(), step, n, n if block is None else block,
                                    _isa(isa), _threads(n))
     return True
+
+
+class Table:
+    """A bucket's tensors for the fused passes: tensor k covers flat elements ``[start[k], start[k]
+    + count[k])``; ``g``, ``d``, ``p`` the addresses of its gradient (0: none, a zero gradient),
+    frozen denominator and parameter (float32, contiguous, ``count[k]`` elements, alive for the
+    call); ``scalars`` [K, 5] float32: b1, 1 - b1, 1 - lr * wd, -lr, bc1."""
+
+    def __init__(self, start: list[int], count: list[int]) -> None:
+        self.start = torch.tensor(start, dtype=torch.int64)
+        self.count = torch.tensor(count, dtype=torch.int64)
+        self.K = len(start)
+        self.g = torch.zeros(self.K, dtype=torch.int64)
+        self.d = torch.zeros(self.K, dtype=torch.int64)
+        self.p = torch.zeros(self.K, dtype=torch.int64)
+        self.scalars = torch.zeros(self.K, 5, dtype=torch.float32)
+
+
+def fold_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n_enc: int, n_fold: int,
+                table: Table, isa: int | None = None) -> float:
+    """Fold the gradients into ``flat[off : off + n_fold]`` (``u = u * b1 + (w * g) / d``) and
+    encode ``flat + e`` over ``[off, off + n_enc)`` into ``bits`` (n_enc / 8 bytes) in the same
+    pass; returns the float64 sum of squares, as :func:`encode_total`."""
+    if not (_f32(flat) and _f32(e) and bits.dtype == torch.uint8 and bits.is_contiguous()
+            and bits.numel() >= n_enc // 8 and n_enc % 8 == 0 and 0 <= n_enc <= n_fold
+            and off + n_fold <= flat.numel() and off + n_enc <= e.numel()):
+        raise ValueError("cpu_simd.fold_encode: expected contiguous float32 flat and e covering the range, "
+                         "n_enc a multiple of 8, and n_enc / 8 uint8 bits")
+    t = table
+    return float(library().onebit_fold_encode(
+        flat.data_ptr(), e.data_ptr(), bits.data_ptr(), off, n_enc, n_fold, t.start.data_ptr(),
+        t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.scalars.data_ptr(), t.K, _isa(isa),
+        _threads(n_enc)))
+
+
+def decompress_update(bits: torch.Tensor, scale: torch.Tensor, flat: torch.Tensor, e: torch.Tensor | None,
+                      worker_scale: torch.Tensor | None, off: int, n: int, table: Table, clip: float,
+                      isa: int | None = None) -> None:
+    """:func:`decompress` of ``flat[off : off + n]`` (one scale; ``e`` the whole worker error
+    buffer, or None: no error update), then in the same pass ``p = p * decay + (-lr) *
+    clamp(u / bc1, -clip, clip)`` for the parameters it covers."""
+    if not (_f32(flat) and _f32(scale) and scale.numel() == 1 and bits.dtype == torch.uint8
+            and bits.is_contiguous() and bits.numel() >= n // 8 and n % 8 == 0 and off + n <= flat.numel()
+            and (e is None or (_f32(e) and off + n <= e.numel() and _f32(worker_scale)
+                               and worker_scale.numel() == 1))):
+        raise ValueError("cpu_simd.decompress_update: expected contiguous float32 flat covering the range, "
+                         "n a multiple of 8, n / 8 uint8 bits and one float32 scale")
+    t = table
+    library().onebit_decompress_update(
+        bits.data_ptr(), scale.data_ptr(), flat.data_ptr(), None if e is None else e.data_ptr(),
+        None if worker_scale is None else worker_scale.data_ptr(), off, n, t.start.data_ptr(),
+        t.count.data_ptr(), t.p.data_ptr(), t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa), _threads(n))
+
+
+def update(flat: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:
+    """The update alone for flat elements ``[a, b)``."""
+    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
+        raise ValueError("cpu_simd.update: expected contiguous float32 flat covering [a, b)")
+    t = table
+    library().onebit_update(flat.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(), t.p.data_ptr(),
+                            t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa))

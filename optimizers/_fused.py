@@ -8,7 +8,8 @@ TRAFFIC.md section 3d). The all-to-all, the server and the all-gather are the co
 path's, element by element (tests/test_triton_fused.py).
 
 Used by :class:`onebit.optimizers.OnebitAdam` where :func:`applies`: CUDA parameters (or CPU ones
-with ``ON_CPU`` set, for the tests under ``TRITON_INTERPRET=1``), ``ENABLED``, the default
+with ``ON_CPU`` set, for the tests under ``TRITON_INTERPRET=1``; other CPU parameters take the C
+passes of :mod:`onebit.optimizers._fused_cpu` where this CPU has them), ``ENABLED``, the default
 ``compression="preconditioned"``, no block scales, no mesh, no ``overlap``, no masks, float32
 contiguous parameters and gradients, more than one rank (or the benchmarks' local collective).
 Elsewhere the optimizer takes its unfused path, with the same results.
@@ -22,6 +23,7 @@ import torch
 
 from ..collectives.allreduce import compressed_allreduce, compressed_allreduce_passes
 from ..collectives.telemetry import counting
+from ..kernels import cpu_simd
 
 ENABLED = True
 ON_CPU = False  # tests: run the Triton passes on CPU tensors (needs TRITON_INTERPRET=1)
@@ -44,7 +46,10 @@ def applies(opt, reducer, pairs) -> bool:
     if not local and (reducer.allreduce is not compressed_allreduce or reducer.world_size < 2):
         return False
     device = pairs[0][0].device
-    if not (device.type == "cuda" or (ON_CPU and device.type == "cpu")):
+    cpu = device.type == "cpu" and not ON_CPU  # the C passes (optimizers/_fused_cpu.py)
+    if cpu and not cpu_simd.available():
+        return False
+    if not (cpu or device.type == "cuda" or (ON_CPU and device.type == "cpu")):
         return False
     for k, (p, g) in enumerate(pairs):
         if not _plain(p) or p.device != device:
@@ -54,11 +59,24 @@ def applies(opt, reducer, pairs) -> bool:
         d = opt.stale_denominator(k, p, g)  # cached: the step reads the same tensor
         if not _plain(d) or d.numel() != p.numel() or d.device != device:
             return False
+    if cpu:
+        return True
     try:
         from ..kernels import triton_fused  # noqa: F401  (triton may be missing on a CPU machine)
     except ImportError:
         return False
     return True
+
+
+def plan(reducer):
+    """The fused step's tables for ``reducer``'s buckets: the C passes' on CPU tensors (unless
+    ``ON_CPU``), the Triton passes' elsewhere."""
+    device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+    if device.type == "cpu" and not ON_CPU:
+        from ._fused_cpu import CpuFusedCompression
+
+        return CpuFusedCompression(reducer)
+    return FusedCompression(reducer)
 
 
 class FusedCompression:

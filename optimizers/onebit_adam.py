@@ -106,7 +106,7 @@ class OnebitAdam(WarmupThenCompress):
         self.updates += 1
         t = self.updates
         pairs = self.compressed_params()
-        if compress and _fused.applies(self, reducer, pairs):  # a GPU: two passes per bucket
+        if compress and _fused.applies(self, reducer, pairs):  # two passes per bucket (GPU, x86 CPU)
             self._fused_plan(reducer).step(self, pairs, t)
         elif compress:
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
@@ -130,10 +130,10 @@ class OnebitAdam(WarmupThenCompress):
             if self.compressing:
                 self._enter_compression()
 
-    def _fused_plan(self, reducer) -> _fused.FusedCompression:
+    def _fused_plan(self, reducer):
         plan = getattr(self, "_fused_cache", None)
         if plan is None or plan.reducer is not reducer:
-            plan = self._fused_cache = _fused.FusedCompression(reducer)
+            plan = self._fused_cache = _fused.plan(reducer)
         return plan
 
     # -- GPU: one multi-tensor op per param group instead of one op per tensor (optimizers/_multi.py)

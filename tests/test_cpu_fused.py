@@ -143,10 +143,11 @@ def test_it_leaves_to_the_caller_what_it_does_not_fuse(monkeypatch):
 def _body_adam(plain: bool, optimizer: str = "onebit_adam"):
     import os
 
-    from onebit.optimizers import OnebitAdam, ZeroOneAdam
+    from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused
 
     if plain:
         os.environ["ONEBIT_CPU_CODEC"] = "torch"
+    _fused.ENABLED = False  # the per-parameter passes (the C passes': tests/test_fused_cpu.py)
     fused = ({"fold_preconditioned_": 0, "stale_update_": 0} if optimizer == "onebit_adam"  # calls that ran
              else {"stale_step_": 0, "local_step_": 0})  # the fused pass
     originals = {name: getattr(cpu_fused, name) for name in fused}
@@ -178,6 +179,7 @@ def _body_adam(plain: bool, optimizer: str = "onebit_adam"):
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), fused
     finally:
         os.environ.pop("ONEBIT_CPU_CODEC", None)
+        _fused.ENABLED = True
         for name, fn in originals.items():
             setattr(cpu_fused, name, fn)
 
