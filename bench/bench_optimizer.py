@@ -33,8 +33,8 @@ def forced_single_rank(tensor, worker_error, server_error, group=None):
     return local_compressed_allreduce([tensor], [worker_error], [server_error])[0]
 
 
-# OnebitAdam's fused GPU passes (onebit.optimizers._fused) run this local compute too: their
-# own worker and decompress passes, the server, the two collectives as copies
+# OnebitAdam's fused passes (onebit.optimizers._fused: Triton on a GPU, C on an x86 CPU) run this
+# local compute too: their own worker and decompress passes, the server, the collectives as copies
 forced_single_rank.local_compute = True
 
 
@@ -72,9 +72,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam's bucket size")
     p.add_argument("--unfused", action="store_true",
-                   help="GPU: OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False)")
+                   help="OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False: "
+                        "Triton's on a GPU, the C ones on an x86 CPU)")
     p.add_argument("--interleave", action="store_true",
-                   help="GPU: time fused AdamW, OnebitAdam unfused and fused in turn, step by step, in one "
+                   help="time fused AdamW, OnebitAdam unfused and fused in turn, step by step, in one "
                         "process (the host's speed drifts between runs by more than the difference)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
@@ -110,7 +111,7 @@ def main() -> None:
     ratio = results["onebit_adam"] / results["adamw_fused"]
     print(f"OnebitAdam compression-stage step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
     meta = provenance(device)
-    tag = "_unfused" if args.unfused and device.type == "cuda" else ""
+    tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""
     rows = [{**meta, "parameters": n, "optimizer": name + (tag if name != "adamw_fused" else ""),
              "ms_median": f"{ms:.3f}",
