@@ -34,7 +34,8 @@ class OnebitAdam(WarmupThenCompress):
     ``overlap=True``: in the compression stage each momentum bucket is folded and its
     compressed all-reduce started from backward, as soon as the bucket's gradients are all
     accumulated (see :mod:`onebit.optimizers._overlap`); results are bitwise those of
-    ``overlap=False``. Gradient accumulation: all passes but the last under
+    ``overlap=False`` without its fused passes (with them, on a GPU or an x86 CPU, to float32
+    rounding). Gradient accumulation: all passes but the last under
     ``with opt.no_sync():``. Not with a GradScaler (it unscales after the send), nor with
     ``register_ddp_hook`` (DDP then owns the gradients). Costs one copy of each launched
     bucket per step (restored when a non-finite gradient skips the step).
