@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import cpu_fused
+from ..kernels import cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._fsdp_replicas import to_local
@@ -180,7 +180,11 @@ class FrozenAdam:
 
     def add_local(self, buffer: torch.Tensor) -> None:
         """Count a bucket of this rank's own gradient into this iteration's squared norm."""
-        sq = torch.linalg.vector_norm(buffer.detach(), dtype=torch.float64).square()  # no float64 copy
+        b = buffer.detach()
+        if b.dtype == torch.float32 and b.device.type == "cpu" and b.is_contiguous() and cpu_simd.available():
+            sq = torch.tensor(cpu_simd.sumsq(b), dtype=torch.float64)  # one read, no float64 copy
+        else:  # (on CPU this makes a float64 copy: 31 ms per 6.5M elements on one core)
+            sq = torch.linalg.vector_norm(b, dtype=torch.float64).square()
         self.local_sq = sq if self.local_sq is None else self.local_sq + sq
 
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):

@@ -100,6 +100,8 @@ def _build() -> ctypes.CDLL:
     lib.onebit_decompress_update.restype = None
     lib.onebit_update.argtypes = [p, i64, i64, p, p, p, p, i32, ctypes.c_float, ctypes.c_float, i32]
     lib.onebit_update.restype = None
+    lib.onebit_sumsq.argtypes = [p, i64, i32, i32]
+    lib.onebit_sumsq.restype = ctypes.c_double
     return lib
 
 
@@ -311,3 +313,13 @@ def update(flat: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: i
     t = table
     library().onebit_update(flat.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(), t.p.data_ptr(),
                             t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa))
+
+
+def sumsq(x: torch.Tensor, isa: int | None = None) -> float:
+    """The float64 sum of squares of a contiguous float32 CPU tensor (exact squares, float64 adds:
+    what ``torch.linalg.vector_norm(x, dtype=torch.float64) ** 2`` estimates, without its float64
+    copy of ``x``: 31 against 1.2 ms per 6.5M elements on one core)."""
+    if not _f32(x):
+        raise ValueError(f"cpu_simd.sumsq: expected a contiguous float32 CPU tensor, got {x.dtype} on "
+                         f"{x.device}")
+    return float(library().onebit_sumsq(x.data_ptr(), x.numel(), _isa(isa), _threads(x.numel())))

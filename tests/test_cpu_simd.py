@@ -196,3 +196,11 @@ def test_server_update_is_the_plain_error_pass(W, block):
         got = e.clone()
         assert cpu_simd.server_update(rows, w.contiguous(), got, s, block, isa=isa)
         assert torch.equal(got, ref), isa
+
+
+@pytest.mark.parametrize("n", [1, 7, 17, 1000, (1 << 16) + 3])
+def test_sum_of_squares_is_float64s(n):
+    x, _ = _inputs(n, n)
+    ref = (x.double() ** 2).sum().view(1)
+    for isa in _isas():
+        assert _close(torch.tensor([cpu_simd.sumsq(x, isa)], dtype=torch.float64), ref), isa
