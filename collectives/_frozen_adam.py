@@ -247,8 +247,8 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list):
 
     On CPU each parameter of 2^16 elements or more takes one fused pass each way
     (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
-    is never stored; the others (and every parameter on a GPU) take the plain ops, with ``c``
-    kept for the post-pass in one bucket-sized buffer."""
+    is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
+    fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
     fused, rest = [], []
     for part in parts:
         lo, hi, m, factor = part
@@ -257,15 +257,15 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list):
             fused.append(part)
         else:
             rest.append(part)
-    c = None
-    if rest:
+    c, small = None, {}
+    if rest and not fused:  # the whole bucket at once (a GPU: two launches, not two per parameter)
         c = torch.zeros_like(buffer)
         for lo, hi, m, factor in rest:  # written in place: no per-parameter temporaries
             torch.mul(m, factor, out=c[lo:hi].view_as(m))
-        if not fused:  # the whole bucket at once (a GPU: two launches, not two per parameter)
-            buffer.add_(c).div_(d)
-        for lo, hi, _, _ in rest if fused else ():
-            buffer[lo:hi].add_(c[lo:hi]).div_(d[lo:hi])
+        buffer.add_(c).div_(d)
+    for lo, hi, m, factor in rest if fused else ():  # CPU: the small ones beside fused parameters,
+        small[lo] = torch.mul(m, factor).view(-1)   # each its own c (not a bucket of zeros a step)
+        buffer[lo:hi].add_(small[lo]).div_(d[lo:hi])
 
     def post(out: torch.Tensor) -> torch.Tensor:
         for lo, hi, m, factor in fused:
@@ -275,7 +275,7 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list):
         if rest and not fused:
             out.mul_(d).sub_(c)
         for lo, hi, _, _ in rest if fused else ():
-            out[lo:hi].mul_(d[lo:hi]).sub_(c[lo:hi])
+            out[lo:hi].mul_(d[lo:hi]).sub_(small[lo])
         return out
 
     return post
