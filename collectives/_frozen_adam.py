@@ -178,10 +178,14 @@ class FrozenAdam:
                 bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
                 self.denominators[names[id(p)]] = stale_denominator(v, floor, group["eps"], bc2)
 
-    def add_local(self, buffer: torch.Tensor) -> None:
-        """Count a bucket of this rank's own gradient into this iteration's squared norm."""
+    def add_local(self, buffer: torch.Tensor, sq: float | None = None) -> None:
+        """Count a bucket of this rank's own gradient into this iteration's squared norm (``sq``:
+        its sum of squares, already counted by the caller's pass)."""
         b = buffer.detach()
-        if b.dtype == torch.float32 and b.device.type == "cpu" and b.is_contiguous() and cpu_simd.available():
+        cpu = b.dtype == torch.float32 and b.device.type == "cpu" and b.is_contiguous()
+        if sq is not None:
+            sq = torch.tensor(sq, dtype=torch.float64)
+        elif cpu and cpu_simd.available():
             sq = torch.tensor(cpu_simd.sumsq(b), dtype=torch.float64)  # one read, no float64 copy
         else:  # (on CPU this makes a float64 copy: 31 ms per 6.5M elements on one core)
             sq = torch.linalg.vector_norm(b, dtype=torch.float64).square()
@@ -241,15 +245,37 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
 
 
-def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list):
+def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAdam | None = None):
     """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
     (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
+    With ``fa``, the bucket also counts into ``fa``'s local gradient norm: on an x86 CPU inside the
+    pass (:func:`onebit.kernels.cpu_simd.hook_pre`: the pass and the norm in one read of the
+    gradient, the same float32 operations; the elements outside those parameters read once more),
+    else by ``fa.add_local`` first.
 
     On CPU each parameter of 2^16 elements or more takes one fused pass each way
     (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
     is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
     fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
     fused, rest = [], []
+    simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32
+            and buffer.is_contiguous() and d.is_contiguous() and cpu_simd.available())
+    if simd:
+        done = [part for part in parts if part[2].dtype == torch.float32 and part[2].is_contiguous()
+                and part[2].device.type == "cpu"]
+        sq, pos = 0.0, 0
+        for lo, hi, _, _ in sorted(done, key=lambda part: part[0]):  # first what they leave out
+            sq += cpu_simd.sumsq(buffer[pos:lo]) if lo > pos else 0.0
+            pos = hi
+        sq += cpu_simd.sumsq(buffer[pos:]) if pos < buffer.numel() else 0.0
+        for part in done:
+            lo, hi, m, factor = part
+            sq += cpu_simd.hook_pre(buffer[lo:hi], m.view(-1), d[lo:hi], factor)
+            fused.append(part)
+        fa.add_local(buffer, sq)
+        parts = [part for part in parts if not any(part is f for f in done)]
+    elif fa is not None:
+        fa.add_local(buffer)
     for part in parts:
         lo, hi, m, factor = part
         piece, d_piece = buffer[lo:hi].view_as(m), d[lo:hi].view_as(m)

@@ -403,12 +403,12 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     if fa is not None and state.optimizer is not None:
         if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
             fa.freeze(state.optimizer, state._names)
-        fa.add_local(buffer)
         fa.pending = True
         d, parts = frozen_terms(state.optimizer, fa, bucket, layout)
         if d is None:
+            fa.add_local(buffer)
             return _compressed(state, bucket, buffer, layout, index)
-        post = frozen_pre_(buffer, d, parts)  # buffer <- (g + c) / d
+        post = frozen_pre_(buffer, d, parts, fa)  # buffer <- (g + c) / d; the local norm counted
         return _compressed(state, bucket, buffer, layout, index).then(lambda done: post(done.value()))
     d, c = _optimizer_terms(state, bucket)  # the same on every rank
     if c is not None:

@@ -647,4 +647,78 @@ double onebit_sumsq(const float* x, int64_t n, int isa, int threads) {
   for (int t = 0; t < used; t++) total += part[t];
   return total;
 }
+
+/* ---- The DDP hook's pre-pass with the local gradient norm inside: returns the float64 sum of g^2
+   (g as it came), and writes g = (g + m * k) / d (onebit.kernels.cpu_fused.hook_pre's order). */
+static double hook_pre_c(float* g, const float* m, const float* d, float k, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    s += (double)g[i] * (double)g[i];
+    g[i] = (g[i] + m[i] * k) / d[i];
+  }
+  return s;
+}
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f")))
+static double hook_pre_512(float* g, const float* m, const float* d, float k, int64_t n) {
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  const __m512 kv = _mm512_set1_ps(k);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 z = _mm512_loadu_ps(g + i);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+    a1 = _mm512_fmadd_pd(hi, hi, a1);
+    __m512 t = _mm512_add_ps(z, _mm512_mul_ps(_mm512_loadu_ps(m + i), kv));
+    _mm512_storeu_ps(g + i, _mm512_div_ps(t, _mm512_loadu_ps(d + i)));
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1)) + hook_pre_c(g + i, m + i, d + i, k, n - i);
+}
+
+__attribute__((target("avx2,fma")))
+static double hook_pre_256(float* g, const float* m, const float* d, float k, int64_t n) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  const __m256 kv = _mm256_set1_ps(k);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 z = _mm256_loadu_ps(g + i);
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
+    a0 = _mm256_fmadd_pd(lo, lo, a0);
+    a1 = _mm256_fmadd_pd(hi, hi, a1);
+    __m256 t = _mm256_add_ps(z, _mm256_mul_ps(_mm256_loadu_ps(m + i), kv));
+    _mm256_storeu_ps(g + i, _mm256_div_ps(t, _mm256_loadu_ps(d + i)));
+  }
+  __m256d a = _mm256_add_pd(a0, a1);
+  __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h))) + hook_pre_c(g + i, m + i, d + i, k, n - i);
+}
+#endif
+
+double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
+  enum { MAXT = 256 };
+  double part[MAXT];
+  if (threads > MAXT) threads = MAXT;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t lo = n / 16 * t / T * 16, hi = t == T - 1 ? n : n / 16 * (t + 1) / T * 16;
+    double s = 0.0;
+    if (hi > lo) {
+#ifdef ONEBIT_X86
+      if (isa >= 2) s = hook_pre_512(g + lo, m + lo, d + lo, k, hi - lo);
+      else if (isa == 1) s = hook_pre_256(g + lo, m + lo, d + lo, k, hi - lo);
+      else
+#endif
+      s = hook_pre_c(g + lo, m + lo, d + lo, k, hi - lo);
+    }
+    part[t] = s;
+    if (t == 0) used = T;
+  }
+  double total = 0.0;
+  for (int t = 0; t < used; t++) total += part[t];
+  return total;
+}
 """.replace("@REV@", _REV)

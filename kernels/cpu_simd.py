@@ -102,6 +102,8 @@ def _build() -> ctypes.CDLL:
     lib.onebit_update.restype = None
     lib.onebit_sumsq.argtypes = [p, i64, i32, i32]
     lib.onebit_sumsq.restype = ctypes.c_double
+    lib.onebit_hook_pre.argtypes = [p, p, p, ctypes.c_float, i64, i32, i32]
+    lib.onebit_hook_pre.restype = ctypes.c_double
     return lib
 
 
@@ -122,7 +124,10 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether the codec takes these passes: built, on a CPU with AVX2 or AVX-512 (the portable C
-    variant is a reference for the tests, slower than torch.compile's loops: not chosen)."""
+    variant is a reference for the tests, slower than torch.compile's loops: not chosen), and not
+    ``ONEBIT_CPU_CODEC=torch`` (which keeps every CPU pass plain)."""
+    if os.environ.get("ONEBIT_CPU_CODEC", "") == "torch":  # every CPU pass plain (cpu_compiled's switch)
+        return False
     if "available" not in _state:
         _state["available"] = library() is not None and best_isa() >= 1
     return _state["available"]
@@ -323,3 +328,16 @@ def sumsq(x: torch.Tensor, isa: int | None = None) -> float:
         raise ValueError(f"cpu_simd.sumsq: expected a contiguous float32 CPU tensor, got {x.dtype} on "
                          f"{x.device}")
     return float(library().onebit_sumsq(x.data_ptr(), x.numel(), _isa(isa), _threads(x.numel())))
+
+
+def hook_pre(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float,
+             isa: int | None = None) -> float:
+    """The DDP hook's pre-pass ``g = (g + m * factor) / d`` in place (float32, cpu_fused.hook_pre_'s
+    order: bitwise the same), returning the float64 sum of squares of ``g`` as it came: the local
+    gradient norm and the pass in one read."""
+    n = g.numel()
+    if not (_f32(g) and _f32(m) and _f32(d) and m.numel() == n and d.numel() == n):
+        raise ValueError("cpu_simd.hook_pre: expected contiguous float32 CPU g, m and d of one size")
+    k = float(torch.tensor(factor, dtype=torch.float32))  # rounded as cpu_fused rounds its scalars
+    return float(library().onebit_hook_pre(g.data_ptr(), m.data_ptr(), d.data_ptr(), k, n, _isa(isa),
+                                           _threads(n)))

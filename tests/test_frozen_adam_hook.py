@@ -163,15 +163,17 @@ def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
     assert failed[0][0] == F and "state.prepare_step()" in failed[0][1], failed[0]
 
 
-def _wide_body(steps, fused):
+def _wide_body(steps, fused, c_pass=False):
     """A layer of 2^16 weights (the fused CPU passes' size) behind the hook with freeze_step; with
-    ``fused=False`` the fused passes are out of reach (their size threshold raised)."""
-    from onebit.kernels import cpu_fused
+    ``fused=False`` the compiled passes are out of reach (their size threshold raised); the C
+    pre-pass (onebit.kernels.cpu_simd.hook_pre, the local norm inside) only with ``c_pass``."""
+    from onebit.kernels import cpu_fused, cpu_simd
 
     saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
+    saved_c = cpu_simd._state.get("available"), cpu_simd.hook_pre
     cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
     cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
-    calls = {"pre": 0, "post": 0}
+    calls = {"pre": 0, "post": 0, "c_pre": 0}
     for name in ("pre", "post"):
         fn = getattr(cpu_fused, f"hook_{name}_")
 
@@ -181,10 +183,22 @@ def _wide_body(steps, fused):
             return done
 
         setattr(cpu_fused, f"hook_{name}_", counted)
-    try:  # the rank processes serve later tests: the module is put back as it was
+
+    def c_counted(*a):
+        calls["c_pre"] += 1
+        return saved_c[1](*a)
+
+    cpu_simd._state["available"] = bool(c_pass and cpu_simd.library() and cpu_simd.best_isa() >= 1)
+    cpu_simd.hook_pre = c_counted
+    try:  # the rank processes serve later tests: the modules are put back as they were
         return _wide_run(steps), calls
     finally:
         cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
+        cpu_simd.hook_pre = saved_c[1]
+        if saved_c[0] is None:
+            cpu_simd._state.pop("available", None)
+        else:
+            cpu_simd._state["available"] = saved_c[0]
 
 
 def _wide_run(steps):
@@ -209,14 +223,24 @@ def test_the_hooks_fused_passes_are_bitwise_the_plain_ops(ranks):
     after) run as one compiled pass each for parameters of 2^16 elements or more: the same
     float32 operations, so the run is bitwise the one with the plain ops; the fused passes ran
     (4 compressed iterations, one large weight) and the replicas agree."""
+    from onebit.kernels import cpu_simd
+
     fused = ranks(2).run(_wide_body, F + 4, True)
     plain = ranks(2).run(_wide_body, F + 4, False)
     for r in range(2):
-        assert fused[r][1] == {"pre": 4, "post": 4}, fused[r][1]
-        assert plain[r][1] == {"pre": 0, "post": 0}
+        assert fused[r][1] == {"pre": 4, "post": 4, "c_pre": 0}, fused[r][1]
+        assert plain[r][1] == {"pre": 0, "post": 0, "c_pre": 0}
         for a, b in zip(fused[r][0], plain[r][0], strict=True):
             assert torch.equal(a, b)
         for a, b in zip(fused[r][0], fused[0][0], strict=True):
+            assert torch.equal(a, b)
+    if not cpu_simd.available():
+        return
+    # the C pre-pass (with the local norm inside), the plain post-pass: bitwise the plain run too
+    c_run = ranks(2).run(_wide_body, F + 4, False, True)
+    for r in range(2):
+        assert c_run[r][1]["pre"] == 0 and c_run[r][1]["c_pre"] == 4 * 4, c_run[r][1]  # 4 steps, 4 tensors
+        for a, b in zip(c_run[r][0], plain[r][0], strict=True):
             assert torch.equal(a, b)
 
 
