@@ -1,6 +1,9 @@
 """The C source of :mod:`onebit.kernels.cpu_simd` (one string: no data file to package).
 
-Lines up to 120 characters: the intrinsics' names are long."""
+Over 450 lines for a reason: it is one C translation unit (the codec's encode, server and
+decompress passes, OnebitAdam's fused passes and the hook's pre-pass, each in portable C, AVX2
+and AVX-512), compiled and cached as one library; split into several strings it would still be
+one compile and one file on disk. Lines up to 120 characters: the intrinsics' names are long."""
 # ruff: noqa: E501
 
 from __future__ import annotations
