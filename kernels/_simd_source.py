@@ -21,6 +21,31 @@ SOURCE = r"""
 /* bit i of b moved to bit 7 - i: a movemask puts element i in bit i, the wire wants it in 7 - i */
 static const uint8_t REV[256] = {@REV@};
 
+#ifdef ONEBIT_X86
+/* the squares of a vector's floats, as float64 (exact), added into two accumulators; their sum */
+__attribute__((target("avx2,fma")))
+static inline void sq256(__m256 z, __m256d* a0, __m256d* a1) {
+  __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
+  *a0 = _mm256_fmadd_pd(lo, lo, *a0);
+  *a1 = _mm256_fmadd_pd(hi, hi, *a1);
+}
+
+__attribute__((target("avx2,fma")))
+static inline double hsum256(__m256d a0, __m256d a1) {
+  __m256d a = _mm256_add_pd(a0, a1);
+  __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+
+__attribute__((target("avx512f")))
+static inline void sq512(__m512 z, __m512d* a0, __m512d* a1) {
+  __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+  __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  *a0 = _mm512_fmadd_pd(lo, lo, *a0);
+  *a1 = _mm512_fmadd_pd(hi, hi, *a1);
+}
+#endif
+
 /* the 8 elements at x + i, e + i: their byte of bits, and the sum of their squares (float64) */
 static inline uint8_t byte8(const float* x, const float* e, double* sum) {
   int b = 0;
@@ -51,13 +76,9 @@ static void blocks_avx2(const float* x, const float* e, uint8_t* bits, double* s
     for (int64_t i = j * block; i < (j + 1) * block; i += 8) {
       __m256 z = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
       bits[i / 8] = REV[_mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_NLT_UQ))];
-      __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
-      a0 = _mm256_fmadd_pd(lo, lo, a0);
-      a1 = _mm256_fmadd_pd(hi, hi, a1);
+      sq256(z, &a0, &a1);
     }
-    __m256d a = _mm256_add_pd(a0, a1);
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-    sums[j] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+    sums[j] = hsum256(a0, a1);
   }
 }
 
@@ -71,10 +92,7 @@ static void blocks_avx512(const float* x, const float* e, uint8_t* bits, double*
       __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
       bits[i / 8] = REV[m & 255];
       bits[i / 8 + 1] = REV[m >> 8];
-      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
-      __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
-      a0 = _mm512_fmadd_pd(lo, lo, a0);
-      a1 = _mm512_fmadd_pd(hi, hi, a1);
+      sq512(z, &a0, &a1);
     }
     if (i < end) { /* a block of 16k + 8 elements: its last 8 */
       __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, x + i), _mm512_maskz_loadu_ps(0xFF, e + i));
@@ -193,13 +211,9 @@ static void server_avx2(const uint8_t* bits, int64_t stride, int W, const float*
       }
       m = _mm256_add_ps(m, _mm256_loadu_ps(e + i));
       out[i / 8] = REV[_mm256_movemask_ps(_mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_NLT_UQ))];
-      __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(m)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1));
-      a0 = _mm256_fmadd_pd(lo, lo, a0);
-      a1 = _mm256_fmadd_pd(hi, hi, a1);
+      sq256(m, &a0, &a1);
     }
-    __m256d a = _mm256_add_pd(a0, a1);
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-    sums[j] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+    sums[j] = hsum256(a0, a1);
   }
 }
 
@@ -224,10 +238,7 @@ static void server_avx512(const uint8_t* bits, int64_t stride, int W, const floa
       __mmask16 s = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ);
       out[i / 8] = REV[s & 255];
       if (live == 0xFFFF) out[i / 8 + 1] = REV[s >> 8];
-      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(m));
-      __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
-      a0 = _mm512_fmadd_pd(lo, lo, a0);
-      a1 = _mm512_fmadd_pd(hi, hi, a1);
+      sq512(m, &a0, &a1);
     }
     sums[j] = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
   }
@@ -601,10 +612,7 @@ static double sumsq_avx512(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 z = _mm512_loadu_ps(x + i);
-    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
-    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
-    a0 = _mm512_fmadd_pd(lo, lo, a0);
-    a1 = _mm512_fmadd_pd(hi, hi, a1);
+    sq512(z, &a0, &a1);
   }
   return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1)) + sumsq_c(x + i, n - i);
 }
@@ -615,13 +623,9 @@ static double sumsq_avx2(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 z = _mm256_loadu_ps(x + i);
-    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
-    a0 = _mm256_fmadd_pd(lo, lo, a0);
-    a1 = _mm256_fmadd_pd(hi, hi, a1);
+    sq256(z, &a0, &a1);
   }
-  __m256d a = _mm256_add_pd(a0, a1);
-  __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h))) + sumsq_c(x + i, n - i);
+  return hsum256(a0, a1) + sumsq_c(x + i, n - i);
 }
 #endif
 
@@ -670,10 +674,7 @@ static double hook_pre_512(float* g, const float* m, const float* d, float k, in
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 z = _mm512_loadu_ps(g + i);
-    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
-    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
-    a0 = _mm512_fmadd_pd(lo, lo, a0);
-    a1 = _mm512_fmadd_pd(hi, hi, a1);
+    sq512(z, &a0, &a1);
     __m512 t = _mm512_add_ps(z, _mm512_mul_ps(_mm512_loadu_ps(m + i), kv));
     _mm512_storeu_ps(g + i, _mm512_div_ps(t, _mm512_loadu_ps(d + i)));
   }
@@ -687,15 +688,11 @@ static double hook_pre_256(float* g, const float* m, const float* d, float k, in
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 z = _mm256_loadu_ps(g + i);
-    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
-    a0 = _mm256_fmadd_pd(lo, lo, a0);
-    a1 = _mm256_fmadd_pd(hi, hi, a1);
+    sq256(z, &a0, &a1);
     __m256 t = _mm256_add_ps(z, _mm256_mul_ps(_mm256_loadu_ps(m + i), kv));
     _mm256_storeu_ps(g + i, _mm256_div_ps(t, _mm256_loadu_ps(d + i)));
   }
-  __m256d a = _mm256_add_pd(a0, a1);
-  __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h))) + hook_pre_c(g + i, m + i, d + i, k, n - i);
+  return hsum256(a0, a1) + hook_pre_c(g + i, m + i, d + i, k, n - i);
 }
 #endif
 
