@@ -36,7 +36,8 @@ def _slowest(fn) -> float:
     return slowest_rank_times(fn, 1, warmup=False)[0] * 1e3
 
 
-def _variant(hooked: bool, args) -> dict:
+def _variant(hooked: bool, args):
+    """A model, its optimizer and ``step(rows)``: one timed step's three pieces appended to rows."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
@@ -59,22 +60,42 @@ def _variant(hooked: bool, args) -> dict:
             backward()
         opt.zero_grad()
 
-    rows = {"local": [], "synced": [], "step": []}
-    for t in range(4 + args.steps):
+    def step(rows: dict | None) -> None:
         local = _slowest(local_backward)
         synced = _slowest(backward)
-        step = _slowest(opt.step)
+        stepped = _slowest(opt.step)
         opt.zero_grad()
-        if t >= 4:  # past the freeze: every timed step compressed
-            for k, v in zip(rows, (local, synced, step), strict=True):
-                rows[k].append(v)
-    return {k: statistics.median(v) for k, v in rows.items()}
+        if rows is not None:
+            for k, v in zip(("local", "synced", "step"), (local, synced, stepped), strict=True):
+                rows.setdefault(k, []).append(v)
+
+    return step
+
+
+def _measure(args) -> dict:
+    """Medians over --steps timed steps past the freeze (4 untimed first): with --sequential all of
+    plain DDP's steps, then the hook's (each model built when its turn comes); by default both models
+    built first and their steps alternated, so that the machine's drift and the process's history
+    (allocations, page faults) land on both alike."""
+    rows: dict = {"plain": {}, "hook": {}}
+    if args.sequential:
+        for name in rows:
+            step = _variant(name == "hook", args)
+            for t in range(4 + args.steps):
+                step(rows[name] if t >= 4 else None)
+            del step
+    else:
+        steps = {name: _variant(name == "hook", args) for name in rows}
+        for t in range(4 + args.steps):
+            for name in (("plain", "hook") if t % 2 else ("hook", "plain")):
+                steps[name](rows[name] if t >= 4 else None)
+    return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rows.items()}
 
 
 def child(args) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    out = {"plain": _variant(False, args), "hook": _variant(True, args)}
+    out = _measure(args)
     if dist.get_rank() == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh)
@@ -89,6 +110,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--sequential", action="store_true",
+                   help="all of plain DDP's steps, then the hook's (before 2026-11-27: the only way)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "hook_compute.csv"))
     child_arguments(p)
     args = p.parse_args()
@@ -98,7 +121,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(args.ranks), os.path.abspath(__file__), "--child", "--out", out]
         cmd += ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-                "--steps", str(args.steps)]
+                "--steps", str(args.steps)] + (["--sequential"] if args.sequential else [])
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800)
         with open(out) as fh:
             res = json.load(fh)
@@ -113,7 +136,8 @@ def main() -> None:
     header = ["", "backward, no_sync", "backward, synced", "AdamW step", "communication's compute"]
     print(markdown_table(header, table))
     print(f"hook / DDP all-reduce: {ours / ddp:.2f}x")
-    meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps)
+    meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps,
+                      order="sequential" if args.sequential else "alternating")
     print(write_csv(args.csv, [{**meta, "variant": name, **{k: f"{v:.3f}" for k, v in res[name].items()},
                                 "communication_ms": f"{c:.3f}"}
                                for name, c in (("plain", ddp), ("hook", ours))], append=True))

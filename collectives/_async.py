@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import decompress, server_reduce, worker_compress
+from ..kernels.layout import Layout, empty_message
 from ._failure import CollectiveError, guard
 from ._group import all_gather_single, members_group
 from .telemetry import CallTimer
@@ -120,16 +121,23 @@ def _failure(operation: str, group, exc: BaseException) -> BaseException:
 
 
 def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
-          block: int | None = None) -> torch.futures.Future:
+          block: int | None = None, passes=None) -> torch.futures.Future:
     """Start the call on validated CPU arguments (W > 1); the future's value is ``tensor``.
-    (CUDA tensors take the synchronous path, which never blocks the host; see allreduce.)"""
+    (CUDA tensors take the synchronous path, which never blocks the host; see allreduce.)
+    ``passes``: the worker and decompress passes with the caller's maths inside, as
+    :func:`onebit.collectives.allreduce.compressed_allreduce_passes` takes them."""
     ptrs = _claim({"tensor": tensor, "worker_error": worker_error, "server_error": server_error})
     timer = CallTimer(tensor.device)  # the counters active here, also from the callbacks' threads
     launched = [0.0]  # when the collective in flight was launched (perf_counter)
     try:
         companion = _companion(group)
         with timer.stage("codec"):
-            msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
+            if passes is None:
+                msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
+            else:
+                layout = Layout(N, W, block)
+                msg = empty_message(layout, W, flat.device)
+                passes.worker(flat, worker_error, layout, msg)
         recv = torch.empty_like(msg)
         ticket = companion.sequencer.ticket()
     except BaseException:
@@ -149,7 +157,10 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
             fail("compressed_allreduce (all_gather)", exc)
             return
         with torch.no_grad(), timer.stage("codec"):
-            decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
+            if passes is None:
+                decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
+            else:
+                passes.finish(gathered, layout, flat, worker_error, msg)
             if not tensor.is_contiguous():
                 tensor.copy_(flat.view(tensor.shape))
         traffic.compressed += compressed_bytes(N, W, block)

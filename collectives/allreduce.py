@@ -192,18 +192,28 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
 
 
 def compressed_allreduce_passes(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                                group, passes, *, local: bool = False) -> None:
-    """``compressed_allreduce(tensor, ...)`` (block None, validated arguments, a flat contiguous
-    float32 ``tensor``) whose worker and decompress passes the caller runs with its own maths
-    fused in: ``passes.worker(flat, worker_error, layout, msg)`` writes the worker message
-    (``worker_compress(update_error=False)``'s contract) and ``passes.finish(gathered, layout,
-    flat, worker_error, msg)`` does at least ``decompress``'s (onebit.optimizers._fused). The
-    all-to-all, the server and the all-gather are the collective's. ``local``: the whole
-    compute of a one-rank group with the two collectives as copies (the benchmarks' W = 1)."""
+                                group, passes, *, local: bool = False, block: int | None = None,
+                                async_op: bool = False):
+    """``compressed_allreduce(tensor, ...)`` (a flat contiguous float32 ``tensor``) whose worker
+    and decompress passes the caller runs with its own maths fused in: ``passes.worker(flat,
+    worker_error, layout, msg)`` writes the worker message (``worker_compress(update_error=False)``'s
+    contract) and ``passes.finish(gathered, layout, flat, worker_error, msg)`` does at least
+    ``decompress``'s (onebit.optimizers._fused, onebit.collectives._hook_fused). The all-to-all,
+    the server and the all-gather are the collective's. ``local``: the whole compute of a one-rank
+    group with the two collectives as copies (the benchmarks' W = 1; block None, validated
+    arguments). ``async_op`` (a CPU tensor, a process group of W > 1; arguments validated here):
+    the future of :func:`compressed_allreduce`'s ``async_op``, with ``block``."""
+    if async_op:
+        W = group_size(group)
+        block = check_block(block)
+        N = validate(tensor, worker_error, server_error, W, block)
+        if W == 1 or tensor.numel() == 0 or tensor.is_cuda:
+            raise ValueError("compressed_allreduce_passes: async_op needs a CPU tensor and a group of W > 1")
+        return _async.start(tensor, tensor, worker_error, server_error, group, W, N, block, passes)
     W = 1 if local else group_size(group)
     transport = _LOCAL if local else None
-    _compressed_allreduce(tensor, worker_error, server_error, group, W, None, transport, passes)
-    traffic.compressed += compressed_bytes(worker_error.numel(), W, None)
+    _compressed_allreduce(tensor, worker_error, server_error, group, W, block, transport, passes)
+    traffic.compressed += compressed_bytes(worker_error.numel(), W, block)
     traffic.compressed_calls += 1
 
 

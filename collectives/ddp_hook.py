@@ -44,11 +44,12 @@ import torch.distributed as dist
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
+from . import _hook_fused
 from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
 from ._unwrap import unwrap_optimizer
-from .allreduce import compressed_allreduce, error_buffer_numel
+from .allreduce import compressed_allreduce, compressed_allreduce_passes, error_buffer_numel
 from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
 from .wire import Traffic, compressed_bytes, ring_allreduce_bytes
@@ -408,6 +409,10 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         if d is None:
             fa.add_local(buffer)
             return _compressed(state, bucket, buffer, layout, index)
+        fused = state._mesh is None and _hook_fused.applies(buffer, d, parts)
+        if fused and not _covered(state, layout, index):
+            # x86 CPU: the pre- and post-pass inside the codec's passes (collectives/_hook_fused.py)
+            return _compressed(state, bucket, buffer, layout, index, _hook_fused.HookPasses(d, parts, fa))
         post = frozen_pre_(buffer, d, parts, fa)  # buffer <- (g + c) / d; the local norm counted
         return _compressed(state, bucket, buffer, layout, index).then(lambda done: post(done.value()))
     d, c = _optimizer_terms(state, bucket)  # the same on every rank
@@ -428,8 +433,15 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     return fut.then(back)
 
 
+def _covered(state: OnebitCompressHookState, layout, index: int) -> bool:
+    """Whether the bucket is compressed as several remembered buckets (``_allreduce_parts``)."""
+    return state.layouts.get(index) != layout and state._cover(layout) is not None
+
+
 def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout,
-                index: int):
+                index: int, passes=None):
+    """``passes``: the worker and decompress passes with the hook's maths inside (not with a
+    covered bucket or a mesh: the caller checks)."""
     if state.layouts.get(index) != layout:
         parts = state._cover(layout)
         if parts is not None:
@@ -437,5 +449,8 @@ def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer:
     worker_error, server_error = state._buffers(index, buffer, layout)
     state.bytes_compressed += compressed_bytes(worker_error.numel(), state._servers(), state.block)
     with counting(state._timing):
+        if passes is not None:
+            return compressed_allreduce_passes(buffer, worker_error, server_error, state.process_group,
+                                               passes, block=state.block, async_op=True)
         return compressed_allreduce(buffer, worker_error, server_error, state.compress_group, async_op=True,
                                     block=state.block)

@@ -1,7 +1,7 @@
 """The C source of :mod:`onebit.kernels.cpu_simd` (one string: no data file to package).
 
 Over 450 lines for a reason: it is one C translation unit (the codec's encode, server and
-decompress passes, OnebitAdam's fused passes and the hook's pre-pass, each in portable C, AVX2
+decompress passes, OnebitAdam's fused passes and the DDP hook's, each in portable C, AVX2
 and AVX-512), compiled and cached as one library; split into several strings it would still be
 one compile and one file on disk. Lines up to 120 characters: the intrinsics' names are long."""
 # ruff: noqa: E501
@@ -12,6 +12,7 @@ _REV = ", ".join(str(int(f"{b:08b}"[::-1], 2)) for b in range(256))
 
 SOURCE = r"""
 #include <stdint.h>
+#include <string.h>
 #include <omp.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -43,6 +44,20 @@ static inline void sq512(__m512 z, __m512d* a0, __m512d* a1) {
   __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
   *a0 = _mm512_fmadd_pd(lo, lo, *a0);
   *a1 = _mm512_fmadd_pd(hi, hi, *a1);
+}
+#endif
+
+#ifdef ONEBIT_X86
+/* AVX-512 in wire order: element i of a run of 16 sits at bit 7 - i (bit 23 - i for the second 8) of
+   the two bytes read as a little-endian uint16. With the floats' lanes reversed within each 8 (one
+   permute, its own inverse) lane k meets mask bit k: the bytes are the mask as they are, no REV
+   lookups. The main loops take whole 16s unmasked (masked loads and stores in every iteration ran
+   3-4x slower on an AMD EPYC); a last 8 takes masks. */
+static inline uint16_t load16(const uint8_t* b) { uint16_t v; memcpy(&v, b, 2); return v; }
+static inline void store16(uint8_t* b, uint16_t v) { memcpy(b, &v, 2); }
+__attribute__((target("avx512f")))
+static inline __m512 wire(__m512 v) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8), v);
 }
 #endif
 
@@ -220,24 +235,32 @@ static void server_avx2(const uint8_t* bits, int64_t stride, int W, const float*
 __attribute__((target("avx512f")))
 static void server_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                           const float* e, uint8_t* out, double* sums, int64_t n, int64_t block) {
+  const __m512i flip = _mm512_set1_epi32(INT32_MIN);
   for (int64_t j = 0; j < n / block; j++) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
     int64_t i = j * block, end = (j + 1) * block;
-    for (; i < end; i += 16) {
-      __mmask16 live = end - i >= 16 ? 0xFFFF : 0xFF; /* a block of 16k + 8: its last 8 */
+    for (; i + 16 <= end; i += 16) { /* in wire order (see wire) */
       __m512 m = _mm512_setzero_ps();
       for (int r = 0; r < W; r++) {
-        const uint8_t* b = bits + r * stride + i / 8;
-        __mmask16 on = (__mmask16)(REV[b[0]] | (live == 0xFFFF ? REV[b[1]] << 8 : 0));
         __m512 wv = _mm512_set1_ps(weight(w, wr, wj, r, j));
-        __m512 neg = _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), _mm512_set1_epi32(INT32_MIN)));
-        __m512 v = _mm512_mask_blend_ps(on, neg, wv);
+        __m512 v = _mm512_mask_blend_ps(load16(bits + r * stride + i / 8),
+                                        _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), flip)), wv);
         m = r == 0 ? v : _mm512_add_ps(m, v);
       }
-      m = _mm512_maskz_add_ps(live, m, _mm512_maskz_loadu_ps(live, e + i));
-      __mmask16 s = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ);
-      out[i / 8] = REV[s & 255];
-      if (live == 0xFFFF) out[i / 8 + 1] = REV[s >> 8];
+      m = _mm512_add_ps(m, wire(_mm512_loadu_ps(e + i)));
+      store16(out + i / 8, _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ));
+      sq512(m, &a0, &a1);
+    }
+    if (i < end) { /* a block of 16k + 8 elements: its last 8, in element order */
+      __m512 m = _mm512_setzero_ps();
+      for (int r = 0; r < W; r++) {
+        __m512 wv = _mm512_set1_ps(weight(w, wr, wj, r, j));
+        __m512 v = _mm512_mask_blend_ps((__mmask16)REV[bits[r * stride + i / 8]],
+                                        _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), flip)), wv);
+        m = r == 0 ? v : _mm512_add_ps(m, v);
+      }
+      m = _mm512_maskz_add_ps(0xFF, m, _mm512_maskz_loadu_ps(0xFF, e + i));
+      out[i / 8] = REV[_mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ) & 255];
       sq512(m, &a0, &a1);
     }
     sums[j] = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
@@ -349,24 +372,32 @@ static inline __m512 halves(const float* v, int64_t step, int64_t j0, int64_t j1
 }
 
 __attribute__((target("avx512f")))
+static inline void decompress16(const uint8_t* bits, __m512 s, float* out, float* e, __m512 w, __mmask16 live) {
+  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+  if (e) {
+    __m512 z = _mm512_add_ps(_mm512_maskz_loadu_ps(live, out), _mm512_maskz_loadu_ps(live, e));
+    __m512i zz = _mm512_castps_si512(_mm512_add_ps(z, _mm512_setzero_ps()));
+    __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(w), zz, 0xCA)); /* mag ? w : zz */
+    _mm512_mask_storeu_ps(e, live, _mm512_sub_ps(z, c));
+  }
+  __mmask16 on = live == 0xFFFF ? load16(bits) : bits[0]; /* wire order */
+  __m512 sg = _mm512_mask_blend_ps(on, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f));
+  _mm512_mask_storeu_ps(out, live, _mm512_mul_ps(wire(sg), s)); /* the signs from wire order to element order */
+}
+
+__attribute__((target("avx512f")))
 static void decompress_avx512(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
                               int64_t wstep, int64_t n, int64_t block) {
-  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
-  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 16) {
-    __mmask16 live = n - i >= 16 ? 0xFFFF : 0xFF;
-    int64_t j1 = live == 0xFFFF && rem + 8 >= block ? j + 1 : j; /* the block of element i + 8 */
-    if (e) {
-      __m512 z = _mm512_add_ps(_mm512_maskz_loadu_ps(live, out + i), _mm512_maskz_loadu_ps(live, e + i));
-      __m512 w = halves(ws, wstep, j, j1);
-      __m512i zz = _mm512_castps_si512(_mm512_add_ps(z, _mm512_setzero_ps()));
-      __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(w), zz, 0xCA)); /* mag ? w : zz */
-      _mm512_mask_storeu_ps(e + i, live, _mm512_sub_ps(z, c));
-    }
-    __mmask16 on = (__mmask16)(REV[bits[i / 8]] | (live == 0xFFFF ? REV[bits[i / 8 + 1]] << 8 : 0));
-    __m512 sg = _mm512_mask_blend_ps(on, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f));
-    _mm512_mask_storeu_ps(out + i, live, _mm512_mul_ps(sg, halves(s, sstep, j, j1)));
+  int64_t i = 0, j = 0, rem = 0;
+  for (; i + 16 <= n; i += 16) { /* unmasked: the constant mask folds away */
+    int64_t j1 = rem + 8 >= block ? j + 1 : j; /* the block of element i + 8 */
+    decompress16(bits + i / 8, halves(s, sstep, j, j1), out + i, e ? e + i : 0,
+                 e ? halves(ws, wstep, j, j1) : _mm512_setzero_ps(), 0xFFFF);
     for (rem += 16; rem >= block; rem -= block) j++;
   }
+  if (i < n) /* a last 8 */
+    decompress16(bits + i / 8, _mm512_set1_ps(s[j * sstep]), out + i, e ? e + i : 0,
+                 e ? _mm512_set1_ps(ws[j * wstep]) : _mm512_setzero_ps(), 0xFF);
 }
 #endif
 
@@ -422,28 +453,33 @@ static void server_update_c(const uint8_t* bits, int64_t stride, int W, const fl
 
 #ifdef ONEBIT_X86
 __attribute__((target("avx512f")))
+static inline void server_update16(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                                   int64_t j, int64_t j1, float* e, __m512 sv, __mmask16 live) {
+  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), flip = _mm512_set1_epi32(INT32_MIN);
+  __m512 m = _mm512_setzero_ps();
+  for (int r = 0; r < W; r++) { /* full 16s in wire order (see wire), a last 8 in element order */
+    __mmask16 on = live == 0xFFFF ? load16(bits + r * stride) : (__mmask16)REV[bits[r * stride]];
+    __m512 wv = halves(w + r * wr, wj, j, j1);
+    __m512 v = _mm512_mask_blend_ps(on, _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), flip)), wv);
+    m = r == 0 ? v : _mm512_add_ps(m, v);
+  }
+  __m512 ev = _mm512_maskz_loadu_ps(live, e);
+  m = _mm512_add_ps(m, live == 0xFFFF ? wire(ev) : ev);
+  __m512i mm = _mm512_castps_si512(_mm512_add_ps(m, _mm512_setzero_ps()));
+  __m512 r = _mm512_sub_ps(m, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(sv), mm, 0xCA)));
+  _mm512_mask_storeu_ps(e, live, live == 0xFFFF ? wire(r) : r);
+}
+
+__attribute__((target("avx512f")))
 static void server_update_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                                  float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
-  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
-  for (int64_t i = 0, j = 0, rem = 0; i < n; i += 16) {
-    __mmask16 live = n - i >= 16 ? 0xFFFF : 0xFF;
-    int64_t j1 = live == 0xFFFF && rem + 8 >= block ? j + 1 : j; /* the block of element i + 8 */
-    __m512 m = _mm512_setzero_ps();
-    for (int r = 0; r < W; r++) {
-      const uint8_t* b = bits + r * stride + i / 8;
-      __mmask16 on = (__mmask16)(REV[b[0]] | (live == 0xFFFF ? REV[b[1]] << 8 : 0));
-      __m512 wv = halves(w + r * wr, wj, j, j1);
-      __m512 neg = _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), _mm512_set1_epi32(INT32_MIN)));
-      __m512 v = _mm512_mask_blend_ps(on, neg, wv);
-      m = r == 0 ? v : _mm512_add_ps(m, v);
-    }
-    m = _mm512_add_ps(m, _mm512_maskz_loadu_ps(live, e + i));
-    __m512 sv = halves(s, sstep, j, j1);
-    __m512i mm = _mm512_castps_si512(_mm512_add_ps(m, _mm512_setzero_ps()));
-    __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(sv), mm, 0xCA));
-    _mm512_mask_storeu_ps(e + i, live, _mm512_sub_ps(m, c));
+  int64_t i = 0, j = 0, rem = 0;
+  for (; i + 16 <= n; i += 16) {
+    int64_t j1 = rem + 8 >= block ? j + 1 : j; /* the block of element i + 8 */
+    server_update16(bits + i / 8, stride, W, w, wr, wj, j, j1, e + i, halves(s, sstep, j, j1), 0xFFFF);
     for (rem += 16; rem >= block; rem -= block) j++;
   }
+  if (i < n) server_update16(bits + i / 8, stride, W, w, wr, wj, j, j, e + i, _mm512_set1_ps(s[j * sstep]), 0xFF);
 }
 #endif
 
@@ -720,5 +756,145 @@ double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_
   double total = 0.0;
   for (int t = 0; t < used; t++) total += part[t];
   return total;
+}
+
+/* ---- The DDP hook's passes (freeze_step) inside the codec's, as OnebitAdam's above: the table's
+   entry k is a parameter with momentum, flat elements [start[k], start[k] + count[k]), its momentum
+   at g[k], its frozen denominators at d[k], its factor at sc[5k]; elsewhere the bucket holds the
+   gradient as it is. Before the encode, run by run: x = (g + m k) / d (hook_pre above) and the
+   float64 sum of g^2 over every element (the local norm); after the decode: out = out * d - m k
+   (onebit.kernels.cpu_fused.hook_post's order). */
+#define POST_LOOP for (int64_t i = 0; i < n; i++) out[i] = out[i] * d[i] - m[i] * k;
+static void post_c(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void post_512(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
+__attribute__((target("avx2,fma"))) static void post_256(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
+#endif
+
+static double sq_any(int isa, const float* x, int64_t n) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) return sumsq_avx512(x, n);
+  if (isa == 1) return sumsq_avx2(x, n);
+#endif
+  return sumsq_c(x, n);
+}
+
+/* flat elements [a, b): the pre-pass inside the table's entries, the sum of squares alone elsewhere */
+static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
+  double s = 0.0;
+  int64_t pos = a;
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    if (lo > pos) s += sq_any(isa, flat + pos, lo - pos);
+    int64_t o = lo - t->start[kk];
+    float* g = flat + lo;
+    const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
+    float f = t->sc[5 * kk];
+#ifdef ONEBIT_X86
+    if (isa >= 2) s += hook_pre_512(g, m, d, f, hi - lo);
+    else if (isa == 1) s += hook_pre_256(g, m, d, f, hi - lo);
+    else
+#endif
+    s += hook_pre_c(g, m, d, f, hi - lo);
+    pos = hi;
+  }
+  if (b > pos) s += sq_any(isa, flat + pos, b - pos);
+  return s;
+}
+
+static void post_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    int64_t o = lo - t->start[kk];
+    const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
+    float f = t->sc[5 * kk];
+#ifdef ONEBIT_X86
+    if (isa >= 2) { post_512(flat + lo, m, d, f, hi - lo); continue; }
+    if (isa == 1) { post_256(flat + lo, m, d, f, hi - lo); continue; }
+#endif
+    post_c(flat + lo, m, d, f, hi - lo);
+  }
+}
+
+/* runs of about 4096 elements, whole blocks */
+static int64_t run_of(int64_t block) { return block ? (block < 4096 ? 4096 / block * block : block) : 4096; }
+
+/* The worker's pass of chunk elements [off, off + n) with the pre-pass inside, run by run while in
+   cache. block > 0: sums[j] for each block of the range (n a multiple of block), returns 0; block 0:
+   returns the sum of squares, added as onebit_fold_encode adds it. *sq: the sum of g^2 over the range. */
+double onebit_hook_encode(float* flat, const float* e, uint8_t* bits, double* sums, int64_t off, int64_t n,
+                          int64_t block, const int64_t* start, const int64_t* count, const int64_t* m,
+                          const int64_t* d, const float* sc, int K, double* sq, int isa, int threads) {
+  enum { MAXT = 256 };
+  table_t tab = {start, count, m, d, 0, sc, K};
+  double part[MAXT], psq[MAXT];
+  blocks_fn f = pick(isa);
+  int64_t unit = block ? block : 8, run = run_of(block);
+  if (threads > MAXT) threads = MAXT;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    int64_t units = n / unit, lo = units * t / T * unit, hi = units * (t + 1) / T * unit;
+    double s = 0.0, q = 0.0, r;
+    for (int64_t i = lo; i < hi; i += run) {
+      int64_t len = hi - i < run ? hi - i : run;
+      q += pre_range(isa, flat, off + i, off + i + len, &tab, &k);
+      if (block) f(flat + off + i, e + off + i, bits + i / 8, sums + i / block, len, block);
+      else { f(flat + off + i, e + off + i, bits + i / 8, &r, len, len); s += r; }
+    }
+    part[t] = s;
+    psq[t] = q;
+    if (t == 0) used = T;
+  }
+  double total = 0.0, q = 0.0;
+  for (int t = 0; t < used; t++) { total += part[t]; q += psq[t]; }
+  *sq = q;
+  return total;
+}
+
+/* Decompress of chunk elements [off, off + n) (as onebit_decompress: e NULL, the decode only; sstep
+   and wstep 0: one scale) with the post-pass inside, run by run. */
+void onebit_hook_decompress(const uint8_t* bits, const float* s, int64_t sstep, float* flat, float* e, const float* ws,
+                            int64_t wstep, int64_t off, int64_t n, int64_t block, const int64_t* start,
+                            const int64_t* count, const int64_t* m, const int64_t* d, const float* sc, int K, int isa,
+                            int threads) {
+  table_t tab = {start, count, m, d, 0, sc, K};
+  decompress_fn f = decompress_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = decompress_avx512;
+  else if (isa == 1) f = decompress_avx2;
+#endif
+  int64_t unit = block ? block : 16, run = run_of(block);
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    int64_t units = n / unit, lo = units * t / T * unit, hi = t == T - 1 ? n : units * (t + 1) / T * unit;
+    for (int64_t i = lo; i < hi; i += run) {
+      int64_t len = hi - i < run ? hi - i : run, j = block ? i / block : 0;
+      f(bits + i / 8, s + j * sstep, sstep, flat + off + i, e ? e + off + i : 0, e ? ws + j * wstep : 0, wstep, len,
+        block ? block : len);
+      post_range(isa, flat, off + i, off + i + len, &tab, &k);
+    }
+  }
+}
+
+/* The two passes alone over flat elements [a, b) (a chunk's padded tail, encoded or decoded by the caller). */
+double onebit_hook_pre_range(float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
+                             const int64_t* m, const int64_t* d, const float* sc, int K, int isa) {
+  table_t tab = {start, count, m, d, 0, sc, K};
+  int k = 0;
+  return pre_range(isa, flat, a, b, &tab, &k);
+}
+
+void onebit_hook_post_range(float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
+                            const int64_t* m, const int64_t* d, const float* sc, int K, int isa) {
+  table_t tab = {start, count, m, d, 0, sc, K};
+  int k = 0;
+  post_range(isa, flat, a, b, &tab, &k);
 }
 """.replace("@REV@", _REV)

@@ -318,10 +318,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
             bits[j, : (mid - lo) // 8] = packed
             pieces.append(_block_sums(sums8, _block(layout, lo, mid)))
         if hi > mid:
-            z = torch_kernels._z(x, e, mid, hi)
-            bits[j, (mid - lo) // 8 :] = torch_kernels.pack_signs(z)
-            zd = z.to(torch.float64)
-            pieces.append((zd * zd).view(-1, _block(layout, mid, hi)).sum(-1))
+            pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))
         sums = torch.cat(pieces)
         if layout.block is None:
             total += sums.sum()
@@ -445,14 +442,31 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                 if mid > lo + wide:
                     rest = _scaled(_signs(bits[j, wide // 8 : (mid - lo) // 8]), sj, None)
                     out[lo + wide : mid] = rest.to(out.dtype)
-        if hi == mid:
-            continue
-        block = _block(layout, mid, hi)  # the padded rest: the plain path's arithmetic
-        if update:
-            worker_error[mid:hi] = _minus_sgn_scaled(torch_kernels._z(out, worker_error, mid, hi),
-                                                     _piece_scales(s_w, layout, j, lo, mid, hi), block)
-        if mid < n:
-            signs = torch_kernels.unpack_signs(bits[j, (mid - lo) // 8 : (hi - lo) // 8])
-            tail = _piece_scales(scales, layout, j, lo, mid, hi)
-            vals = (signs.view(-1, block) * tail.view(-1, 1)).view(-1)
-            out[mid:min(hi, n)] = vals[: min(hi, n) - mid].to(out.dtype)
+        if hi > mid:
+            decode_tail(bits, scales, out, worker_error if update else None, s_w, layout, j, lo, mid, hi)
+
+
+def encode_tail(x: torch.Tensor, e: torch.Tensor, layout: Layout, bits: torch.Tensor, j: int, lo: int,
+                mid: int, hi: int) -> torch.Tensor:
+    """Chunk j's padded rest ``[mid, hi)`` (``_split``): its bits into ``bits[j]``, and its float64
+    sums of squares (per block, or one), with the plain path's arithmetic."""
+    z = torch_kernels._z(x, e, mid, hi)
+    bits[j, (mid - lo) // 8 :] = torch_kernels.pack_signs(z)
+    zd = z.to(torch.float64)
+    return (zd * zd).view(-1, _block(layout, mid, hi)).sum(-1)
+
+
+def decode_tail(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                worker_error: torch.Tensor | None, s_w: torch.Tensor | None, layout: Layout, j: int, lo: int,
+                mid: int, hi: int) -> None:
+    """Chunk j's padded rest ``[mid, hi)``: the deferred worker error (``worker_error`` None: not
+    updated) and the decode of the elements ``out`` holds, with the plain path's arithmetic."""
+    block, n = _block(layout, mid, hi), out.numel()
+    if worker_error is not None:
+        worker_error[mid:hi] = _minus_sgn_scaled(torch_kernels._z(out, worker_error, mid, hi),
+                                                 _piece_scales(s_w, layout, j, lo, mid, hi), block)
+    if mid < n:
+        signs = torch_kernels.unpack_signs(bits[j, (mid - lo) // 8 : (hi - lo) // 8])
+        tail = _piece_scales(scales, layout, j, lo, mid, hi)
+        vals = (signs.view(-1, block) * tail.view(-1, 1)).view(-1)
+        out[mid:min(hi, n)] = vals[: min(hi, n) - mid].to(out.dtype)

@@ -104,6 +104,15 @@ def _build() -> ctypes.CDLL:
     lib.onebit_sumsq.restype = ctypes.c_double
     lib.onebit_hook_pre.argtypes = [p, p, p, ctypes.c_float, i64, i32, i32]
     lib.onebit_hook_pre.restype = ctypes.c_double
+    lib.onebit_hook_encode.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, p, p, i32, p, i32, i32]
+    lib.onebit_hook_encode.restype = ctypes.c_double
+    lib.onebit_hook_decompress.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i64, p, p, p, p, p, i32, i32,
+                                           i32]
+    lib.onebit_hook_decompress.restype = None
+    lib.onebit_hook_pre_range.argtypes = [p, i64, i64, p, p, p, p, p, i32, i32]
+    lib.onebit_hook_pre_range.restype = ctypes.c_double
+    lib.onebit_hook_post_range.argtypes = [p, i64, i64, p, p, p, p, p, i32, i32]
+    lib.onebit_hook_post_range.restype = None
     return lib
 
 
@@ -341,3 +350,80 @@ def hook_pre(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float,
     k = float(torch.tensor(factor, dtype=torch.float32))  # rounded as cpu_fused rounds its scalars
     return float(library().onebit_hook_pre(g.data_ptr(), m.data_ptr(), d.data_ptr(), k, n, _isa(isa),
                                            _threads(n)))
+
+
+def hook_table(parts: list) -> Table:
+    """The DDP hook's table (its passes below): per parameter with momentum ``(lo, hi, m, factor)``
+    (flat range, contiguous float32 momentum, factor) in flat order, with ``d`` set by
+    :func:`hook_table_fill`: entry k's ``g`` is the momentum's address, ``d`` the denominators',
+    ``scalars[k, 0]`` the factor (rounded to float32 as cpu_fused rounds its scalars)."""
+    table = Table([lo for lo, _, _, _ in parts], [hi - lo for lo, hi, _, _ in parts])
+    table.g.copy_(torch.tensor([m.data_ptr() for _, _, m, _ in parts], dtype=torch.int64))
+    factors = torch.tensor([float(f) for _, _, _, f in parts], dtype=torch.float64)
+    table.scalars[:, 0] = factors.to(torch.float32)
+    return table
+
+
+def hook_table_fill(table: Table, d: torch.Tensor) -> Table:
+    """Point the table's denominators into the bucket's flat ``d`` (contiguous float32)."""
+    table.d.copy_(table.start * d.element_size() + d.data_ptr())
+    return table
+
+
+def _hook_args(t: Table) -> tuple:
+    return (t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.scalars.data_ptr(), t.K)
+
+
+def hook_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n: int, block: int | None,
+                table: Table, isa: int | None = None) -> tuple[torch.Tensor | float, float]:
+    """The DDP hook's pre-pass over ``flat[off : off + n]`` (:func:`hook_pre`'s, by the table) and
+    the encode of ``flat + e`` there (n / 8 bytes of ``bits``), run by run in one pass. Returns the
+    block sums (float64, as :func:`encode_blocks`) or, ``block`` None, the sum (as
+    :func:`fold_encode` adds it); and the float64 sum of squares of the gradient as it came."""
+    unit = block or 8
+    if not (_f32(flat) and _f32(e) and bits.dtype == torch.uint8 and bits.is_contiguous()
+            and bits.numel() >= n // 8 and n % unit == 0 and off >= 0
+            and off + n <= min(flat.numel(), e.numel())):
+        raise ValueError("cpu_simd.hook_encode: expected contiguous float32 flat and e covering the range, "
+                         "n a multiple of the block (or of 8), and n / 8 uint8 bits")
+    sums = torch.empty(n // block if block else 0, dtype=torch.float64)
+    sq = ctypes.c_double(0.0)
+    total = library().onebit_hook_encode(flat.data_ptr(), e.data_ptr(), bits.data_ptr(), sums.data_ptr(), off,
+                                         n, block or 0, *_hook_args(table), ctypes.byref(sq), _isa(isa),
+                                         _threads(n))
+    return (sums if block else float(total)), sq.value
+
+
+def hook_decompress(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor, e: torch.Tensor | None,
+                    worker_scales: torch.Tensor | None, off: int, n: int, block: int | None, table: Table,
+                    isa: int | None = None) -> None:
+    """:func:`decompress` of ``flat[off : off + n]`` (``scales``: one, or one per block of the range;
+    ``e`` the whole worker error buffer, or None: no error update) with the hook's post-pass
+    ``out = out * d - m * factor`` (by the table) inside, run by run."""
+    nb = n // block if block else 1
+    if not (_f32(flat) and _f32(scales) and scales.numel() == nb and bits.dtype == torch.uint8
+            and bits.is_contiguous() and bits.numel() >= n // 8 and n % (block or 8) == 0
+            and off >= 0 and off + n <= flat.numel()
+            and (e is None or (_f32(e) and off + n <= e.numel() and _f32(worker_scales)
+                               and worker_scales.numel() == nb))):
+        raise ValueError("cpu_simd.hook_decompress: expected contiguous float32 flat covering the range, "
+                         "n a multiple of the block (or of 8), n / 8 uint8 bits, float32 scales per block")
+    step = 1 if block else 0
+    library().onebit_hook_decompress(
+        bits.data_ptr(), scales.data_ptr(), step, flat.data_ptr(), None if e is None else e.data_ptr(),
+        None if worker_scales is None else worker_scales.data_ptr(), step, off, n, block or 0,
+        *_hook_args(table), _isa(isa), _threads(n))
+
+
+def hook_pre_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> float:
+    """The hook's pre-pass alone over flat elements ``[a, b)``; the sum of squares of the gradient."""
+    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
+        raise ValueError("cpu_simd.hook_pre_range: expected contiguous float32 flat covering [a, b)")
+    return float(library().onebit_hook_pre_range(flat.data_ptr(), a, b, *_hook_args(table), _isa(isa)))
+
+
+def hook_post_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> None:
+    """The hook's post-pass alone over flat elements ``[a, b)``."""
+    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
+        raise ValueError("cpu_simd.hook_post_range: expected contiguous float32 flat covering [a, b)")
+    library().onebit_hook_post_range(flat.data_ptr(), a, b, *_hook_args(table), _isa(isa))

@@ -25,7 +25,7 @@ import torch
 
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
-from ..kernels import cpu_compiled, cpu_simd, torch_kernels
+from ..kernels import cpu_compiled, cpu_simd
 from ..kernels.layout import message_bits, message_scales
 
 
@@ -84,10 +84,7 @@ class _Passes:
                 if mid > lo:
                     pieces.append(torch.tensor([piece], dtype=torch.float64))
             if hi > mid:
-                z = torch_kernels._z(flat, worker_error, mid, hi)
-                bits[j, (mid - lo) // 8 :] = torch_kernels.pack_signs(z)
-                zd = z.to(torch.float64)
-                pieces.append((zd * zd).view(-1, hi - mid).sum(-1))  # as cpu_compiled adds it
+                pieces.append(cpu_compiled.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
             total += torch.cat(pieces).sum()
         scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
 
@@ -105,10 +102,7 @@ class _Passes:
                                            self.clip)
             if hi == mid:
                 continue
-            if update:  # the padded rest: the plain path's arithmetic, as cpu_compiled.decompress
-                z = torch_kernels._z(flat, worker_error, mid, hi)
-                worker_error[mid:hi] = cpu_compiled._minus_sgn_scaled(z, s_w[j].view(1), None)
+            e = worker_error if update else None  # the padded rest: the plain path's arithmetic
+            cpu_compiled.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
-                signs = torch_kernels.unpack_signs(bits[j, (mid - lo) // 8 : (hi - lo) // 8])
-                flat[mid:min(hi, n)] = (signs * scales[j])[: min(hi, n) - mid].to(flat.dtype)
                 cpu_simd.update(flat, mid, min(hi, n), self.table, self.clip)

@@ -163,17 +163,21 @@ def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
     assert failed[0][0] == F and "state.prepare_step()" in failed[0][1], failed[0]
 
 
-def _wide_body(steps, fused, c_pass=False):
+def _wide_body(steps, fused, c_pass=False, in_codec=False):
     """A layer of 2^16 weights (the fused CPU passes' size) behind the hook with freeze_step; with
     ``fused=False`` the compiled passes are out of reach (their size threshold raised); the C
-    pre-pass (onebit.kernels.cpu_simd.hook_pre, the local norm inside) only with ``c_pass``."""
+    pre-pass (onebit.kernels.cpu_simd.hook_pre, the local norm inside) only with ``c_pass``; the
+    pre- and post-pass inside the codec's C passes (collectives/_hook_fused.py) only with
+    ``in_codec`` (and ``c_pass``)."""
+    from onebit.collectives import _hook_fused
     from onebit.kernels import cpu_fused, cpu_simd
 
     saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
-    saved_c = cpu_simd._state.get("available"), cpu_simd.hook_pre
+    saved_c = cpu_simd._state.get("available"), cpu_simd.hook_pre, cpu_simd.hook_encode, _hook_fused.ENABLED
     cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
     cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
-    calls = {"pre": 0, "post": 0, "c_pre": 0}
+    _hook_fused.ENABLED = in_codec
+    calls = {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 0}
     for name in ("pre", "post"):
         fn = getattr(cpu_fused, f"hook_{name}_")
 
@@ -188,13 +192,17 @@ def _wide_body(steps, fused, c_pass=False):
         calls["c_pre"] += 1
         return saved_c[1](*a)
 
+    def encode_counted(*a):
+        calls["in_codec"] += 1
+        return saved_c[2](*a)
+
     cpu_simd._state["available"] = bool(c_pass and cpu_simd.library() and cpu_simd.best_isa() >= 1)
-    cpu_simd.hook_pre = c_counted
+    cpu_simd.hook_pre, cpu_simd.hook_encode = c_counted, encode_counted
     try:  # the rank processes serve later tests: the modules are put back as they were
         return _wide_run(steps), calls
     finally:
         cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
-        cpu_simd.hook_pre = saved_c[1]
+        cpu_simd.hook_pre, cpu_simd.hook_encode, _hook_fused.ENABLED = saved_c[1:]
         if saved_c[0] is None:
             cpu_simd._state.pop("available", None)
         else:
@@ -228,8 +236,8 @@ def test_the_hooks_fused_passes_are_bitwise_the_plain_ops(ranks):
     fused = ranks(2).run(_wide_body, F + 4, True)
     plain = ranks(2).run(_wide_body, F + 4, False)
     for r in range(2):
-        assert fused[r][1] == {"pre": 4, "post": 4, "c_pre": 0}, fused[r][1]
-        assert plain[r][1] == {"pre": 0, "post": 0, "c_pre": 0}
+        assert fused[r][1] == {"pre": 4, "post": 4, "c_pre": 0, "in_codec": 0}, fused[r][1]
+        assert plain[r][1] == {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 0}
         for a, b in zip(fused[r][0], plain[r][0], strict=True):
             assert torch.equal(a, b)
         for a, b in zip(fused[r][0], fused[0][0], strict=True):
@@ -241,6 +249,12 @@ def test_the_hooks_fused_passes_are_bitwise_the_plain_ops(ranks):
     for r in range(2):
         assert c_run[r][1]["pre"] == 0 and c_run[r][1]["c_pre"] == 4 * 4, c_run[r][1]  # 4 steps, 4 tensors
         for a, b in zip(c_run[r][0], plain[r][0], strict=True):
+            assert torch.equal(a, b)
+    # both passes inside the codec's (one bucket: 4 steps x 2 chunks of hook_encode): bitwise too
+    in_codec = ranks(2).run(_wide_body, F + 4, False, True, True)
+    for r in range(2):
+        assert in_codec[r][1] == {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 4 * 2}, in_codec[r][1]
+        for a, b in zip(in_codec[r][0], plain[r][0], strict=True):
             assert torch.equal(a, b)
 
 
