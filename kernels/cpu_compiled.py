@@ -360,8 +360,10 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     B = layout.block
     fns = _fns()
     simd = cpu_simd.available() and e.is_contiguous()
-    if simd:  # the C pass (onebit.kernels.cpu_simd)
-        packed, w = torch.empty(layout.C // 8, dtype=torch.uint8), weights.contiguous()
+    if simd:  # the C pass (onebit.kernels.cpu_simd), its bits straight into the segment
+        packed, w = message_bits(out, layout)[0], weights.contiguous()
+        if not packed.is_contiguous():
+            packed = torch.empty(layout.C // 8, dtype=torch.uint8)
         if B is None:
             sums = torch.tensor(cpu_simd.server_total(bits, w, e, packed), dtype=torch.float64) / layout.C
         else:
@@ -376,7 +378,9 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
                 _marked(e.view(-1, B // 8, 8)))
         sums8, packed = fns["server_encode"](*args)
         scale = torch.sqrt(sums8.sum(-1) / B).to(torch.float32)
-    message_bits(out, layout)[0].copy_(packed.view(-1))
+    target = message_bits(out, layout)[0]
+    if packed.data_ptr() != target.data_ptr():
+        target.copy_(packed.view(-1))
     scales.copy_(scale if finite else torch.full_like(scale, float("nan")))
     if not bool(torch.isfinite(scales).all()):  # any non-finite block: every scale NaN, e unchanged
         scales.fill_(float("nan"))
