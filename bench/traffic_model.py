@@ -78,6 +78,17 @@ def rows():
         r.append((f"DDP hook + torch AdamW, freeze_step, {dev}, W=4 (DDP's 16 in)", base + own))
         for opt, cost in (("another Adam-type, fused step", 28), ("another Adam-type, unfused step", 80)):
             r.append((f"DDP hook + {opt} (prepared state), {dev}, W=4", base + prep + cost))
+    # x86 CPU since 2026-11-27 (collectives/_hook_fused.py): the pre-pass inside the C encode (reads g, m,
+    # d, e; writes x and the bits, the norm inside), the server's two C passes on N/4 (bits of 4 ranks, e_s
+    # read twice, written once), the post-pass inside the C decompress (reads x, e, m, d; writes e, out);
+    # block-64 scales and the 1.5-bit messages on the local side of the two collectives
+    W, bits, scales = 4, 1 / 8, 4 / 64
+    encode = 16 + 4 + bits + scales
+    server = (W * bits + 4 + bits + scales + W * bits + 4 + 4) / W
+    wire = 2 * 2 * (bits + scales)
+    decomp = 16 + 8 + bits + 2 * scales
+    r.append(("DDP hook + torch AdamW, freeze_step, x86 CPU C passes, W=4 (DDP's 16 in)",
+              ddp + encode + wire + server + decomp + own))
     # ZeroOneAdam (wd=0; +12 per update with wd>0)
     r.append(("ZeroOneAdam P1 variance step, W>1 (+ all_reduce)", fin + 8 + 8 + 40 + 16 + 32 + 32))
     for dev, c in (("CPU", codec_cpu(4)), ("GPU", codec_triton(4))):
