@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import child_arguments, run_child, slowest_rank_times  # noqa: E402
-from bench_allreduce import LINKS, Namespace, can_shape  # noqa: E402
+from bench_allreduce import LINKS, Namespace, can_shape, shapeable  # noqa: E402
 
 TOLERANCE = 0.35  # the acceptance: predicted within 35% of measured
 
@@ -114,17 +114,14 @@ def main() -> None:
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
-    reason = can_shape()
-    links = args.links if reason is None else ["none"]
-    if reason is not None:
-        print(f"cannot emulate links ({reason}): running unshaped only", file=sys.stderr)
+    links = shapeable(args.links)
     rows = []
     print("| link | W | P | predicted speedup | measured speedup | error | model alone (error) | float32 s "
           "(measured / predicted) | 1-bit s (measured / predicted) | verdict | advisor s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for link in links:
         extra = () if args.max_seconds is None else ("--max-seconds", args.max_seconds)
-        r = validate(link, args.world, args.params, args.block, args.repeats, reason is None, extra)
+        r = validate(link, args.world, args.params, args.block, args.repeats, can_shape() is None, extra)
         rows.append(r)
         print(f"| {link} | {r['W']} | {r['params']:,} | {r['predicted_speedup']:.2f}x | "
               f"{r['measured_speedup']:.2f}x | {r['relative_error']:.0%} | {r['model_speedup']:.2f}x "

@@ -113,6 +113,15 @@ def can_shape() -> str | None:
     return None
 
 
+def shapeable(links: list[str]) -> list[str]:
+    """``links``, or only the unshaped one (said on stderr) where links cannot be emulated here."""
+    reason = can_shape()
+    if reason is None:
+        return links
+    print(f"cannot emulate links ({reason}): running unshaped only", file=sys.stderr)
+    return ["none"]
+
+
 class Namespace:
     """A network namespace of our own with loopback up, optionally rate-limited."""
 
@@ -154,15 +163,12 @@ def main() -> None:
     args = p.parse_args()
     run_child(args, child)
 
-    reason = can_shape()
-    links = args.links if reason is None else ["none"]
-    if reason is not None:
-        print(f"cannot emulate links ({reason}): running unshaped only", file=sys.stderr)
+    links = shapeable(args.links)
     meta = provenance(None, backend="gloo")
     rows = []
     for link in links:
         for W in args.worlds:
-            ns = Namespace(LINKS[link]) if reason is None else None
+            ns = Namespace(LINKS[link]) if can_shape() is None else None
             try:
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
                     out = fh.name

@@ -120,6 +120,27 @@ def _failure(operation: str, group, exc: BaseException) -> BaseException:
     return exc  # pragma: no cover
 
 
+def worker_message(flat, worker_error, layout: Layout, passes=None) -> torch.Tensor:
+    """This rank's message: ``worker_compress(update_error=False)``, or the caller's ``passes``."""
+    if passes is None:
+        return worker_compress(flat, worker_error, layout.W, update_error=False, block=layout.block)
+    msg = empty_message(layout, layout.W, flat.device)
+    passes.worker(flat, worker_error, layout, msg)
+    return msg
+
+
+def finish(gathered, tensor, flat, worker_error, msg, layout: Layout, passes=None) -> None:
+    """``decompress`` into ``flat`` (or the caller's ``passes.finish``); then ``tensor`` from
+    ``flat`` where it is not contiguous."""
+    if passes is None:
+        decompress(gathered, flat, layout.W, worker_error=worker_error, worker_message=msg,
+                   block=layout.block)
+    else:
+        passes.finish(gathered, layout, flat, worker_error, msg)
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+
+
 def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
           block: int | None = None, passes=None) -> torch.futures.Future:
     """Start the call on validated CPU arguments (W > 1); the future's value is ``tensor``.
@@ -131,13 +152,9 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
     launched = [0.0]  # when the collective in flight was launched (perf_counter)
     try:
         companion = _companion(group)
+        layout = Layout(N, W, block)
         with timer.stage("codec"):
-            if passes is None:
-                msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
-            else:
-                layout = Layout(N, W, block)
-                msg = empty_message(layout, W, flat.device)
-                passes.worker(flat, worker_error, layout, msg)
+            msg = worker_message(flat, worker_error, layout, passes)
         recv = torch.empty_like(msg)
         ticket = companion.sequencer.ticket()
     except BaseException:
@@ -157,12 +174,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
             fail("compressed_allreduce (all_gather)", exc)
             return
         with torch.no_grad(), timer.stage("codec"):
-            if passes is None:
-                decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
-            else:
-                passes.finish(gathered, layout, flat, worker_error, msg)
-            if not tensor.is_contiguous():
-                tensor.copy_(flat.view(tensor.shape))
+            finish(gathered, tensor, flat, worker_error, msg, layout, passes)
         traffic.compressed += compressed_bytes(N, W, block)
         traffic.compressed_calls += 1
         _release(ptrs)

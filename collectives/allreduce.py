@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import Layout, decompress, message_scales, server_reduce, worker_compress
+from ..kernels import Layout, message_scales, server_reduce
 from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
-from ..kernels.layout import check_block, empty_message, pad_unit, padded_numel
+from ..kernels.layout import check_block, pad_unit, padded_numel
 from . import _async, _pipeline
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
@@ -252,11 +252,7 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     timer = CallTimer(tensor.device)  # compute ("codec") and collectives ("comm"), see telemetry
     with timer.stage("codec"):
         flat = _flat_target(tensor)
-        if passes is None:
-            msg = worker_compress(flat, worker_error, W, update_error=False, block=block)
-        else:
-            msg = empty_message(layout, W, tensor.device)
-            passes.worker(flat, worker_error, layout, msg)
+        msg = _async.worker_message(flat, worker_error, layout, passes)
         recv = torch.empty_like(msg)
     with timer.stage("comm", follows=True), guard("compressed_allreduce (all_to_all)", group):
         if transport is None:
@@ -272,10 +268,5 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
         else:
             transport.all_gather(gathered, seg)
     with timer.stage("codec", follows=True):
-        if passes is None:
-            decompress(gathered, flat, W, worker_error=worker_error, worker_message=msg, block=block)
-        else:
-            passes.finish(gathered, layout, flat, worker_error, msg)
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
+        _async.finish(gathered, tensor, flat, worker_error, msg, layout, passes)
     return message_scales(gathered, layout)

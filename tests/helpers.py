@@ -224,3 +224,16 @@ class WireCounter:
     def __exit__(self, *exc) -> None:
         for (module, name), real in self._saved.items():
             setattr(module, name, real)
+
+
+def refusals(makers, errors=(ValueError,)) -> dict:
+    """``{name: None}`` where ``maker()`` succeeds, else ``{name: the message it raised}`` (one of
+    ``errors``), for each ``(name, maker)``: what a constructor refuses, and how it says so."""
+    out = {}
+    for name, make in makers:
+        try:
+            make()
+            out[name] = None
+        except errors as e:
+            out[name] = str(e)
+    return out

@@ -11,6 +11,21 @@ from onebit.kernels.layout import padded_numel
 from onebit.kernels.reference import reference_allreduce
 
 
+def bucketed_mean(per_rank, buckets, numels, shapes, errors) -> list:
+    """The 1-bit mean per parameter (``per_rank[r][i]``), bucket by bucket through the float64
+    reference collective; ``errors[b]`` (worker, server) replaced by the updated ones."""
+    out = [None] * len(numels)
+    for b, idx in enumerate(buckets):
+        flats = [torch.cat([rank[i].reshape(-1) for i in idx]) for rank in per_rank]
+        res = reference_allreduce(flats, *errors[b])
+        errors[b] = (res.worker_errors, res.server_errors)
+        off = 0
+        for i in idx:
+            out[i] = res.output[off : off + numels[i]].view(shapes[i]).clone()
+            off += numels[i]
+    return out
+
+
 def reference_onebit_adam(params, grads, *, lr, betas, eps, weight_decay, freeze_step, masks=None,
                           bucket_cap_mb=25.0, bias_correction=False, eps_inside_sqrt=False):
     """params: list of tensors (identical on all ranks); grads[t][r][i]: gradient of param i
@@ -37,14 +52,7 @@ def reference_onebit_adam(params, grads, *, lr, betas, eps, weight_decay, freeze
         else:
             local = [[b1 * m[i] + (1 - b1) * step_grads[r][i].double() for i in range(len(p))]
                      for r in range(W)]
-            for b, idx in enumerate(buckets):
-                flats = [torch.cat([local[r][i].reshape(-1) for i in idx]) for r in range(W)]
-                res = reference_allreduce(flats, *errors[b])
-                errors[b] = (res.worker_errors, res.server_errors)
-                off = 0
-                for i in idx:
-                    m[i] = res.output[off : off + numels[i]].view_as(p[i]).clone()
-                    off += numels[i]
+            m = bucketed_mean(local, buckets, numels, [x.shape for x in p], errors)
             if masks is not None:
                 m = [mi * mk.double() if mk is not None else mi for mi, mk in zip(m, masks, strict=True)]
         bc1 = 1 - b1**t if bias_correction else 1.0
@@ -176,16 +184,7 @@ def reference_zero_one_adam(params, grads, *, lr, betas, eps, weight_decay, var_
                          [torch.zeros(N // W, dtype=torch.float64) for _ in range(W)])
 
     def compressed(per_rank):  # per_rank[r][i] -> the 1-bit mean per parameter
-        out = [None] * P
-        for b, idx in enumerate(buckets):
-            flats = [torch.cat([per_rank[r][i].reshape(-1) for i in idx]) for r in range(W)]
-            res = reference_allreduce(flats, *errors[b])
-            errors[b] = (res.worker_errors, res.server_errors)
-            off = 0
-            for i in idx:
-                out[i] = res.output[off : off + numels[i]].view_as(p[0][i]).clone()
-                off += numels[i]
-        return out
+        return bucketed_mean(per_rank, buckets, numels, [x.shape for x in p[0]], errors)
 
     reset()
     b1, b2 = betas

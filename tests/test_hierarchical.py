@@ -378,6 +378,16 @@ def test_an_optimizer_on_a_mesh_resumes_bitwise(ranks, name):
         assert torch.equal(a[3], b[3])
 
 
+def _train(model, opt, task: int, steps: int) -> None:
+    """``steps`` steps of ``opt`` on this rank's batches of ``_task(task, ...)`` (mean squared error)."""
+    r = dist.get_rank()
+    for step in range(steps):
+        x, y = _task(task, r, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def _body_ddp_hook(M, L, use_mesh, steps=60):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -392,12 +402,7 @@ def _body_ddp_hook(M, L, use_mesh, steps=60):
         state = OnebitCompressHookState(process_group=_mesh(M, L) if use_mesh else None, start_iter=2,
                                         optimizer=sgd)
         model.register_comm_hook(state, onebit_compress_hook)
-    r = dist.get_rank()
-    for step in range(steps):
-        x, y = _task(3, r, step)
-        sgd.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        sgd.step()
+    _train(model, sgd, 3, steps)
     total = 0.0
     with torch.no_grad():
         for q in range(dist.get_world_size()):
@@ -435,13 +440,7 @@ def _body_fsdp_mesh(steps=5):
             fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     hooks = register_fsdp_hooks(model, mesh["node", "local"], start_iter=1)  # replicas: 2 nodes x 2
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    r = dist.get_rank()
-    for step in range(steps):
-        x, y = _task(4, r, step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, steps)
     local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     return local, {k: h.stats() for k, h in hooks.items()}
 

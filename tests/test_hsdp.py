@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import WireCounter
+from helpers import WireCounter, refusals
 
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
 
@@ -180,23 +180,13 @@ def test_warmup_on_hsdp_is_adam(ranks):
 def _body_refusals():
     mesh = _mesh()
     model = _model(mesh)
-    out = {}
-    for name, make in [("lamb", lambda: OnebitLamb(model.parameters())),
-                       ("zero_one", lambda: ZeroOneAdam(model.parameters())),
-                       ("group", lambda: OnebitAdam(model.parameters(), group=dist.group.WORLD)),
-                       ("overlap", lambda: OnebitAdam(model.parameters(), overlap=True))]:
-        try:
-            make()
-            out[name] = None
-        except (ValueError, TypeError) as e:
-            out[name] = str(e)
-    for name, shape in (("fsdp", (4,)), ("one_replica", (1, 4))):
-        sharded = _model(_mesh(shape))
-        try:
-            OnebitAdam(sharded.parameters())
-            out[name] = None
-        except ValueError as e:
-            out[name] = str(e)
+    out = refusals([("lamb", lambda: OnebitLamb(model.parameters())),
+                    ("zero_one", lambda: ZeroOneAdam(model.parameters())),
+                    ("group", lambda: OnebitAdam(model.parameters(), group=dist.group.WORLD)),
+                    ("overlap", lambda: OnebitAdam(model.parameters(), overlap=True))],
+                   (ValueError, TypeError))
+    out.update(refusals([(name, lambda shape=shape: OnebitAdam(_model(_mesh(shape)).parameters()))
+                         for name, shape in (("fsdp", (4,)), ("one_replica", (1, 4)))]))
     return out
 
 
