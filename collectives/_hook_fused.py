@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import cpu_compiled, cpu_simd
+from ..kernels import _chunks, cpu_simd
 from ..kernels.layout import message_bits, message_scales
 
 ENABLED = True
@@ -51,7 +51,7 @@ class HookPasses:
         n, B = flat.numel(), layout.block
         total, sq = torch.zeros((), dtype=torch.float64), 0.0
         for j in range(layout.W):
-            lo, mid, hi = cpu_compiled._split(layout, n, j)
+            lo, mid, hi = _chunks.split(layout, n, j)
             pieces = []
             if mid > lo:
                 sums, q = cpu_simd.hook_encode(flat, worker_error, bits[j], lo, mid - lo, B, self.table)
@@ -60,7 +60,7 @@ class HookPasses:
             if min(hi, n) > mid:  # the padded chunk's data tail: the pre-pass alone, then the plain encode
                 sq += cpu_simd.hook_pre_range(flat, mid, min(hi, n), self.table)
             if hi > mid:
-                pieces.append(cpu_compiled.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
+                pieces.append(_chunks.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
             sums = torch.cat(pieces)
             if B is None:
                 total += sums.sum()
@@ -78,9 +78,9 @@ class HookPasses:
         scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout) if update else None
-        piece = cpu_compiled._piece_scales
+        piece = _chunks.piece_scales
         for j in range(layout.W):
-            lo, mid, hi = cpu_compiled._split(layout, n, j)
+            lo, mid, hi = _chunks.split(layout, n, j)
             if mid > lo:
                 cpu_simd.hook_decompress(bits[j], piece(scales, layout, j, lo, lo, mid), flat,
                                          worker_error if update else None,
@@ -89,6 +89,6 @@ class HookPasses:
             if hi == mid:
                 continue
             e = worker_error if update else None  # the padded rest: the plain path's arithmetic
-            cpu_compiled.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
+            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
                 cpu_simd.hook_post_range(flat, mid, min(hi, n), self.table)

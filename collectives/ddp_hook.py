@@ -409,8 +409,8 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         if d is None:
             fa.add_local(buffer)
             return _compressed(state, bucket, buffer, layout, index)
-        fused = state._mesh is None and _hook_fused.applies(buffer, d, parts)
-        if fused and not _covered(state, layout, index):
+        covered = state.layouts.get(index) != layout and state._cover(layout) is not None
+        if state._mesh is None and not covered and _hook_fused.applies(buffer, d, parts):
             # x86 CPU: the pre- and post-pass inside the codec's passes (collectives/_hook_fused.py)
             return _compressed(state, bucket, buffer, layout, index, _hook_fused.HookPasses(d, parts, fa))
         post = frozen_pre_(buffer, d, parts, fa)  # buffer <- (g + c) / d; the local norm counted
@@ -431,11 +431,6 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         return out if c is None else out.sub_(c)
 
     return fut.then(back)
-
-
-def _covered(state: OnebitCompressHookState, layout, index: int) -> bool:
-    """Whether the bucket is compressed as several remembered buckets (``_allreduce_parts``)."""
-    return state.layouts.get(index) != layout and state._cover(layout) is not None
 
 
 def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout,

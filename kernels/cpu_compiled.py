@@ -29,6 +29,7 @@ import os
 import torch
 
 from . import cpu_simd, torch_kernels
+from ._chunks import block_of, decode_tail, encode_tail, minus_sgn_scaled, piece_scales, scaled, split
 from ._warn import warn_user
 from .layout import Layout, message_bits, message_scales
 
@@ -68,21 +69,6 @@ def _encode(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _block_sums(sums8: torch.Tensor, block: int) -> torch.Tensor:
     return sums8.view(-1, block // 8).sum(-1)
-
-
-def _minus_sgn_scaled(z: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
-    """``z - s*sgn(z)`` (``z + 0.0``: -0.0 counts as +), one scale per ``block`` elements, or
-    ``scales`` a single scale broadcast over ``z`` (``block=None``)."""
-    if block is None:
-        return z - torch.copysign(scales, z + 0.0)
-    zv = z.view(-1, block)
-    return (zv - torch.copysign(scales.view(-1, 1), zv + 0.0)).view(-1)
-
-
-def _scaled(signs: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
-    if block is None:
-        return signs * scales
-    return (signs.view(-1, block) * scales.view(-1, 1)).view(-1)
 
 
 def _worker_encode(x, e):
@@ -134,7 +120,7 @@ def _fns() -> dict:
     use: torch.compile imports torch._dynamo (about 2 s), which `import onebit` need not pay."""
 
     def worker_update(x, e, scales) -> None:
-        e.copy_(_minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
+        e.copy_(minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
 
     def decode32(bits, scales, out) -> None:
         # 32 elements per 4-byte word (the word assembled from the bytes: no alignment needed),
@@ -148,7 +134,7 @@ def _fns() -> dict:
     def server_update(bits, w, e, scale) -> None:  # m again from the bits and e, then its error
         b, e8 = bits.to(torch.int32), e.view(-1, 8)
         m = torch.stack([_server_column(b, w, e8[:, k], k) for k in range(8)], 1)
-        e8.copy_(_minus_sgn_scaled(m, scale, None))
+        e8.copy_(minus_sgn_scaled(m, scale, None))
 
     return {"worker_encode": _compile(_worker_encode), "worker_encode_total": _compile(_worker_encode_total),
             "worker_update": _compile(worker_update),
@@ -199,7 +185,7 @@ def _server_update_words(bits, w, e, scales) -> None:
     for r in range(1, b.shape[0]):
         m = m + _word_signs(b[r]) * w[r]
     m = m + e
-    e.copy_(_minus_sgn_scaled(m, scales, None))
+    e.copy_(minus_sgn_scaled(m, scales, None))
 
 
 def _server_update_blocks(bits, w, e, scales) -> None:
@@ -213,11 +199,11 @@ def _server_update_blocks(bits, w, e, scales) -> None:
     for r in range(1, b.shape[0]):
         m = m + _word_signs(b[r]) * wv[r]
     m = m + e
-    e.copy_(_minus_sgn_scaled(m, sv, None))
+    e.copy_(minus_sgn_scaled(m, sv, None))
 
 
 def _error_update_blocks(x, scales, e) -> None:  # [blocks, block], [blocks, 1], [blocks, block]
-    e.copy_(_minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
+    e.copy_(minus_sgn_scaled(x.to(torch.float32) + e, scales, None))
 
 
 def _decode_blocks(bits, scales, out) -> None:  # [blocks, block/32, 4 | 1 | 32]
@@ -271,27 +257,6 @@ def chosen(layout: Layout) -> bool:
     return layout.N >= MIN_NUMEL and os.environ.get(_ENV, "") != "torch" and usable()
 
 
-def _split(layout: Layout, n: int, j: int) -> tuple[int, int, int]:
-    """(lo, mid, hi) of chunk j: [lo, mid) covered by the n elements, in whole scale blocks (the
-    compiled part); [mid, hi) the padded rest, for the plain path."""
-    unit = 8 if layout.block is None else layout.block
-    lo, hi = j * layout.C, (j + 1) * layout.C
-    mid = max(lo, min(hi, lo + (n - lo) // unit * unit))
-    return lo, mid, hi
-
-
-def _block(layout: Layout, lo: int, hi: int) -> int:
-    return hi - lo if layout.block is None else layout.block
-
-
-def _piece_scales(scales: torch.Tensor, layout: Layout, j: int, lo: int, a: int, b: int) -> torch.Tensor:
-    """Chunk j's scales for its elements [a, b) (chunk starts at lo): a 1-element view without
-    block scales."""
-    if layout.block is None:
-        return scales[j].view(1)
-    return scales[j, (a - lo) // layout.block : (b - lo) // layout.block]
-
-
 @torch.no_grad()
 def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor,
                     update_error: bool) -> None:
@@ -300,7 +265,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
     parts, total = [], torch.zeros((), dtype=torch.float64)
     simd = x.dtype == torch.float32 and x.is_contiguous() and e.is_contiguous() and cpu_simd.available()
     for j in range(layout.W):
-        lo, mid, hi = _split(layout, n, j)
+        lo, mid, hi = split(layout, n, j)
         pieces = []
         if mid > lo and simd:  # the C pass (onebit.kernels.cpu_simd): at copy bandwidth
             out_bits = bits[j, : (mid - lo) // 8]
@@ -316,7 +281,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         elif mid > lo:
             sums8, packed = _fns()["worker_encode"](x[lo:mid], e[lo:mid])
             bits[j, : (mid - lo) // 8] = packed
-            pieces.append(_block_sums(sums8, _block(layout, lo, mid)))
+            pieces.append(_block_sums(sums8, block_of(layout, lo, mid)))
         if hi > mid:
             pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))
         sums = torch.cat(pieces)
@@ -340,10 +305,10 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         return
     for j, (lo, mid, hi) in enumerate(parts):
         if mid > lo:
-            _fns()["worker_update"](x[lo:mid], e[lo:mid], _piece_scales(scales, layout, j, lo, lo, mid))
+            _fns()["worker_update"](x[lo:mid], e[lo:mid], piece_scales(scales, layout, j, lo, lo, mid))
         if hi > mid:
-            tail = _piece_scales(scales, layout, j, lo, mid, hi)
-            e[mid:hi] = _minus_sgn_scaled(torch_kernels._z(x, e, mid, hi), tail, _block(layout, mid, hi))
+            tail = piece_scales(scales, layout, j, lo, mid, hi)
+            e[mid:hi] = minus_sgn_scaled(torch_kernels._z(x, e, mid, hi), tail, block_of(layout, mid, hi))
 
 
 @torch.no_grad()
@@ -419,18 +384,18 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
     simd = (cpu_simd.available() and out.dtype == torch.float32 and out.is_contiguous()
             and (worker_error is None or worker_error.is_contiguous()))
     for j in range(layout.W):
-        lo, mid, hi = _split(layout, n, j)
+        lo, mid, hi = split(layout, n, j)
         if simd and mid > lo:  # both passes in one (onebit.kernels.cpu_simd)
-            ws = _piece_scales(s_w, layout, j, lo, lo, mid) if update else None
-            cpu_simd.decompress(bits[j, : (mid - lo) // 8], _piece_scales(scales, layout, j, lo, lo, mid),
+            ws = piece_scales(s_w, layout, j, lo, lo, mid) if update else None
+            cpu_simd.decompress(bits[j, : (mid - lo) // 8], piece_scales(scales, layout, j, lo, lo, mid),
                                 out[lo:mid], B, worker_error[lo:mid] if update else None, ws)
         else:
             if B is not None and mid - lo < 2 * B:  # one block: the eager ops below (a dynamic
                 mid = lo                            # dimension must not be 1)
             if mid > lo:
-                fns, sj = _fns(), _piece_scales(scales, layout, j, lo, lo, mid)
+                fns, sj = _fns(), piece_scales(scales, layout, j, lo, lo, mid)
                 if update:  # the deferred worker error first (it reads the input out holds), one pass
-                    s_wj = _piece_scales(s_w, layout, j, lo, lo, mid)
+                    s_wj = piece_scales(s_w, layout, j, lo, lo, mid)
                     if blocks is None:
                         fns["worker_update"](out[lo:mid], worker_error[lo:mid], s_wj)
                     else:
@@ -444,33 +409,7 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                     values = _marked(out[lo : lo + wide].view(-1, B // 32, 32))
                     blocks["decode"](words, _marked(sj.view(-1, 1, 1)), values)
                 if mid > lo + wide:
-                    rest = _scaled(_signs(bits[j, wide // 8 : (mid - lo) // 8]), sj, None)
+                    rest = scaled(_signs(bits[j, wide // 8 : (mid - lo) // 8]), sj, None)
                     out[lo + wide : mid] = rest.to(out.dtype)
         if hi > mid:
             decode_tail(bits, scales, out, worker_error if update else None, s_w, layout, j, lo, mid, hi)
-
-
-def encode_tail(x: torch.Tensor, e: torch.Tensor, layout: Layout, bits: torch.Tensor, j: int, lo: int,
-                mid: int, hi: int) -> torch.Tensor:
-    """Chunk j's padded rest ``[mid, hi)`` (``_split``): its bits into ``bits[j]``, and its float64
-    sums of squares (per block, or one), with the plain path's arithmetic."""
-    z = torch_kernels._z(x, e, mid, hi)
-    bits[j, (mid - lo) // 8 :] = torch_kernels.pack_signs(z)
-    zd = z.to(torch.float64)
-    return (zd * zd).view(-1, _block(layout, mid, hi)).sum(-1)
-
-
-def decode_tail(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                worker_error: torch.Tensor | None, s_w: torch.Tensor | None, layout: Layout, j: int, lo: int,
-                mid: int, hi: int) -> None:
-    """Chunk j's padded rest ``[mid, hi)``: the deferred worker error (``worker_error`` None: not
-    updated) and the decode of the elements ``out`` holds, with the plain path's arithmetic."""
-    block, n = _block(layout, mid, hi), out.numel()
-    if worker_error is not None:
-        worker_error[mid:hi] = _minus_sgn_scaled(torch_kernels._z(out, worker_error, mid, hi),
-                                                 _piece_scales(s_w, layout, j, lo, mid, hi), block)
-    if mid < n:
-        signs = torch_kernels.unpack_signs(bits[j, (mid - lo) // 8 : (hi - lo) // 8])
-        tail = _piece_scales(scales, layout, j, lo, mid, hi)
-        vals = (signs.view(-1, block) * tail.view(-1, 1)).view(-1)
-        out[mid:min(hi, n)] = vals[: min(hi, n) - mid].to(out.dtype)

@@ -10,6 +10,10 @@ writes the scale: deterministic, within half an ulp of the float64 reference in 
 no separate finalisation launch. Full blocks (every element below ``n``) take an unmasked
 path, so their loads and stores stay 128 bits wide whatever ``n`` is; only the last block
 masks (``scripts/compile_check.py`` prints the widths).
+
+Why one file of ~475 lines: the one-scale wire format's three stages (worker, server,
+decompress), each a kernel and its launcher, share the arrival counter (``ticket``) and the
+tile helpers, and change together whenever the format does (block scales: triton_blocks.py).
 """
 
 from __future__ import annotations

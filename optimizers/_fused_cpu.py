@@ -25,7 +25,7 @@ import torch
 
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
-from ..kernels import cpu_compiled, cpu_simd
+from ..kernels import _chunks, cpu_simd
 from ..kernels.layout import message_bits, message_scales
 
 
@@ -76,7 +76,7 @@ class _Passes:
         bits, scales, n = message_bits(msg, layout), message_scales(msg, layout), flat.numel()
         total = torch.zeros((), dtype=torch.float64)
         for j in range(layout.W):
-            lo, mid, hi = cpu_compiled._split(layout, n, j)
+            lo, mid, hi = _chunks.split(layout, n, j)
             pieces = []
             end = min(hi, n)
             if end > lo:
@@ -84,7 +84,7 @@ class _Passes:
                 if mid > lo:
                     pieces.append(torch.tensor([piece], dtype=torch.float64))
             if hi > mid:
-                pieces.append(cpu_compiled.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
+                pieces.append(_chunks.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
             total += torch.cat(pieces).sum()
         scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
 
@@ -95,7 +95,7 @@ class _Passes:
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout)
         for j in range(layout.W):
-            lo, mid, hi = cpu_compiled._split(layout, n, j)
+            lo, mid, hi = _chunks.split(layout, n, j)
             if mid > lo:
                 cpu_simd.decompress_update(bits[j], scales[j].view(1), flat, worker_error if update else None,
                                            s_w[j].view(1) if update else None, lo, mid - lo, self.table,
@@ -103,6 +103,6 @@ class _Passes:
             if hi == mid:
                 continue
             e = worker_error if update else None  # the padded rest: the plain path's arithmetic
-            cpu_compiled.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
+            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
                 cpu_simd.update(flat, mid, min(hi, n), self.table, self.clip)

@@ -1,0 +1,73 @@
+"""A chunk's pieces in the CPU codec (kernels/cpu_compiled.py) and the fused passes built on it
+(optimizers/_fused_cpu.py, collectives/_hook_fused.py): where chunk j splits into the part the
+compiled or C passes take and the padded rest, its scales for a piece, and the rest's encode and
+decode with the plain path's arithmetic (tests/test_cpu_compiled.py, tests/test_cpu_simd.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_kernels
+from .layout import Layout
+
+
+def minus_sgn_scaled(z: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
+    """``z - s*sgn(z)`` (``z + 0.0``: -0.0 counts as +), one scale per ``block`` elements, or
+    ``scales`` a single scale broadcast over ``z`` (``block=None``)."""
+    if block is None:
+        return z - torch.copysign(scales, z + 0.0)
+    zv = z.view(-1, block)
+    return (zv - torch.copysign(scales.view(-1, 1), zv + 0.0)).view(-1)
+
+
+def scaled(signs: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
+    if block is None:
+        return signs * scales
+    return (signs.view(-1, block) * scales.view(-1, 1)).view(-1)
+
+
+def split(layout: Layout, n: int, j: int) -> tuple[int, int, int]:
+    """(lo, mid, hi) of chunk j: [lo, mid) covered by the n elements, in whole scale blocks (the
+    compiled part); [mid, hi) the padded rest, for the plain path."""
+    unit = 8 if layout.block is None else layout.block
+    lo, hi = j * layout.C, (j + 1) * layout.C
+    mid = max(lo, min(hi, lo + (n - lo) // unit * unit))
+    return lo, mid, hi
+
+
+def block_of(layout: Layout, lo: int, hi: int) -> int:
+    return hi - lo if layout.block is None else layout.block
+
+
+def piece_scales(scales: torch.Tensor, layout: Layout, j: int, lo: int, a: int, b: int) -> torch.Tensor:
+    """Chunk j's scales for its elements [a, b) (chunk starts at lo): a 1-element view without
+    block scales."""
+    if layout.block is None:
+        return scales[j].view(1)
+    return scales[j, (a - lo) // layout.block : (b - lo) // layout.block]
+
+
+def encode_tail(x: torch.Tensor, e: torch.Tensor, layout: Layout, bits: torch.Tensor, j: int, lo: int,
+                mid: int, hi: int) -> torch.Tensor:
+    """Chunk j's padded rest ``[mid, hi)`` (``split``): its bits into ``bits[j]``, and its float64
+    sums of squares (per block, or one), with the plain path's arithmetic."""
+    z = torch_kernels._z(x, e, mid, hi)
+    bits[j, (mid - lo) // 8 :] = torch_kernels.pack_signs(z)
+    zd = z.to(torch.float64)
+    return (zd * zd).view(-1, block_of(layout, mid, hi)).sum(-1)
+
+
+def decode_tail(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                worker_error: torch.Tensor | None, s_w: torch.Tensor | None, layout: Layout, j: int, lo: int,
+                mid: int, hi: int) -> None:
+    """Chunk j's padded rest ``[mid, hi)``: the deferred worker error (``worker_error`` None: not
+    updated) and the decode of the elements ``out`` holds, with the plain path's arithmetic."""
+    block, n = block_of(layout, mid, hi), out.numel()
+    if worker_error is not None:
+        worker_error[mid:hi] = minus_sgn_scaled(torch_kernels._z(out, worker_error, mid, hi),
+                                                piece_scales(s_w, layout, j, lo, mid, hi), block)
+    if mid < n:
+        signs = torch_kernels.unpack_signs(bits[j, (mid - lo) // 8 : (hi - lo) // 8])
+        tail = piece_scales(scales, layout, j, lo, mid, hi)
+        vals = (signs.view(-1, block) * tail.view(-1, 1)).view(-1)
+        out[mid:min(hi, n)] = vals[: min(hi, n) - mid].to(out.dtype)
