@@ -5,7 +5,8 @@ W gloo ranks (torchrun, one thread each) train a stack of Linear layers (default
 as plain DDP and once behind ``onebit_compress_hook`` with ``optimizer=`` and ``freeze_step``
 (every timed step compressed). Each timed step runs a backward under ``no_sync()`` (the
 backward's own compute), a backward with the gradients' communication, and the optimizer step;
-medians over --steps of the slowest rank, each piece behind a barrier. On loopback the wire
+medians over --steps of the slowest rank, each piece behind a barrier. Both models are built
+first and their steps alternate (``--sequential``: all of plain DDP's, then the hook's). On loopback the wire
 costs little, so what the communication adds is compute: plain DDP's all-reduce (gloo's copies
 and sums) against the hook's passes, codec and tiny messages, plus what its optimizer pre/post
 hooks add to AdamW's step. Prints both and the ratio (issue 38: at most 1.5x).
