@@ -401,6 +401,14 @@ static void decompress_avx512(const uint8_t* bits, const float* s, int64_t sstep
 }
 #endif
 
+/* Thread t of T's elements [*a, *b) of [0, n): whole units (a block, or 16 elements), the last
+   thread to n (n a multiple of 8; of the block, with blocks). */
+static void thread_range(int64_t n, int64_t unit, int t, int T, int64_t* a, int64_t* b) {
+  int64_t units = n / unit;
+  *a = units * t / T * unit;
+  *b = t == T - 1 ? n : units * (t + 1) / T * unit;
+}
+
 typedef void (*decompress_fn)(const uint8_t*, const float*, int64_t, float*, float*, const float*, int64_t, int64_t,
                               int64_t);
 
@@ -416,17 +424,8 @@ void onebit_decompress(const uint8_t* bits, const float* s, int64_t sstep, float
   int per_block = sstep != 0 || wstep != 0;
   #pragma omp parallel num_threads(threads)
   {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t a, b;
-    if (per_block) {
-      int64_t nb = n / block;
-      a = nb * t / T * block;
-      b = nb * (t + 1) / T * block;
-    } else {
-      int64_t u = n / 16;
-      a = u * t / T * 16;
-      b = t == T - 1 ? n : u * (t + 1) / T * 16;
-    }
+    thread_range(n, per_block ? block : 16, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
     int64_t j = per_block ? a / block : 0;
     if (b > a) f(bits + a / 8, s + j * sstep, sstep, out + a, e ? e + a : 0, e ? ws + j * wstep : 0, wstep, b - a,
                  per_block ? block : b - a);
@@ -497,17 +496,8 @@ void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const floa
   int64_t wr = wj ? n / block : 1;
   #pragma omp parallel num_threads(threads)
   {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t a, b;
-    if (per_block) {
-      int64_t nb = n / block;
-      a = nb * t / T * block;
-      b = nb * (t + 1) / T * block;
-    } else {
-      int64_t u = n / 16;
-      a = u * t / T * 16;
-      b = t == T - 1 ? n : u * (t + 1) / T * 16;
-    }
+    thread_range(n, per_block ? block : 16, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
     int64_t j = per_block ? a / block : 0;
     if (b > a) f(bits + a / 8, stride, W, w + j * wj, wr, wj, e + a, s + j * sstep, sstep, b - a,
                  per_block ? block : b - a);
@@ -872,8 +862,9 @@ void onebit_hook_decompress(const uint8_t* bits, const float* s, int64_t sstep, 
   int64_t unit = block ? block : 16, run = run_of(block);
   #pragma omp parallel num_threads(threads)
   {
-    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
-    int64_t units = n / unit, lo = units * t / T * unit, hi = t == T - 1 ? n : units * (t + 1) / T * unit;
+    int k = 0;
+    int64_t lo, hi;
+    thread_range(n, unit, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
     for (int64_t i = lo; i < hi; i += run) {
       int64_t len = hi - i < run ? hi - i : run, j = block ? i / block : 0;
       f(bits + i / 8, s + j * sstep, sstep, flat + off + i, e ? e + off + i : 0, e ? ws + j * wstep : 0, wstep, len,
