@@ -655,6 +655,14 @@ static double sumsq_avx2(const float* x, int64_t n) {
 }
 #endif
 
+static double sq_any(int isa, const float* x, int64_t n) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) return sumsq_avx512(x, n);
+  if (isa == 1) return sumsq_avx2(x, n);
+#endif
+  return sumsq_c(x, n);
+}
+
 double onebit_sumsq(const float* x, int64_t n, int isa, int threads) {
   enum { MAXT = 256 };
   double part[MAXT];
@@ -663,16 +671,9 @@ double onebit_sumsq(const float* x, int64_t n, int isa, int threads) {
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo = n / 16 * t / T * 16, hi = t == T - 1 ? n : n / 16 * (t + 1) / T * 16;
-    double s = 0.0;
-    if (hi > lo) {
-#ifdef ONEBIT_X86
-      if (isa >= 2) s = sumsq_avx512(x + lo, hi - lo);
-      else if (isa == 1) s = sumsq_avx2(x + lo, hi - lo);
-      else
-#endif
-      s = sumsq_c(x + lo, hi - lo);
-    }
+    int64_t lo, hi;
+    thread_range(n, 16, t, T, &lo, &hi);
+    double s = hi > lo ? sq_any(isa, x + lo, hi - lo) : 0.0;
     part[t] = s;
     if (t == 0) used = T;
   }
@@ -722,6 +723,14 @@ static double hook_pre_256(float* g, const float* m, const float* d, float k, in
 }
 #endif
 
+static double pre_any(int isa, float* g, const float* m, const float* d, float k, int64_t n) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) return hook_pre_512(g, m, d, k, n);
+  if (isa == 1) return hook_pre_256(g, m, d, k, n);
+#endif
+  return hook_pre_c(g, m, d, k, n);
+}
+
 double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
   enum { MAXT = 256 };
   double part[MAXT];
@@ -730,16 +739,9 @@ double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo = n / 16 * t / T * 16, hi = t == T - 1 ? n : n / 16 * (t + 1) / T * 16;
-    double s = 0.0;
-    if (hi > lo) {
-#ifdef ONEBIT_X86
-      if (isa >= 2) s = hook_pre_512(g + lo, m + lo, d + lo, k, hi - lo);
-      else if (isa == 1) s = hook_pre_256(g + lo, m + lo, d + lo, k, hi - lo);
-      else
-#endif
-      s = hook_pre_c(g + lo, m + lo, d + lo, k, hi - lo);
-    }
+    int64_t lo, hi;
+    thread_range(n, 16, t, T, &lo, &hi);
+    double s = hi > lo ? pre_any(isa, g + lo, m + lo, d + lo, k, hi - lo) : 0.0;
     part[t] = s;
     if (t == 0) used = T;
   }
@@ -761,14 +763,6 @@ __attribute__((target("avx512f"))) static void post_512(float* out, const float*
 __attribute__((target("avx2,fma"))) static void post_256(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 #endif
 
-static double sq_any(int isa, const float* x, int64_t n) {
-#ifdef ONEBIT_X86
-  if (isa >= 2) return sumsq_avx512(x, n);
-  if (isa == 1) return sumsq_avx2(x, n);
-#endif
-  return sumsq_c(x, n);
-}
-
 /* flat elements [a, b): the pre-pass inside the table's entries, the sum of squares alone elsewhere */
 static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
   double s = 0.0;
@@ -781,13 +775,7 @@ static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_
     int64_t o = lo - t->start[kk];
     float* g = flat + lo;
     const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
-    float f = t->sc[5 * kk];
-#ifdef ONEBIT_X86
-    if (isa >= 2) s += hook_pre_512(g, m, d, f, hi - lo);
-    else if (isa == 1) s += hook_pre_256(g, m, d, f, hi - lo);
-    else
-#endif
-    s += hook_pre_c(g, m, d, f, hi - lo);
+    s += pre_any(isa, g, m, d, t->sc[5 * kk], hi - lo);
     pos = hi;
   }
   if (b > pos) s += sq_any(isa, flat + pos, b - pos);
