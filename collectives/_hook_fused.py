@@ -47,30 +47,21 @@ class HookPasses:
 
     def worker(self, flat: torch.Tensor, worker_error: torch.Tensor, layout, msg: torch.Tensor) -> None:
         """The pre-pass and ``worker_compress(update_error=False)``, as cpu_compiled computes it."""
-        bits, scales = message_bits(msg, layout), message_scales(msg, layout)
-        n, B = flat.numel(), layout.block
-        total, sq = torch.zeros((), dtype=torch.float64), 0.0
-        for j in range(layout.W):
-            lo, mid, hi = _chunks.split(layout, n, j)
-            pieces = []
+        bits, n, sq = message_bits(msg, layout), flat.numel(), [0.0]
+
+        def piece(j: int, lo: int, mid: int, hi: int) -> list:
+            sums = []
             if mid > lo:
-                sums, q = cpu_simd.hook_encode(flat, worker_error, bits[j], lo, mid - lo, B, self.table)
-                pieces.append(sums if B else torch.tensor([sums], dtype=torch.float64))
-                sq += q
+                got, q = cpu_simd.hook_encode(flat, worker_error, bits[j], lo, mid - lo, layout.block,
+                                              self.table)
+                sums.append(got if layout.block else torch.tensor([got], dtype=torch.float64))
+                sq[0] += q
             if min(hi, n) > mid:  # the padded chunk's data tail: the pre-pass alone, then the plain encode
-                sq += cpu_simd.hook_pre_range(flat, mid, min(hi, n), self.table)
-            if hi > mid:
-                pieces.append(_chunks.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
-            sums = torch.cat(pieces)
-            if B is None:
-                total += sums.sum()
-            else:
-                scales[j] = torch.sqrt(sums / B).to(torch.float32)
-        if B is None:
-            scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
-        elif not bool(torch.isfinite(scales).all()):
-            scales.fill_(float("nan"))  # one non-finite block poisons every scale (as the plain path)
-        self.fa.add_local(flat, sq)
+                sq[0] += cpu_simd.hook_pre_range(flat, mid, min(hi, n), self.table)
+            return sums
+
+        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
+        self.fa.add_local(flat, sq[0])
 
     def finish(self, gathered: torch.Tensor, layout, flat: torch.Tensor, worker_error: torch.Tensor,
                msg: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_kernels
-from .layout import Layout
+from .layout import Layout, message_bits, message_scales
 
 
 def minus_sgn_scaled(z: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
@@ -71,3 +71,27 @@ def decode_tail(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
         tail = piece_scales(scales, layout, j, lo, mid, hi)
         vals = (signs.view(-1, block) * tail.view(-1, 1)).view(-1)
         out[mid:min(hi, n)] = vals[: min(hi, n) - mid].to(out.dtype)
+
+
+def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.Tensor, piece) -> None:
+    """``worker_compress(update_error=False)``'s message, chunk by chunk: ``piece(j, lo, mid, hi)``
+    encodes chunk j's ``[lo, mid)`` into ``bits[j]`` (the codec's pass, with whatever maths a fused
+    pass adds) and returns its float64 sums of squares (per block, or one total), an empty list
+    where ``mid == lo``; the padded rest ``[mid, hi)`` takes the plain arithmetic. The scales: one
+    from every chunk's sums, or one per block; a non-finite block poisons every scale."""
+    bits, scales, n = message_bits(msg, layout), message_scales(msg, layout), x.numel()
+    total = torch.zeros((), dtype=torch.float64)
+    for j in range(layout.W):
+        lo, mid, hi = split(layout, n, j)
+        pieces = list(piece(j, lo, mid, hi))
+        if hi > mid:
+            pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))
+        sums = torch.cat(pieces)
+        if layout.block is None:
+            total += sums.sum()
+        else:
+            scales[j] = torch.sqrt(sums / layout.block).to(torch.float32)
+    if layout.block is None:
+        scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
+    elif not bool(torch.isfinite(scales).all()):
+        scales.fill_(float("nan"))  # as the plain path

@@ -29,7 +29,7 @@ import os
 import torch
 
 from . import cpu_simd, torch_kernels
-from ._chunks import block_of, decode_tail, encode_tail, minus_sgn_scaled, piece_scales, scaled, split
+from ._chunks import block_of, decode_tail, encode_chunks, minus_sgn_scaled, piece_scales, scaled, split
 from ._warn import warn_user
 from .layout import Layout, message_bits, message_scales
 
@@ -261,40 +261,28 @@ def chosen(layout: Layout) -> bool:
 def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor,
                     update_error: bool) -> None:
     """:func:`torch_kernels.worker_compress`, compiled."""
-    bits, scales, n = message_bits(out, layout), message_scales(out, layout), x.numel()
-    parts, total = [], torch.zeros((), dtype=torch.float64)
+    bits, scales = message_bits(out, layout), message_scales(out, layout)
     simd = x.dtype == torch.float32 and x.is_contiguous() and e.is_contiguous() and cpu_simd.available()
-    for j in range(layout.W):
-        lo, mid, hi = split(layout, n, j)
-        pieces = []
-        if mid > lo and simd:  # the C pass (onebit.kernels.cpu_simd): at copy bandwidth
+
+    def piece(j: int, lo: int, mid: int, hi: int) -> list:
+        if mid == lo:
+            return []
+        if simd:  # the C pass (onebit.kernels.cpu_simd): at copy bandwidth
             out_bits = bits[j, : (mid - lo) // 8]
             if layout.block is None:
-                pieces.append(torch.tensor([cpu_simd.encode_total(x[lo:mid], e[lo:mid], out_bits)],
-                                           dtype=torch.float64))
-            else:
-                pieces.append(cpu_simd.encode_blocks(x[lo:mid], e[lo:mid], out_bits, layout.block))
-        elif mid > lo and layout.block is None:  # the piece's sum of squares inside the pass
+                total = cpu_simd.encode_total(x[lo:mid], e[lo:mid], out_bits)
+                return [torch.tensor([total], dtype=torch.float64)]
+            return [cpu_simd.encode_blocks(x[lo:mid], e[lo:mid], out_bits, layout.block)]
+        if layout.block is None:  # the piece's sum of squares inside the pass
             piece_sum, packed = _fns()["worker_encode_total"](x[lo:mid], e[lo:mid])
             bits[j, : (mid - lo) // 8] = packed
-            pieces.append(piece_sum.view(1))
-        elif mid > lo:
-            sums8, packed = _fns()["worker_encode"](x[lo:mid], e[lo:mid])
-            bits[j, : (mid - lo) // 8] = packed
-            pieces.append(_block_sums(sums8, block_of(layout, lo, mid)))
-        if hi > mid:
-            pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))
-        sums = torch.cat(pieces)
-        if layout.block is None:
-            total += sums.sum()
-        else:
-            scales[j] = torch.sqrt(sums / layout.block).to(torch.float32)
-        parts.append((lo, mid, hi))
-    if layout.block is None:
-        scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
+            return [piece_sum.view(1)]
+        sums8, packed = _fns()["worker_encode"](x[lo:mid], e[lo:mid])
+        bits[j, : (mid - lo) // 8] = packed
+        return [_block_sums(sums8, block_of(layout, lo, mid))]
+
+    encode_chunks(x, e, layout, out, piece)
     finite = bool(torch.isfinite(scales).all())
-    if layout.block is not None and not finite:
-        scales.fill_(float("nan"))  # one non-finite block poisons every scale (as the plain path)
     if not (update_error and finite):
         return
     if layout.block is not None:  # per-block scales: the plain path's update (see SLOW_COMPILED)
@@ -303,7 +291,8 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
             torch_kernels._minus_sgn_scaled_blocks(torch_kernels._z(x, e, lo, hi),
                                                    scales[j, a // layout.block : b // layout.block], e[lo:hi])
         return
-    for j, (lo, mid, hi) in enumerate(parts):
+    for j in range(layout.W):
+        lo, mid, hi = split(layout, x.numel(), j)
         if mid > lo:
             _fns()["worker_update"](x[lo:mid], e[lo:mid], piece_scales(scales, layout, j, lo, lo, mid))
         if hi > mid:

@@ -73,20 +73,16 @@ class _Passes:
     def worker(self, flat, worker_error, layout, msg) -> None:
         """worker_compress(update_error=False) of the folded momentum, no block scales: as
         :func:`onebit.kernels.cpu_compiled.worker_compress` computes it, the fold inside."""
-        bits, scales, n = message_bits(msg, layout), message_scales(msg, layout), flat.numel()
-        total = torch.zeros((), dtype=torch.float64)
-        for j in range(layout.W):
-            lo, mid, hi = _chunks.split(layout, n, j)
-            pieces = []
+        bits, n = message_bits(msg, layout), flat.numel()
+
+        def piece(j: int, lo: int, mid: int, hi: int) -> list:
             end = min(hi, n)
-            if end > lo:
-                piece = cpu_simd.fold_encode(flat, worker_error, bits[j], lo, mid - lo, end - lo, self.table)
-                if mid > lo:
-                    pieces.append(torch.tensor([piece], dtype=torch.float64))
-            if hi > mid:
-                pieces.append(_chunks.encode_tail(flat, worker_error, layout, bits, j, lo, mid, hi))
-            total += torch.cat(pieces).sum()
-        scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
+            if end <= lo:
+                return []
+            total = cpu_simd.fold_encode(flat, worker_error, bits[j], lo, mid - lo, end - lo, self.table)
+            return [torch.tensor([total], dtype=torch.float64)] if mid > lo else []
+
+        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         """decompress (with the deferred worker error where the scales are finite), the update
