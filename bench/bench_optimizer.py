@@ -2,9 +2,12 @@
 
 A transformer-shaped parameter set (default: 8 blocks of d_model 1024, about 101M
 parameters) with fixed random gradients. OnebitAdam runs with ``freeze_step=1`` (every timed step
-compressed) and its reducer's collective replaced by the full local compute at W = 1
-(``local_compressed_allreduce``: worker compress, server reduce, decompress, no
-communication), so the time is the optimizer's own compute. The baseline is
+compressed) and its reducer's collective replaced by the whole local compute of rank 0 in a group
+of ``--world`` W ranks (default 4), the two collectives as copies
+(:class:`onebit.collectives.allreduce.LocalCopies`): the worker pass and decompress over all n
+elements, the server over this rank's n / W from W messages, no communication. So the time is one
+rank's own compute in a W-rank run. ``--world 1`` runs the server over all n, a compute no run
+does (a one-rank group takes the identity shortcut). The baseline is
 ``torch.optim.AdamW(fused=True)`` on identical parameters. Prints medians of --repeats steps
 and the ratio; appends a CSV row per optimizer.
 
@@ -21,21 +24,37 @@ import sys
 
 import torch
 
-from onebit.collectives import local_compressed_allreduce
+from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
+from onebit.kernels.layout import padded_numel
 from onebit.optimizers import OnebitAdam, _fused
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, wall_ms, write_csv  # noqa: E402
 
 
-def forced_single_rank(tensor, worker_error, server_error, group=None):
-    """compressed_allreduce with the whole local compute at W = 1 (no identity shortcut)."""
-    return local_compressed_allreduce([tensor], [worker_error], [server_error])[0]
+def local_rank(W: int):
+    """compressed_allreduce as rank 0 of W computes it, the collectives as copies (no identity
+    shortcut at W = 1). OnebitAdam's fused passes (onebit.optimizers._fused: Triton on a GPU, C on
+    an x86 CPU) run the same: their own worker and decompress passes, the server, the copies."""
+    def allreduce(tensor, worker_error, server_error, group=None):
+        _compressed_allreduce(tensor, worker_error, server_error, None, W, None, LocalCopies(W))
+        return tensor
+
+    allreduce.local_compute = W
+    return allreduce
 
 
-# OnebitAdam's fused passes (onebit.optimizers._fused: Triton on a GPU, C on an x86 CPU) run this
-# local compute too: their own worker and decompress passes, the server, the collectives as copies
-forced_single_rank.local_compute = True
+forced_single_rank = local_rank(1)  # bench_profile.py: the whole compute of a one-rank group
+
+
+def emulate_world(opt, W: int) -> None:
+    """Size the reducer's error buffers as a W-rank group's rank holds them, its collective local."""
+    reducer = opt.reducer()
+    for b in reducer.buckets:
+        N = padded_numel(b.n, W, None)
+        b.worker_error = torch.zeros(N, dtype=torch.float32, device=b.flat.device)
+        b.server_error = torch.zeros(N // W, dtype=torch.float32, device=b.flat.device)
+    reducer.allreduce = local_rank(W)  # the reducer's only collective
 
 
 def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
@@ -54,7 +73,7 @@ def build(name: str, args, device):
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb)
-    opt.reducer().allreduce = forced_single_rank  # the reducer's only collective
+    emulate_world(opt, args.world)
     return opt
 
 
@@ -70,6 +89,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--world", type=int, default=4, help="the emulated group size W (rank 0's compute)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam's bucket size")
     p.add_argument("--unfused", action="store_true",
                    help="OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False: "
@@ -97,7 +117,7 @@ def main() -> None:
         results = {name: statistics.median(t) for name, t in times.items()}
         for name, ms in results.items():
             print(f"{name:20} {n / 1e6:.1f}M parameters: {ms:9.2f} ms/step (median of {args.repeats}, "
-                  f"interleaved)", file=sys.stderr)
+                  f"interleaved, W = {args.world})", file=sys.stderr)
         print(f"OnebitAdam unfused / fused = {results['onebit_adam_unfused'] / results['onebit_adam']:.2f}",
               file=sys.stderr)
     for name in () if args.interleave else ("adamw_fused", "onebit_adam"):
@@ -113,7 +133,8 @@ def main() -> None:
     meta = provenance(device)
     tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""
-    rows = [{**meta, "parameters": n, "optimizer": name + (tag if name != "adamw_fused" else ""),
+    rows = [{**meta, "parameters": n, "world": args.world,
+             "optimizer": name + (tag if name != "adamw_fused" else ""),
              "ms_median": f"{ms:.3f}",
              "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]
     print(write_csv(args.csv, rows, append=True))

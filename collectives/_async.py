@@ -121,9 +121,13 @@ def _failure(operation: str, group, exc: BaseException) -> BaseException:
 
 
 def worker_message(flat, worker_error, layout: Layout, passes=None) -> torch.Tensor:
-    """This rank's message: ``worker_compress(update_error=False)``, or the caller's ``passes``."""
+    """This rank's message: ``worker_compress(update_error=False)``, or the caller's ``passes``
+    (``passes.ready(layout)``, where they have it: the message they built already)."""
     if passes is None:
         return worker_compress(flat, worker_error, layout.W, update_error=False, block=layout.block)
+    ready = getattr(passes, "ready", None)  # a message the caller's passes built before the call
+    if ready is not None:
+        return ready(layout)
     msg = empty_message(layout, layout.W, flat.device)
     passes.worker(flat, worker_error, layout, msg)
     return msg

@@ -192,17 +192,18 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
 
 
 def compressed_allreduce_passes(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                                group, passes, *, local: bool = False, block: int | None = None,
+                                group, passes, *, local: bool | int = False, block: int | None = None,
                                 async_op: bool = False):
     """``compressed_allreduce(tensor, ...)`` (a flat contiguous float32 ``tensor``) whose worker
     and decompress passes the caller runs with its own maths fused in: ``passes.worker(flat,
     worker_error, layout, msg)`` writes the worker message (``worker_compress(update_error=False)``'s
     contract) and ``passes.finish(gathered, layout, flat, worker_error, msg)`` does at least
     ``decompress``'s (onebit.optimizers._fused, onebit.collectives._hook_fused). The all-to-all,
-    the server and the all-gather are the collective's. ``local``: the whole compute of a one-rank
-    group with the two collectives as copies (the benchmarks' W = 1; block None, validated
-    arguments). ``async_op`` (a CPU tensor, a process group of W > 1; arguments validated here):
-    the future of :func:`compressed_allreduce`'s ``async_op``, with ``block``."""
+    the server and the all-gather are the collective's. ``local``: one rank's whole compute with
+    the two collectives as copies (:class:`LocalCopies`): True for a one-rank group, an int W for
+    rank 0 of W (the benchmarks; block None, validated arguments, buffers sized for that W).
+    ``async_op`` (a CPU tensor, a process group of W > 1; arguments validated here): the future
+    of :func:`compressed_allreduce`'s ``async_op``, with ``block``."""
     if async_op:
         W = group_size(group)
         block = check_block(block)
@@ -210,26 +211,33 @@ def compressed_allreduce_passes(tensor: torch.Tensor, worker_error: torch.Tensor
         if W == 1 or tensor.numel() == 0 or tensor.is_cuda:
             raise ValueError("compressed_allreduce_passes: async_op needs a CPU tensor and a group of W > 1")
         return _async.start(tensor, tensor, worker_error, server_error, group, W, N, block, passes)
-    W = 1 if local else group_size(group)
-    transport = _LOCAL if local else None
+    W = int(local) if local else group_size(group)
+    transport = LocalCopies(W) if local else None
     _compressed_allreduce(tensor, worker_error, server_error, group, W, block, transport, passes)
     traffic.compressed += compressed_bytes(worker_error.numel(), W, block)
     traffic.compressed_calls += 1
 
 
-class _Copies:
-    """A one-rank group's two collectives, as copies (what they move)."""
+class LocalCopies:
+    """The two collectives as rank 0 of a W-rank group would see them, with every rank's data
+    its own, as copies: the all-to-all hands the server its W chunks' messages (this rank's own
+    message), the all-gather W copies of its segment. The rank's whole compute with the wire
+    excluded: the worker and decompress passes over all n elements, the server over its n / W
+    from W messages (W = 1: a one-rank group without the identity shortcut)."""
 
-    @staticmethod
-    def all_to_all(recv: torch.Tensor, msg: torch.Tensor) -> None:
+    def __init__(self, W: int = 1) -> None:
+        if W < 1:
+            raise ValueError(f"LocalCopies: expected W >= 1, got {W}")
+        self.W = W
+
+    def all_to_all(self, recv: torch.Tensor, msg: torch.Tensor) -> None:
         recv.copy_(msg)
 
-    @staticmethod
-    def all_gather(out: torch.Tensor, seg: torch.Tensor) -> None:
-        out.copy_(seg)
+    def all_gather(self, out: torch.Tensor, seg: torch.Tensor) -> None:
+        out.view(self.W, -1).copy_(seg.view(1, -1).expand(self.W, -1))
 
 
-_LOCAL = _Copies()
+_LOCAL = LocalCopies()
 
 
 def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None,

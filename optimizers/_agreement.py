@@ -74,6 +74,10 @@ class Agreement:
 
     def _local_gradients_finite(self) -> bool:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return self._grads_finite(grads)
+
+    @staticmethod
+    def _grads_finite(grads: list) -> bool:
         if not grads:
             return True
         # A finite sum proves every element finite (NaN and inf propagate); one read per
@@ -87,16 +91,17 @@ class Agreement:
             return True
         return all(bool(torch.isfinite(gr).all()) for gr in grads)
 
-    def _gradients_usable(self) -> bool:
+    def _gradients_usable(self, local: bool | None = None) -> bool:
         """Agree over the group whether every rank's gradients are finite (one single-element
         all-reduce and a host sync); on any non-finite gradient, every rank skips or raises
-        before touching any state."""
+        before touching any state. ``local``: this rank's verdict where the step's first phase
+        found it (None: a pass over the gradients finds it here)."""
         foreign = self._foreign_state
         if self.nonfinite is None or self._grads_verified:
             if foreign:  # no agreement this step: each rank that loaded a foreign state says so
                 self._say_foreign_state(None)
             return True
-        ok = self._local_gradients_finite()
+        ok = self._local_gradients_finite() if local is None else local
         control, size = self.control_group, self._control_size()
         if size == 1:
             bad = [] if ok else [0]

@@ -217,11 +217,19 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         if overlap is None or not overlap.wanted():
             if check:
                 self.verify_ranks()
-            if self._gradients_usable():
+            local = self._prepare_step() if self.nonfinite is not None and not self._grads_verified else None
+            try:
+                usable = self._gradients_usable(local)
+            except BaseException:
+                self._abandon_step()
+                raise
+            if usable:
                 averaged = self._sharding is not None and self.wants_averaged_gradients()
                 self._take_step()
                 if averaged:
                     self._count_fsdp_all_reduce()
+            else:
+                self._abandon_step()
             return
         try:  # overlap=True: finish the collectives backward started, then agree and update
             if self._grads_verified:
@@ -283,6 +291,15 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
     def _take_step(self) -> None:
         """The optimizer's update, on gradients every rank has agreed are usable."""
         raise NotImplementedError
+
+    def _prepare_step(self) -> bool | None:
+        """The step's first phase before the ranks agree on the gradients, where an optimizer can
+        undo it (``_abandon_step``): returns this rank's verdict on its gradients' finiteness, read
+        from that phase's own pass; None: not prepared (the agreement reads the gradients)."""
+        return None
+
+    def _abandon_step(self) -> None:
+        """Undo ``_prepare_step`` (the ranks skip the step, or one raised)."""
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for this optimizer's parameters by a norm every rank

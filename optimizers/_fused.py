@@ -124,7 +124,7 @@ class FusedCompression:
         tf, reducer = self.tf, self.reducer
         addr, scal = self._tables(opt, pairs, t)
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
-        local = bool(getattr(reducer.allreduce, "local_compute", False))
+        local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
         for b, tiles in zip(reducer.buckets, self.tiles, strict=True):
             if not b.numel:
                 continue

@@ -26,15 +26,27 @@ import torch
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
 from ..kernels import _chunks, cpu_simd
-from ..kernels.layout import message_bits, message_scales
+from ..kernels.layout import Layout, empty_message, message_bits, message_scales
 
 
 class CpuFusedCompression:
-    """The per-reducer tables (one per bucket) and the step."""
+    """The per-reducer tables (one per bucket) and the step.
+
+    The step's first phase (``prepare``: every bucket folded and encoded, nothing sent) can run
+    before the ranks agree that the gradients are finite, the agreement reading its verdict from
+    the messages' scales instead of a pass over the gradients: a non-finite gradient makes its
+    chunk's float64 sum of squares non-finite. It overwrites only the momentum, which ``abandon``
+    restores bitwise where the ranks then skip the step: after a fused compression step the
+    momentum is exactly the decode of that step's gathered message (sign times its chunk's scale),
+    kept per bucket (1/32 of the momentum's bytes). ``prepare`` declines (None) where that does
+    not hold: before the first fused step, or once anything else has written the momentum
+    (``flat._version``: a checkpoint's load, an unfused step)."""
 
     def __init__(self, reducer) -> None:
         self.reducer = reducer
         self.tables = [cpu_simd.Table(list(b.offsets), list(b.numels)) for b in reducer.buckets]
+        self.last: list = [None] * len(reducer.buckets)  # (gathered, layout, flat._version) per bucket
+        self.ready: list | None = None  # the prepared messages, until step or abandon
 
     def _fill(self, opt, pairs, t: int, bucket, table: cpu_simd.Table) -> None:
         g_addr, d_addr, p_addr, rows = [], [], [], []
@@ -51,24 +63,86 @@ class CpuFusedCompression:
         table.p.copy_(torch.tensor(p_addr, dtype=torch.int64))
         table.scalars.copy_(torch.tensor(rows, dtype=torch.float64).to(torch.float32))  # cpu_fused rounds so
 
-    def step(self, opt, pairs, t: int) -> None:
-        """Fold, all-reduce and update every bucket (the compression stage's step)."""
-        reducer = self.reducer
-        clip = math.inf if opt.update_clip is None else float(opt.update_clip)
-        local = bool(getattr(reducer.allreduce, "local_compute", False))
-        for b, table in zip(reducer.buckets, self.tables, strict=True):
+    def _restorable(self) -> bool:
+        return all(last is not None and last[2] == b.flat._version
+                   for b, last in zip(self.reducer.buckets, self.last, strict=True) if b.numel)
+
+    def _W(self) -> int:
+        local = getattr(self.reducer.allreduce, "local_compute", False)  # True or the emulated W
+        return int(local) if local else self.reducer.world_size
+
+    def prepare(self, opt, pairs, t: int) -> bool | None:
+        """Fold and encode every bucket for step ``t``; returns whether this rank's gradients are
+        all finite, or None (nothing done) where the momentum could not be restored."""
+        if not self._restorable():
+            return None
+        W, ready, finite = self._W(), [], True
+        for b, table in zip(self.reducer.buckets, self.tables, strict=True):
             if not b.numel:
+                ready.append(None)
                 continue
             self._fill(opt, pairs, t, b, table)
+            layout = Layout(b.worker_error.numel(), W, None)
+            msg = empty_message(layout, W, b.flat.device)
+            _Passes(table, 0.0).worker(b.flat, b.worker_error, layout, msg)
+            finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
+            ready.append(msg)
+        self.ready = ready
+        if finite:
+            return True
+        # a non-finite sum: a non-finite gradient, or finite ones whose fold overflowed (the
+        # exact test decides, as the unfused check's does)
+        return all(bool(torch.isfinite(p.grad).all()) for p, _ in pairs if p.grad is not None)
+
+    def abandon(self) -> None:
+        """The ranks skip the prepared step: every momentum bucket back to what it was."""
+        if self.ready is None:
+            return
+        self.ready = None
+        for k, (b, last) in enumerate(zip(self.reducer.buckets, self.last, strict=True)):
+            if b.numel:
+                gathered, layout, _ = last
+                _Passes.decode(gathered, layout, b.flat)
+                self.last[k] = (gathered, layout, b.flat._version)
+
+    def step(self, opt, pairs, t: int) -> None:
+        """Fold, all-reduce and update every bucket (the compression stage's step); the fold and
+        encode already done where ``prepare`` ran."""
+        reducer, ready = self.reducer, self.ready
+        self.ready = None
+        clip = math.inf if opt.update_clip is None else float(opt.update_clip)
+        local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
+        for k, (b, table) in enumerate(zip(reducer.buckets, self.tables, strict=True)):
+            if not b.numel:
+                continue
+            if ready is None:
+                self._fill(opt, pairs, t, b, table)
+            passes = _Passes(table, clip, None if ready is None else ready[k])
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
                 compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group,
-                                            _Passes(table, clip), local=local)
+                                            passes, local=local)
             reducer.count_compressed(b)
+            self.last[k] = (passes.gathered, passes.layout, b.flat._version)
 
 
 class _Passes:
-    def __init__(self, table: cpu_simd.Table, clip: float) -> None:
-        self.table, self.clip = table, clip
+    def __init__(self, table: cpu_simd.Table, clip: float, msg: torch.Tensor | None = None) -> None:
+        self.table, self.clip, self.msg = table, clip, msg
+        self.gathered = self.layout = None
+        if msg is not None:
+            self.ready = lambda layout: msg  # the message prepare built (collectives._async)
+
+    @staticmethod
+    def decode(gathered, layout, flat) -> None:
+        """``flat`` = the decode of ``gathered`` (the update's first half without the error or the
+        update: what ``finish`` wrote into ``flat``, bitwise)."""
+        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
+        for j in range(layout.W):
+            lo, mid, hi = _chunks.split(layout, n, j)
+            if mid > lo:
+                cpu_simd.decompress(bits[j, : (mid - lo) // 8], scales[j].view(1), flat[lo:mid], None)
+            if hi > mid:
+                _chunks.decode_tail(bits, scales, flat, None, None, layout, j, lo, mid, hi)
 
     def worker(self, flat, worker_error, layout, msg) -> None:
         """worker_compress(update_error=False) of the folded momentum, no block scales: as
@@ -87,6 +161,7 @@ class _Passes:
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         """decompress (with the deferred worker error where the scales are finite), the update
         of every parameter inside."""
+        self.gathered, self.layout = gathered, layout  # kept: the momentum is their decode (abandon)
         scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout)

@@ -131,6 +131,29 @@ class OnebitAdam(WarmupThenCompress):
             if self.compressing:
                 self._enter_compression()
 
+    def _prepare_step(self) -> bool | None:
+        """The fused C step's fold and encode, before the agreement (optimizers/_fused_cpu.py):
+        its messages' scales give this rank's verdict, without a pass over the gradients."""
+        if not self.compressing or self._overlap is not None:
+            return None
+        reducer, pairs = self.reducer(), self.compressed_params()
+        if not _fused.applies(self, reducer, pairs):
+            return None
+        prepare = getattr(self._fused_plan(reducer), "prepare", None)  # the C passes only
+        if prepare is None:
+            return None
+        others = [p.grad for g in self.param_groups if g.get("non_freeze", False) for p in g["params"]
+                  if p.grad is not None]
+        ok = prepare(self, pairs, self.updates + 1)
+        if ok is None or not others:
+            return ok
+        return ok and self._grads_finite(others)
+
+    def _abandon_step(self) -> None:
+        plan = getattr(self, "_fused_cache", None)
+        if plan is not None and hasattr(plan, "abandon"):
+            plan.abandon()
+
     def _fused_plan(self, reducer):
         plan = getattr(self, "_fused_cache", None)
         if plan is None or plan.reducer is not reducer:

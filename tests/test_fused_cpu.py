@@ -6,6 +6,8 @@ sizes not a multiple of 8; locally (W = 1's whole compute) and on 3 gloo ranks."
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -115,3 +117,115 @@ def _local(tensor, we, se, group=None):
 
 
 _local.local_compute = True
+
+
+def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip", local: bool = True):
+    """Six steps, step 4 with an infinite gradient on ``bad_rank``: the states before and after
+    it, the final state, and how often the gradients were read for the agreement."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=2, bucket_cap_mb=0.2, nonfinite=policy)
+    red = opt.reducer()
+    if local:
+        red.allreduce = _compiled
+    reads = []
+    read = opt._local_gradients_finite
+    opt._local_gradients_finite = lambda: reads.append(1) or read()
+    _fused.ENABLED = fused
+    states = []
+    try:
+        g = torch.Generator().manual_seed(1000 + rank)
+        for step in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 4 and rank == bad_rank:
+                params[4].grad[123] = float("inf")
+            state = [t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]
+                     + [e for pair in red.errors() for e in pair]]
+            try:
+                opt.step()
+            except FloatingPointError:
+                assert policy == "raise" and step == 4
+            if step == 4:
+                states.append(state)
+                states.append([t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]
+                               + [e for pair in red.errors() for e in pair]])
+    finally:
+        _fused.ENABLED = True
+    final = [t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]]
+    return states, final, len(reads), opt.skipped_steps
+
+
+def _compiled(tensor, we, se, group=None):
+    from onebit.collectives import local_compressed_allreduce
+
+    return local_compressed_allreduce([tensor], [we], [se], backend="compiled")[0]
+
+
+_compiled.local_compute = True
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_skipped_step_restores_the_prepared_momentum_bitwise(policy):
+    # from the second fused step on, the fold and encode run before the agreement and the
+    # agreement reads the messages' scales: no pass over the gradients; the skipped step leaves
+    # every parameter, momentum and error buffer bitwise as it was, and the run goes on as the
+    # unfused one does
+    (before, after), final, reads, skipped = _skipping(True, policy=policy)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+    (before0, after0), final0, reads0, skipped0 = _skipping(False, policy=policy)
+    assert skipped == skipped0 == (1 if policy == "skip" else 0)
+    assert reads0 == 6 and reads == 3  # the warm-up's two and the first fused step's read the gradients
+    for a, b in zip(before + final, before0 + final0, strict=True):
+        if a.numel() >= 65536 or a is before[0]:
+            assert torch.equal(a, b)
+        else:  # below cpu_fused.MIN_NUMEL the unfused update's plain ops round once
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _skip_body():
+    import torch.distributed as dist
+
+    return _skipping(True, dist.get_rank(), bad_rank=2, local=False), _skipping(False, dist.get_rank(), 2,
+                                                                                 local=False)
+
+
+def test_a_skip_on_one_rank_restores_every_rank(ranks):
+    results = ranks(3).run(_skip_body)
+    for ((before, after), final, reads, skipped), (_, final0, reads0, skipped0) in results:
+        assert skipped == skipped0 == 1 and reads == 3 and reads0 == 6
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(final, final0, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for other in results[1:]:  # the replicas stay bitwise identical
+        for a, b in zip(other[0][1][:len(SHAPES)], results[0][0][1][:len(SHAPES)], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_loaded_momentum_is_not_restored_from_an_old_message():
+    # a checkpoint's load writes the momentum: the next step reads the gradients again (the
+    # message it kept no longer decodes to the momentum)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(70001))
+    opt = OnebitAdam([p], lr=1e-2, freeze_step=1, nonfinite="skip")
+    opt.reducer().allreduce = _compiled
+    reads = []
+    read = opt._local_gradients_finite
+    opt._local_gradients_finite = lambda: reads.append(1) or read()
+    for _ in range(3):
+        p.grad = torch.randn(70001)
+        opt.step()
+    assert len(reads) == 2
+    sd = copy.deepcopy(opt.state_dict())
+    p.grad = torch.randn(70001)
+    opt.step()  # the momentum moves on; then the older one comes back
+    opt.load_state_dict(sd)
+    p.grad = torch.randn(70001)
+    p.grad[5] = float("nan")
+    before = opt.reducer().buckets[0].flat.clone()
+    opt.step()
+    assert len(reads) == 3 and opt.skipped_steps == 1
+    assert torch.equal(opt.reducer().buckets[0].flat, before)
+    assert torch.equal(before, sd["state"][0]["exp_avg"])
