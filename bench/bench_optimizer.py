@@ -95,7 +95,8 @@ def main() -> None:
                    help="OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False: "
                         "Triton's on a GPU, the C ones on an x86 CPU)")
     p.add_argument("--interleave", action="store_true",
-                   help="time fused AdamW, OnebitAdam unfused and fused in turn, step by step, in one "
+                   help="time fused AdamW, OnebitAdam unfused and fused (on CPU also fused with the "
+                        "non-finite agreement's own pass over the gradients) in turn, step by step, in one "
                         "process (the host's speed drifts between runs by more than the difference)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
@@ -106,6 +107,10 @@ def main() -> None:
         runs = {"adamw_fused": (build("adamw_fused", args, device), True),
                 "onebit_adam_unfused": (build("onebit_adam", args, device), False),
                 "onebit_adam": (build("onebit_adam", args, device), True)}
+        if device.type == "cpu":  # the fused C step, its agreement reading the gradients (as before 11-27)
+            reread = build("onebit_adam", args, device)
+            reread._prepare_step = lambda: None
+            runs["onebit_adam_gradient_pass"] = (reread, True)
         n = sum(q.numel() for q in runs["adamw_fused"][0].param_groups[0]["params"])
         times = {name: [] for name in runs}
         for i in range(args.repeats + 2):
