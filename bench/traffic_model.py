@@ -106,6 +106,10 @@ def rows():
         server = (2 * W * 0.125 + 12 + 0.125) / W
         xfer = 0.5 if local else 0.25 * 2 / W
         r.append((f"OnebitAdam compression, GPU fused passes, {tag}", fin + 20.125 + server + 24.125 + xfer))
+        # x86 CPU (optimizers/_fused_cpu.py), from the second fused step on: no gradient pass for the
+        # agreement (its verdict from the messages' scales)
+        cpu = 20.125 + server + 24.125 + xfer
+        r.append((f"OnebitAdam compression, CPU fused passes (prepared), {tag}", cpu))
     return r
 
 
