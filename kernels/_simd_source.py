@@ -12,6 +12,7 @@ _REV = ", ".join(str(int(f"{b:08b}"[::-1], 2)) for b in range(256))
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -611,6 +612,77 @@ void onebit_decompress_update(const uint8_t* bits, const float* s, float* flat, 
       int64_t len = hi - i < RUN ? hi - i : RUN;
       f(bits + i / 8, s, 0, flat + off + i, e ? e + off + i : 0, ws, 0, len, len);
       update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+    }
+  }
+}
+
+/* All W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py): chunk j covers flat
+   elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold up to j C + n_fold[j];
+   sums[j] its float64 total, with onebit_fold_encode's thread split and order within each chunk
+   (one thread below 65536 elements, as cpu_simd._threads): bitwise W calls of it. */
+void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+                            const int64_t* n_enc, const int64_t* n_fold, double* sums, const int64_t* start,
+                            const int64_t* count, const int64_t* g, const int64_t* d, const float* sc, int K,
+                            int isa, int threads) {
+  enum { RUN = 4096, MAXT = 256, SMALL = 1 << 16 };
+  table_t tab = {start, count, g, d, 0, sc, K};
+  blocks_fn f = pick(isa);
+  if (threads > MAXT) threads = MAXT;
+  double* part = (double*)calloc((size_t)W * MAXT, sizeof(double));
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    if (t == 0) used = T;
+    for (int j = 0; j < W; j++) {
+      int Tj = n_enc[j] < SMALL ? 1 : T;
+      if (t >= Tj) continue;
+      int64_t off = j * C, units = n_enc[j] / 8, lo = units * t / Tj * 8, hi = units * (t + 1) / Tj * 8;
+      double acc = 0.0, r;
+      k = 0;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        fold_range(isa, flat, off + i, off + i + len, &tab, &k);
+        f(flat + off + i, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        acc += r;
+      }
+      part[(size_t)j * MAXT + t] = acc;
+    }
+  }
+  for (int j = 0; j < W; j++) {
+    int k = 0, Tj = n_enc[j] < SMALL ? 1 : used;
+    if (n_fold[j] > n_enc[j]) fold_range(isa, flat, j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
+    double total = 0.0;
+    for (int t = 0; t < Tj; t++) total += part[(size_t)j * MAXT + t];
+    sums[j] = total;
+  }
+  free(part);
+}
+
+/* onebit_decompress_update over all W chunks of a bucket in one parallel region: chunk j's elements
+   [j C, j C + n[j]) from bits + j stride, scale s[j], worker scale ws[j] (e NULL: no error). */
+void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const float* s, float* flat, float* e,
+                                  const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
+                                  const int64_t* count, const int64_t* p, const float* sc, int K, float lo_c,
+                                  float hi_c, int isa, int threads) {
+  enum { RUN = 4096 };
+  table_t tab = {start, count, 0, 0, p, sc, K};
+  decompress_fn f = decompress_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = decompress_avx512;
+  else if (isa == 1) f = decompress_avx2;
+#endif
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    for (int j = 0; j < W; j++) {
+      int k = 0;
+      int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        f(bits + j * stride + i / 8, s + j, 0, flat + off + i, e ? e + off + i : 0, e ? ws + j : 0, 0, len, len);
+        update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+      }
     }
   }
 }

@@ -98,6 +98,11 @@ def _build() -> ctypes.CDLL:
     lib.onebit_decompress_update.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p, i32, ctypes.c_float,
                                              ctypes.c_float, i32, i32]
     lib.onebit_decompress_update.restype = None
+    lib.onebit_fold_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32]
+    lib.onebit_fold_encode_all.restype = None
+    lib.onebit_decompress_update_all.argtypes = [p, i64, p, p, p, p, i64, i32, p, p, p, p, p, i32,
+                                                 ctypes.c_float, ctypes.c_float, i32, i32]
+    lib.onebit_decompress_update_all.restype = None
     lib.onebit_update.argtypes = [p, i64, i64, p, p, p, p, i32, ctypes.c_float, ctypes.c_float, i32]
     lib.onebit_update.restype = None
     lib.onebit_sumsq.argtypes = [p, i64, i32, i32]
@@ -318,6 +323,56 @@ def decompress_update(bits: torch.Tensor, scale: torch.Tensor, flat: torch.Tenso
         bits.data_ptr(), scale.data_ptr(), flat.data_ptr(), None if e is None else e.data_ptr(),
         None if worker_scale is None else worker_scale.data_ptr(), off, n, t.start.data_ptr(),
         t.count.data_ptr(), t.p.data_ptr(), t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa), _threads(n))
+
+
+def _rows(bits: torch.Tensor, C: int, W: int) -> bool:
+    return (bits.dtype == torch.uint8 and bits.dim() == 2 and bits.shape[0] == W and bits.shape[1] == C // 8
+            and bits.stride(1) == 1)
+
+
+def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
+                    n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
+    """:func:`fold_encode` of every chunk of a bucket in one call: chunk j (elements ``[j C, j C +
+    n_enc[j])``, its fold to ``j C + n_fold[j]``) into ``bits[j]`` (a message's ``[W, C / 8]``
+    rows); returns each chunk's sum, bitwise those of W calls."""
+    W = len(n_enc)
+    if not (_f32(flat) and _f32(e) and _rows(bits, C, W) and len(n_fold) == W
+            and all(a % 8 == 0 and 0 <= a <= b <= C and (b == 0 or (j * C + b <= flat.numel()
+                                                                  and j * C + a <= e.numel()))
+                    for j, (a, b) in enumerate(zip(n_enc, n_fold, strict=True)))):
+        raise ValueError("cpu_simd.fold_encode_all: expected contiguous float32 flat and e, bits [W, C / 8] "
+                         "with contiguous rows, and per chunk n_enc (a multiple of 8) <= n_fold <= C")
+    enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
+    sums = torch.empty(W, dtype=torch.float64)
+    t = table
+    library().onebit_fold_encode_all(
+        flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W, enc.data_ptr(), fold.data_ptr(),
+        sums.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(),
+        t.scalars.data_ptr(), t.K, _isa(isa), torch.get_num_threads())
+    return sums.tolist()
+
+
+def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor,
+                          e: torch.Tensor | None, worker_scales: torch.Tensor | None, C: int, n: list[int],
+                          table: Table, clip: float, isa: int | None = None) -> None:
+    """:func:`decompress_update` of every chunk of a bucket in one call: chunk j's elements ``[j C,
+    j C + n[j])`` from ``bits[j]`` with ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no
+    error update)."""
+    W = len(n)
+    if not (_f32(flat) and _rows(bits, C, W) and _f32(scales) and scales.numel() == W
+            and all(a % 8 == 0 and 0 <= a <= C and (a == 0 or j * C + a <= flat.numel())
+                    for j, a in enumerate(n))
+            and (e is None or (_f32(e) and _f32(worker_scales) and worker_scales.numel() == W
+                               and all(a == 0 or j * C + a <= e.numel() for j, a in enumerate(n))))):
+        raise ValueError("cpu_simd.decompress_update_all: expected contiguous float32 flat, bits [W, C / 8] "
+                         "with contiguous rows, W float32 scales and per chunk n (a multiple of 8) <= C")
+    counts = torch.tensor(n, dtype=torch.int64)
+    t = table
+    library().onebit_decompress_update_all(
+        bits.data_ptr(), bits.stride(0), scales.data_ptr(), flat.data_ptr(),
+        None if e is None else e.data_ptr(), None if worker_scales is None else worker_scales.data_ptr(),
+        C, W, counts.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.p.data_ptr(), t.scalars.data_ptr(),
+        t.K, -clip, clip, _isa(isa), torch.get_num_threads())
 
 
 def update(flat: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:

@@ -146,34 +146,33 @@ class _Passes:
 
     def worker(self, flat, worker_error, layout, msg) -> None:
         """worker_compress(update_error=False) of the folded momentum, no block scales: as
-        :func:`onebit.kernels.cpu_compiled.worker_compress` computes it, the fold inside."""
-        bits, n = message_bits(msg, layout), flat.numel()
+        :func:`onebit.kernels.cpu_compiled.worker_compress` computes it, the fold inside (every
+        chunk in one C call)."""
+        n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
+        sums = cpu_simd.fold_encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
+                                        [mid - lo for lo, mid, _ in splits],
+                                        [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
 
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
-            end = min(hi, n)
-            if end <= lo:
-                return []
-            total = cpu_simd.fold_encode(flat, worker_error, bits[j], lo, mid - lo, end - lo, self.table)
-            return [torch.tensor([total], dtype=torch.float64)] if mid > lo else []
+            return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
 
         _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         """decompress (with the deferred worker error where the scales are finite), the update
-        of every parameter inside."""
+        of every parameter inside (every chunk in one C call, then the padded rests)."""
         self.gathered, self.layout = gathered, layout  # kept: the momentum is their decode (abandon)
         scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout)
-        for j in range(layout.W):
-            lo, mid, hi = _chunks.split(layout, n, j)
-            if mid > lo:
-                cpu_simd.decompress_update(bits[j], scales[j].view(1), flat, worker_error if update else None,
-                                           s_w[j].view(1) if update else None, lo, mid - lo, self.table,
-                                           self.clip)
+        splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
+        cpu_simd.decompress_update_all(bits, scales.contiguous(), flat, worker_error if update else None,
+                                       s_w.contiguous() if update else None, layout.C,
+                                       [mid - lo for lo, mid, _ in splits], self.table, self.clip)
+        e = worker_error if update else None  # the padded rests: the plain path's arithmetic
+        for j, (lo, mid, hi) in enumerate(splits):
             if hi == mid:
                 continue
-            e = worker_error if update else None  # the padded rest: the plain path's arithmetic
             _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
                 cpu_simd.update(flat, mid, min(hi, n), self.table, self.clip)

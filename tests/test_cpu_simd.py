@@ -204,3 +204,51 @@ def test_sum_of_squares_is_float64s(n):
     ref = (x.double() ** 2).sum().view(1)
     for isa in _isas():
         assert _close(torch.tensor([cpu_simd.sumsq(x, isa)], dtype=torch.float64), ref), isa
+
+
+@pytest.mark.parametrize("W, n", [(1, 70001), (3, 200003), (5, 3 * 65536 + 13), (7, 1000), (4, 40)])
+def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n):
+    # one C call per bucket (fold_encode_all, decompress_update_all) against one call per chunk:
+    # bits, sums, momentum, error and parameters bitwise, chunks above and below the one-thread size
+    from onebit.kernels import _chunks
+    from onebit.kernels.layout import Layout, empty_message, message_bits
+
+    gen = torch.Generator().manual_seed(W * n)
+    sizes = [n // 3, n // 3 + 5, n - 2 * (n // 3) - 5]
+    layout = Layout(-(-n // (8 * W)) * 8 * W, W, None)
+    splits = [_chunks.split(layout, n, j) for j in range(W)]
+    grads = [torch.randn(s, generator=gen) for s in sizes]
+    dens = [torch.rand(s, generator=gen) + 0.5 for s in sizes]
+    p0 = [torch.randn(s, generator=gen) for s in sizes]
+    u0, e0 = torch.randn(n, generator=gen), torch.randn(layout.N, generator=gen) * 0.1
+    scales = torch.rand(W, generator=gen) + 0.1
+    wscales = torch.rand(W, generator=gen) + 0.1
+    out = []
+    for merged in (False, True):
+        u, e, ps = u0.clone(), e0.clone(), [q.clone() for q in p0]
+        t = cpu_simd.Table([0, sizes[0], sizes[0] + sizes[1]], sizes)
+        for k in range(3):
+            t.g[k], t.d[k], t.p[k] = grads[k].data_ptr(), dens[k].data_ptr(), ps[k].data_ptr()
+            t.scalars[k] = torch.tensor([0.9, 0.1, 0.999, -1e-3, 0.5 + k])
+        bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
+        enc = [mid - lo for lo, mid, _ in splits]
+        fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
+        if merged:
+            sums = cpu_simd.fold_encode_all(u, e, bits, layout.C, enc, fold, t)
+        else:
+            sums = [cpu_simd.fold_encode(u, e, bits[j], lo, enc[j], fold[j], t) if fold[j] else 0.0
+                    for j, (lo, _, _) in enumerate(splits)]
+        folded = u.clone()
+        if merged:
+            cpu_simd.decompress_update_all(bits, scales, u, e, wscales, layout.C, enc, t, 0.3)
+        else:
+            for j, (lo, mid, _) in enumerate(splits):
+                if mid > lo:
+                    cpu_simd.decompress_update(bits[j], scales[j].view(1), u, e, wscales[j].view(1), lo,
+                                               mid - lo, t, 0.3)
+        coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])  # the padded rests: not theirs
+        out.append(([s for s, f in zip(sums, enc, strict=True) if f], coded, folded, u, e, ps))
+    (s0, b0, f0, u0_, e0_, ps0), (s1, b1, f1, u1, e1, ps1) = out
+    assert s0 == s1
+    for a, b in [(b0, b1), (f0, f1), (u0_, u1), (e0_, e1)] + list(zip(ps0, ps1, strict=True)):
+        assert torch.equal(a, b)
