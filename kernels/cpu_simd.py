@@ -287,6 +287,7 @@ class Table:
         self.d = torch.zeros(self.K, dtype=torch.int64)
         self.p = torch.zeros(self.K, dtype=torch.int64)
         self.scalars = torch.zeros(self.K, 5, dtype=torch.float32)
+        self.key = None  # what the caller last filled in (optimizers/_fused_cpu.py)
 
 
 def fold_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n_enc: int, n_fold: int,

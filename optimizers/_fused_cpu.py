@@ -58,10 +58,14 @@ class CpuFusedCompression:
             b1, lr, wd = g["betas"][0], g["lr"], g["weight_decay"]
             bc1 = 1.0 - b1**t if g["bias_correction"] else 1.0
             rows.append((b1, 1.0 - b1, 1.0 - lr * wd if wd else 1.0, -lr, bc1))
-        table.g.copy_(torch.tensor(g_addr, dtype=torch.int64))
-        table.d.copy_(torch.tensor(d_addr, dtype=torch.int64))
-        table.p.copy_(torch.tensor(p_addr, dtype=torch.int64))
-        table.scalars.copy_(torch.tensor(rows, dtype=torch.float64).to(torch.float32))  # cpu_fused rounds so
+        old = table.key or (None, None)  # what the last step filled in: usually the same tensors
+        if old[0] != (g_addr, d_addr, p_addr):
+            table.g.copy_(torch.tensor(g_addr, dtype=torch.int64))
+            table.d.copy_(torch.tensor(d_addr, dtype=torch.int64))
+            table.p.copy_(torch.tensor(p_addr, dtype=torch.int64))
+        if old[1] != rows:  # float64 rounded to float32, as cpu_fused rounds them
+            table.scalars.copy_(torch.tensor(rows, dtype=torch.float64).to(torch.float32))
+        table.key = ((g_addr, d_addr, p_addr), rows)
 
     def _restorable(self) -> bool:
         return all(last is not None and last[2] == b.flat._version

@@ -107,7 +107,9 @@ class OnebitAdam(WarmupThenCompress):
         self.updates += 1
         t = self.updates
         pairs = self.compressed_params()
-        if compress and _fused.applies(self, reducer, pairs):  # two passes per bucket (GPU, x86 CPU)
+        # two passes per bucket (GPU, x86 CPU); where _prepare_step ran, applies held this step
+        prepared = getattr(getattr(self, "_fused_cache", None), "ready", None) is not None
+        if compress and (prepared or _fused.applies(self, reducer, pairs)):
             self._fused_plan(reducer).step(self, pairs, t)
         elif compress:
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
