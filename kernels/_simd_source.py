@@ -616,6 +616,45 @@ void onebit_decompress_update(const uint8_t* bits, const float* s, float* flat, 
   }
 }
 
+#ifdef ONEBIT_X86
+/* A run of n elements (a multiple of 8) inside one tensor with a gradient: the fold and the encode
+   in one loop, the folded u stored and used from the register; bitwise fold_512 then
+   blocks_avx512 over the run (the same operations, the same float64 accumulation order). */
+__attribute__((target("avx512f")))
+static double fold_encode_run512(float* u, const float* g, const float* d, const float* e, uint8_t* bits, float b1,
+                                 float w, int64_t n) {
+  const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w);
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(u + i), vb),
+                             _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), _mm512_loadu_ps(d + i)));
+    _mm512_storeu_ps(u + i, x);
+    __m512 z = _mm512_add_ps(x, _mm512_loadu_ps(e + i));
+    __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
+    bits[i / 8] = REV[m & 255];
+    bits[i / 8 + 1] = REV[m >> 8];
+    sq512(z, &a0, &a1);
+  }
+  if (i < n) { /* the last 8 */
+    for (int64_t k = i; k < n; k++) u[k] = u[k] * b1 + (w * g[k]) / d[k];
+    __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, u + i), _mm512_maskz_loadu_ps(0xFF, e + i));
+    __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
+    bits[i / 8] = REV[m & 255];
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+}
+#endif
+
+/* the table's tensor holding all of [a, b), with a gradient, or -1 (k: the cursor, as fold_range's) */
+static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  if (*k < t->K && t->start[*k] <= a && b <= t->start[*k] + t->count[*k] && t->g[*k]) return *k;
+  return -1;
+}
+
 /* All W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py): chunk j covers flat
    elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold up to j C + n_fold[j];
    sums[j] its float64 total, with onebit_fold_encode's thread split and order within each chunk
@@ -642,6 +681,16 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
       k = 0;
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
+#ifdef ONEBIT_X86
+        int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
+        if (kk >= 0) { /* one loop (fold_encode_run512) */
+          int64_t o = off + i - tab.start[kk];
+          r = fold_encode_run512(flat + off + i, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, e + off + i,
+                                 bits + j * stride + i / 8, tab.sc[5 * kk], tab.sc[5 * kk + 1], len);
+          acc += r;
+          continue;
+        }
+#endif
         fold_range(isa, flat, off + i, off + i + len, &tab, &k);
         f(flat + off + i, e + off + i, bits + j * stride + i / 8, &r, len, len);
         acc += r;
