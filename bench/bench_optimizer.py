@@ -138,7 +138,7 @@ def main() -> None:
     meta = provenance(device)
     tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""
-    rows = [{**meta, "parameters": n, "world": args.world,
+    rows = [{**meta, "parameters": n, "world": args.world, "bucket_mb": args.bucket_cap_mb,
              "optimizer": name + (tag if name != "adamw_fused" else ""),
              "ms_median": f"{ms:.3f}",
              "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]
