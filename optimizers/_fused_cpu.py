@@ -67,6 +67,10 @@ class CpuFusedCompression:
             table.scalars.copy_(torch.tensor(rows, dtype=torch.float64).to(torch.float32))
         table.key = ((g_addr, d_addr, p_addr), rows)
 
+    def forget(self) -> None:
+        """The momentum was written elsewhere (the unfused step): no message restores it now."""
+        self.last = [None] * len(self.reducer.buckets)
+
     def _restorable(self) -> bool:
         return all(last is not None and last[2] == b.flat._version
                    for b, last in zip(self.reducer.buckets, self.last, strict=True) if b.numel)
@@ -131,10 +135,15 @@ class CpuFusedCompression:
 
 class _Passes:
     def __init__(self, table: cpu_simd.Table, clip: float, msg: torch.Tensor | None = None) -> None:
-        self.table, self.clip, self.msg = table, clip, msg
+        self.table, self.clip = table, clip
         self.gathered = self.layout = None
-        if msg is not None:
-            self.ready = lambda layout: msg  # the message prepare built (collectives._async)
+        if msg is not None:  # the message prepare built (collectives._async.worker_message)
+            def ready(layout):
+                if msg.numel() != layout.message_bytes:
+                    raise AssertionError("the prepared message does not fit the call's layout")
+                return msg
+
+            self.ready = ready
 
     @staticmethod
     def decode(gathered, layout, flat) -> None:

@@ -111,7 +111,11 @@ class OnebitAdam(WarmupThenCompress):
         prepared = getattr(getattr(self, "_fused_cache", None), "ready", None) is not None
         if compress and (prepared or _fused.applies(self, reducer, pairs)):
             self._fused_plan(reducer).step(self, pairs, t)
-        elif compress:
+            return self._after_update(compress, t)
+        forget = getattr(getattr(self, "_fused_cache", None), "forget", None)
+        if forget is not None:  # another path writes the momentum: its last message no longer decodes to it
+            forget()
+        if compress:
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
                 if not self._fold_all(pairs, reducer.views):
                     for k, (p, g) in enumerate(pairs):
@@ -127,6 +131,9 @@ class OnebitAdam(WarmupThenCompress):
                         m, v = reducer.views[k], self.state[p]["exp_avg_sq"]
                         moments_(m, v, grad, g["betas"])
                         self._apply(p, g, m, v, t, frozen=False)
+        self._after_update(compress, t)
+
+    def _after_update(self, compress: bool, t: int) -> None:
         self._step_non_freeze(t, communicate=not (self.external_averaging and not compress))
         if not compress:
             self._observe_variance()

@@ -204,9 +204,9 @@ def test_a_skip_on_one_rank_restores_every_rank(ranks):
             assert torch.equal(a, b)
 
 
-def test_a_loaded_momentum_is_not_restored_from_an_old_message():
-    # a checkpoint's load writes the momentum: the next step reads the gradients again (the
-    # message it kept no longer decodes to the momentum)
+def _one_tensor():
+    """A 70001-element parameter's OnebitAdam, compressing from its first step, its collective
+    local; and the list that counts the agreement's passes over the gradients."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(70001))
     opt = OnebitAdam([p], lr=1e-2, freeze_step=1, nonfinite="skip")
@@ -214,6 +214,13 @@ def test_a_loaded_momentum_is_not_restored_from_an_old_message():
     reads = []
     read = opt._local_gradients_finite
     opt._local_gradients_finite = lambda: reads.append(1) or read()
+    return p, opt, reads
+
+
+def test_a_loaded_momentum_is_not_restored_from_an_old_message():
+    # a checkpoint's load writes the momentum: the next step reads the gradients again (the
+    # message it kept no longer decodes to the momentum)
+    p, opt, reads = _one_tensor()
     for _ in range(3):
         p.grad = torch.randn(70001)
         opt.step()
@@ -229,3 +236,25 @@ def test_a_loaded_momentum_is_not_restored_from_an_old_message():
     assert len(reads) == 3 and opt.skipped_steps == 1
     assert torch.equal(opt.reducer().buckets[0].flat, before)
     assert torch.equal(before, sd["state"][0]["exp_avg"])
+
+
+def test_an_unfused_step_in_between_is_not_undone_from_an_older_message():
+    # an unfused step writes the momentum: the fused step's message no longer decodes to it (the
+    # optimizer forgets it, and the momentum's version moved), so the next skip restores nothing
+    # from it and leaves the unfused step's momentum
+    p, opt, _ = _one_tensor()
+    flats = []
+    for fused in (True, True, False, True, False):  # the last: an unfused step after a fused one
+        _fused.ENABLED = fused
+        try:
+            p.grad = torch.randn(70001)
+            opt.step()
+        finally:
+            _fused.ENABLED = True
+        flats.append(opt.reducer().buckets[0].flat.clone())
+    before, middle = flats[-2:]
+    assert not torch.equal(middle, before)
+    p.grad = torch.randn(70001)
+    p.grad[9] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1 and torch.equal(opt.reducer().buckets[0].flat, middle)
