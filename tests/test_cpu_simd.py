@@ -206,11 +206,16 @@ def test_sum_of_squares_is_float64s(n):
         assert _close(torch.tensor([cpu_simd.sumsq(x, isa)], dtype=torch.float64), ref), isa
 
 
+@pytest.mark.parametrize("isa", [0, 1, 2])
 @pytest.mark.parametrize("W, n", [(1, 70001), (3, 200003), (5, 3 * 65536 + 13), (7, 1000), (4, 40)])
-def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n):
-    # one C call per bucket (fold_encode_all, decompress_update_all) against one call per chunk:
-    # bits, sums, momentum, error and parameters bitwise, chunks above and below the one-thread size
+def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
+    # one C call per bucket (fold_encode_all, decompress_update_all; on AVX-512 a run inside one
+    # tensor in one loop) against one call per chunk (fold then encode): bits, sums, momentum,
+    # error and parameters bitwise, chunks above and below the one-thread size, every ISA
     from onebit.kernels import _chunks
+
+    if isa > cpu_simd.best_isa():
+        pytest.skip(f"ISA level {isa} not on this CPU")
     from onebit.kernels.layout import Layout, empty_message, message_bits
 
     gen = torch.Generator().manual_seed(W * n)
@@ -234,18 +239,18 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n):
         enc = [mid - lo for lo, mid, _ in splits]
         fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
         if merged:
-            sums = cpu_simd.fold_encode_all(u, e, bits, layout.C, enc, fold, t)
+            sums = cpu_simd.fold_encode_all(u, e, bits, layout.C, enc, fold, t, isa=isa)
         else:
-            sums = [cpu_simd.fold_encode(u, e, bits[j], lo, enc[j], fold[j], t) if fold[j] else 0.0
+            sums = [cpu_simd.fold_encode(u, e, bits[j], lo, enc[j], fold[j], t, isa=isa) if fold[j] else 0.0
                     for j, (lo, _, _) in enumerate(splits)]
         folded = u.clone()
         if merged:
-            cpu_simd.decompress_update_all(bits, scales, u, e, wscales, layout.C, enc, t, 0.3)
+            cpu_simd.decompress_update_all(bits, scales, u, e, wscales, layout.C, enc, t, 0.3, isa=isa)
         else:
             for j, (lo, mid, _) in enumerate(splits):
                 if mid > lo:
                     cpu_simd.decompress_update(bits[j], scales[j].view(1), u, e, wscales[j].view(1), lo,
-                                               mid - lo, t, 0.3)
+                                               mid - lo, t, 0.3, isa=isa)
         coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])  # the padded rests: not theirs
         out.append(([s for s, f in zip(sums, enc, strict=True) if f], coded, folded, u, e, ps))
     (s0, b0, f0, u0_, e0_, ps0), (s1, b1, f1, u1, e1, ps1) = out
