@@ -12,6 +12,7 @@ _REV = ", ".join(str(int(f"{b:08b}"[::-1], 2)) for b in range(256))
 
 SOURCE = r"""
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
@@ -503,6 +504,32 @@ void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const floa
     if (b > a) f(bits + a / 8, stride, W, w + j * wj, wr, wj, e + a, s + j * sstep, sstep, b - a,
                  per_block ? block : b - a);
   }
+}
+
+/* The server's whole call without block scales in one call (onebit.kernels.cpu_compiled's AVX-512
+   path): the weights w_r = s_r * (float)(1 / W) (rank r's scale at s[r * sstride]; as torch
+   multiplies a float32 tensor by a Python float), the first pass (onebit_server_total: the bits
+   into out), the scale (float)sqrt(total / n) into *scale, NaN where a received scale is not
+   finite; where the scale is finite, the error pass (onebit_server_update). Returns whether the
+   error pass ran (else e is unchanged). */
+int onebit_server_reduce_one(const uint8_t* bits, int64_t stride, int W, const float* s, int64_t sstride, float* e,
+                             uint8_t* out, float* scale, int64_t n, int isa, int threads) {
+  float wbuf[64];
+  float* w = W <= 64 ? wbuf : (float*)malloc((size_t)W * sizeof(float));
+  const float inv = (float)(1.0 / W);
+  int finite = 1;
+  for (int r = 0; r < W; r++) {
+    float sr = s[r * sstride];
+    finite = finite && isfinite(sr);
+    w[r] = sr * inv;
+  }
+  double total = onebit_server_total(bits, stride, W, w, e, out, n, isa, threads);
+  float sc = (float)sqrt(total / (double)n);
+  int ran = finite && isfinite(sc);
+  *scale = ran ? sc : NAN;
+  if (ran) onebit_server_update(bits, stride, W, w, 0, e, scale, 0, n, n, isa, threads);
+  if (w != wbuf) free(w);
+  return ran;
 }
 
 /* ---- OnebitAdam's compression stage with its element-wise maths inside the codec's passes (as

@@ -309,6 +309,11 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
         torch_kernels.server_reduce(received, e, layout, out)
         return
     bits, received_scales = message_bits(received, layout), message_scales(received, layout)
+    if layout.block is None and e.is_contiguous() and cpu_simd.available() and cpu_simd.best_isa() >= 2:
+        seg_bits, seg_scale = message_bits(out, layout)[0], message_scales(out, layout)[:1]
+        if seg_bits.is_contiguous():  # the whole call in C, as below
+            cpu_simd.server_reduce_one(bits, received_scales, e, seg_bits, seg_scale)
+            return
     weights = received_scales * (1.0 / layout.W)  # 1/W multiplied, as the plain path
     scales, finite = message_scales(out, layout)[0], bool(torch.isfinite(received_scales).all())
     B = layout.block

@@ -86,6 +86,8 @@ def _build() -> ctypes.CDLL:
     lib.onebit_encode_blocks.restype = None
     lib.onebit_best_isa.restype = ctypes.c_int
     lib.onebit_server_total.argtypes = [p, i64, i32, p, p, p, i64, i32, i32]
+    lib.onebit_server_reduce_one.argtypes = [p, i64, i32, p, i64, p, p, p, i64, i32, i32]
+    lib.onebit_server_reduce_one.restype = i32
     lib.onebit_server_total.restype = ctypes.c_double
     lib.onebit_server_blocks.argtypes = [p, i64, i32, p, p, p, p, i64, i64, i32, i32]
     lib.onebit_server_blocks.restype = None
@@ -210,6 +212,27 @@ def server_total(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torc
     n = e.numel()
     return float(library().onebit_server_total(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(),
                                                e.data_ptr(), out.data_ptr(), n, _isa(isa), _threads(n)))
+
+
+def server_reduce_one(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor, out: torch.Tensor,
+                      scale: torch.Tensor) -> bool:
+    """The server's whole call with one scale per chunk on AVX-512 (``cpu_compiled.server_reduce``'s
+    C path in one call): ``scales`` the W received scales (float32, any stride), the packed bits of
+    ``m`` into ``out``, its scale into ``scale`` (one float32, NaN where a received scale or the
+    sum is not finite), then the error pass where the scale is finite; returns whether it ran."""
+    n = e.numel()
+    if not (bits.dtype == torch.uint8 and bits.dim() == 2 and bits.stride(1) == 1 and bits.shape[1] == n // 8
+            and scales.dtype == torch.float32 and scales.dim() == 1 and scales.numel() == bits.shape[0]
+            and _f32(e) and n % 8 == 0 and out.dtype == torch.uint8 and out.is_contiguous()
+            and out.numel() == n // 8 and scale.dtype == torch.float32 and scale.numel() == 1
+            and best_isa() >= 2):
+        raise ValueError("cpu_simd.server_reduce_one: expected bits uint8 [W, n/8] with contiguous rows, W "
+                         "float32 scales, e float32 [n] (a multiple of 8), out uint8 [n/8], one float32 "
+                         "scale, and an AVX-512 CPU")
+    return bool(library().onebit_server_reduce_one(bits.data_ptr(), bits.stride(0), bits.shape[0],
+                                                   scales.data_ptr(), scales.stride(0), e.data_ptr(),
+                                                   out.data_ptr(), scale.data_ptr(), n, _isa(None),
+                                                   _threads(n)))
 
 
 def server_blocks(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor, block: int,

@@ -257,3 +257,39 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
     assert s0 == s1
     for a, b in [(b0, b1), (f0, f1), (u0_, u1), (e0_, e1)] + list(zip(ps0, ps1, strict=True)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif("cpu_simd.best_isa() < 2", reason="the one-call server is AVX-512's")
+@pytest.mark.parametrize("case", ["finite", "inf scale", "nan scale", "overflow"])
+@pytest.mark.parametrize("W, n", [(1, 4096), (3, 70008), (4, 200000), (5, 40), (70, 560)])
+def test_the_one_call_server_is_the_two_passes_bitwise(W, n, case):
+    # server_reduce_one (weights, first pass, scale, error pass in C) against the Python sequence
+    # cpu_compiled.server_reduce ran before: bits, scale and error bitwise; a non-finite received
+    # scale or sum: a NaN scale and the error unchanged
+    gen = torch.Generator().manual_seed(W * n)
+    bits = torch.randint(0, 256, (W, n // 8 + 3), dtype=torch.uint8, generator=gen)[:, 3:]  # strided rows
+    scales = (torch.rand(2 * W, generator=gen) + 0.1)[::2]  # strided, as a message's
+    e = torch.randn(n, generator=gen)
+    if case == "inf scale":
+        scales[W - 1] = float("inf")
+    elif case == "nan scale":
+        scales[0] = float("nan")
+    elif case == "overflow":  # every sign +: m = 3e38 + 3e38 overflows at one element
+        bits.fill_(255)
+        e[n // 2] = 3e38
+        scales.fill_(3e38)
+    w = scales * (1.0 / W)
+    e0, out0 = e.clone(), torch.zeros(n // 8, dtype=torch.uint8)
+    total = cpu_simd.server_total(bits, w.contiguous(), e0, out0)
+    s0 = torch.sqrt(torch.tensor(total, dtype=torch.float64) / n).to(torch.float32).view(1)
+    ran0 = bool(torch.isfinite(scales).all()) and bool(torch.isfinite(s0).all())
+    if ran0:
+        assert cpu_simd.server_update(bits, w.contiguous(), e0, s0, None)
+    e1, out1, s1 = e.clone(), torch.zeros(n // 8, dtype=torch.uint8), torch.zeros(1)
+    ran1 = cpu_simd.server_reduce_one(bits, scales, e1, out1, s1)
+    assert ran1 == ran0 == (case == "finite")
+    assert torch.equal(out1, out0) and torch.equal(e1, e0)
+    if ran0:
+        assert torch.equal(s1, s0)
+    else:
+        assert bool(s1.isnan().all()) and torch.equal(e1, e)
