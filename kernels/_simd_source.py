@@ -13,7 +13,6 @@ _REV = ", ".join(str(int(f"{b:08b}"[::-1], 2)) for b in range(256))
 SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -514,8 +513,7 @@ void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const floa
    error pass ran (else e is unchanged). */
 int onebit_server_reduce_one(const uint8_t* bits, int64_t stride, int W, const float* s, int64_t sstride, float* e,
                              uint8_t* out, float* scale, int64_t n, int isa, int threads) {
-  float wbuf[64];
-  float* w = W <= 64 ? wbuf : (float*)malloc((size_t)W * sizeof(float));
+  float w[W];
   const float inv = (float)(1.0 / W);
   int finite = 1;
   for (int r = 0; r < W; r++) {
@@ -528,7 +526,6 @@ int onebit_server_reduce_one(const uint8_t* bits, int64_t stride, int W, const f
   int ran = finite && isfinite(sc);
   *scale = ran ? sc : NAN;
   if (ran) onebit_server_update(bits, stride, W, w, 0, e, scale, 0, n, n, isa, threads);
-  if (w != wbuf) free(w);
   return ran;
 }
 
@@ -673,7 +670,6 @@ static double fold_encode_run512(float* u, const float* g, const float* d, const
   }
   return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
-#endif
 
 /* the table's tensor holding all of [a, b), with a gradient, or -1 (k: the cursor, as fold_range's) */
 static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
@@ -681,20 +677,21 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
   if (*k < t->K && t->start[*k] <= a && b <= t->start[*k] + t->count[*k] && t->g[*k]) return *k;
   return -1;
 }
+#endif
 
 /* All W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py): chunk j covers flat
    elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold up to j C + n_fold[j];
    sums[j] its float64 total, with onebit_fold_encode's thread split and order within each chunk
-   (one thread below 65536 elements, as cpu_simd._threads): bitwise W calls of it. */
+   (one thread below 65536 elements, as cpu_simd._threads): bitwise W calls of it. part: the
+   caller's W * threads doubles for the threads' partial sums. */
 void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
-                            const int64_t* n_enc, const int64_t* n_fold, double* sums, const int64_t* start,
-                            const int64_t* count, const int64_t* g, const int64_t* d, const float* sc, int K,
-                            int isa, int threads) {
-  enum { RUN = 4096, MAXT = 256, SMALL = 1 << 16 };
+                            const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
+                            const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
+                            const float* sc, int K, int isa, int threads) {
+  enum { RUN = 4096, SMALL = 1 << 16 };
   table_t tab = {start, count, g, d, 0, sc, K};
   blocks_fn f = pick(isa);
-  if (threads > MAXT) threads = MAXT;
-  double* part = (double*)calloc((size_t)W * MAXT, sizeof(double));
+  const int P = threads;
   int used = 1;
   #pragma omp parallel num_threads(threads)
   {
@@ -722,17 +719,16 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
         f(flat + off + i, e + off + i, bits + j * stride + i / 8, &r, len, len);
         acc += r;
       }
-      part[(size_t)j * MAXT + t] = acc;
+      part[(size_t)j * P + t] = acc;
     }
   }
   for (int j = 0; j < W; j++) {
     int k = 0, Tj = n_enc[j] < SMALL ? 1 : used;
     if (n_fold[j] > n_enc[j]) fold_range(isa, flat, j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
     double total = 0.0;
-    for (int t = 0; t < Tj; t++) total += part[(size_t)j * MAXT + t];
+    for (int t = 0; t < Tj; t++) total += part[(size_t)j * P + t];
     sums[j] = total;
   }
-  free(part);
 }
 
 /* onebit_decompress_update over all W chunks of a bucket in one parallel region: chunk j's elements

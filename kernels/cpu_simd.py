@@ -100,7 +100,7 @@ def _build() -> ctypes.CDLL:
     lib.onebit_decompress_update.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p, i32, ctypes.c_float,
                                              ctypes.c_float, i32, i32]
     lib.onebit_decompress_update.restype = None
-    lib.onebit_fold_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32]
+    lib.onebit_fold_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, p, i32, i32, i32]
     lib.onebit_fold_encode_all.restype = None
     lib.onebit_decompress_update_all.argtypes = [p, i64, p, p, p, p, i64, i32, p, p, p, p, p, i32,
                                                  ctypes.c_float, ctypes.c_float, i32, i32]
@@ -367,12 +367,13 @@ def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: 
         raise ValueError("cpu_simd.fold_encode_all: expected contiguous float32 flat and e, bits [W, C / 8] "
                          "with contiguous rows, and per chunk n_enc (a multiple of 8) <= n_fold <= C")
     enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
-    sums = torch.empty(W, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
     t = table
     library().onebit_fold_encode_all(
         flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W, enc.data_ptr(), fold.data_ptr(),
-        sums.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(),
-        t.scalars.data_ptr(), t.K, _isa(isa), torch.get_num_threads())
+        sums.data_ptr(), part.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(),
+        t.d.data_ptr(), t.scalars.data_ptr(), t.K, _isa(isa), threads)
     return sums.tolist()
 
 
