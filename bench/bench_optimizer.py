@@ -26,7 +26,7 @@ import torch
 
 from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
 from onebit.kernels.layout import padded_numel
-from onebit.optimizers import OnebitAdam, _fused
+from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, wall_ms, write_csv  # noqa: E402
@@ -72,7 +72,11 @@ def build(name: str, args, device):
     params = make_params(args.blocks, args.d_model, device)
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-    opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb)
+    if name == "zero_one_adam":  # phase 1: variance steps at t = 1, 2, 4, 8, ..., compressed steps between
+        opt = ZeroOneAdam(params, lr=1e-4, weight_decay=0.01, var_freeze_step=10**6, var_update_scaler=1,
+                          bucket_cap_mb=args.bucket_cap_mb)
+    else:
+        opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb)
     emulate_world(opt, args.world)
     return opt
 
@@ -98,19 +102,23 @@ def main() -> None:
                    help="time fused AdamW, OnebitAdam unfused and fused (on CPU also fused with the "
                         "non-finite agreement's own pass over the gradients) in turn, step by step, in one "
                         "process (the host's speed drifts between runs by more than the difference)")
+    p.add_argument("--zero-one", action="store_true",
+                   help="ZeroOneAdam's phase-1 compressed steps instead of OnebitAdam's (CPU fused passes: "
+                        "optimizers/_fused_cpu_zoa.py; the medians skip its variance steps at t = 2^k)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
+    kind = "zero_one_adam" if args.zero_one else "onebit_adam"
     device = torch.device(args.device)
     _fused.ENABLED = not args.unfused
     results, n = {}, 0
     if args.interleave:
         runs = {"adamw_fused": (build("adamw_fused", args, device), True),
-                "onebit_adam_unfused": (build("onebit_adam", args, device), False),
-                "onebit_adam": (build("onebit_adam", args, device), True)}
+                kind + "_unfused": (build(kind, args, device), False),
+                kind: (build(kind, args, device), True)}
         if device.type == "cpu":  # the fused C step, its agreement reading the gradients (as before 11-27)
-            reread = build("onebit_adam", args, device)
+            reread = build(kind, args, device)
             reread._prepare_step = lambda: None
-            runs["onebit_adam_gradient_pass"] = (reread, True)
+            runs[kind + "_gradient_pass"] = (reread, True)
         n = sum(q.numel() for q in runs["adamw_fused"][0].param_groups[0]["params"])
         times = {name: [] for name in runs}
         for i in range(args.repeats + 2):
@@ -123,9 +131,8 @@ def main() -> None:
         for name, ms in results.items():
             print(f"{name:20} {n / 1e6:.1f}M parameters: {ms:9.2f} ms/step (median of {args.repeats}, "
                   f"interleaved, W = {args.world})", file=sys.stderr)
-        print(f"OnebitAdam unfused / fused = {results['onebit_adam_unfused'] / results['onebit_adam']:.2f}",
-              file=sys.stderr)
-    for name in () if args.interleave else ("adamw_fused", "onebit_adam"):
+        print(f"{kind} unfused / fused = {results[kind + '_unfused'] / results[kind]:.2f}", file=sys.stderr)
+    for name in () if args.interleave else ("adamw_fused", kind):
         opt = build(name, args, device)
         n = sum(q.numel() for q in opt.param_groups[0]["params"])
         times = time_steps(opt, device, args.repeats)
@@ -133,8 +140,8 @@ def main() -> None:
         print(f"{name:12} {n / 1e6:.1f}M parameters: {results[name]:9.2f} ms/step (median of {len(times)})",
               file=sys.stderr)
         del opt
-    ratio = results["onebit_adam"] / results["adamw_fused"]
-    print(f"OnebitAdam compression-stage step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
+    ratio = results[kind] / results["adamw_fused"]
+    print(f"{kind} compressed step / fused AdamW step = {ratio:.2f}", file=sys.stderr)
     meta = provenance(device)
     tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import cpu_fused, cpu_simd
+from ..kernels import cpu_fused, cpu_simd, cpu_simd_fused
 from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ._fsdp_replicas import to_local
@@ -249,7 +249,7 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
     """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
     (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
     With ``fa``, the bucket also counts into ``fa``'s local gradient norm: on an x86 CPU inside the
-    pass (:func:`onebit.kernels.cpu_simd.hook_pre`: the pass and the norm in one read of the
+    pass (:func:`onebit.kernels.cpu_simd_fused.hook_pre`: the pass and the norm in one read of the
     gradient, the same float32 operations; the elements outside those parameters read once more),
     else by ``fa.add_local`` first.
 
@@ -270,7 +270,7 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
         sq += cpu_simd.sumsq(buffer[pos:]) if pos < buffer.numel() else 0.0
         for part in done:
             lo, hi, m, factor = part
-            sq += cpu_simd.hook_pre(buffer[lo:hi], m.view(-1), d[lo:hi], factor)
+            sq += cpu_simd_fused.hook_pre(buffer[lo:hi], m.view(-1), d[lo:hi], factor)
             fused.append(part)
         fa.add_local(buffer, sq)
         parts = [part for part in parts if not any(part is f for f in done)]

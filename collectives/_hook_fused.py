@@ -5,7 +5,7 @@ over each bucket on this rank: the pre-pass ``x = (g + k m) / d`` (with the loca
 the worker's encode of ``x + e``, decompress (the deferred worker error and the decode), and the
 post-pass ``g~ = out d - k m``. Here the pre-pass runs inside the encode and the post-pass inside
 decompress, run by run of about 4096 elements while they are in cache
-(:func:`onebit.kernels.cpu_simd.hook_encode`, :func:`~onebit.kernels.cpu_simd.hook_decompress`),
+(:func:`onebit.kernels.cpu_simd_fused.hook_encode`, :func:`~onebit.kernels.cpu_simd_fused.hook_decompress`),
 as :mod:`onebit.optimizers._fused_cpu` does for OnebitAdam: two passes instead of four. The
 element-wise maths and its order are the unfused passes', so the bucket, the bits and the error
 buffers are bitwise the unfused hook's; the local norm's float64 sum of exact squares is added in
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import _chunks, cpu_simd
+from ..kernels import _chunks, cpu_simd, cpu_simd_fused
 from ..kernels.layout import message_bits, message_scales
 
 ENABLED = True
@@ -41,7 +41,7 @@ class HookPasses:
 
     def __init__(self, d: torch.Tensor, parts: list, fa) -> None:
         parts = sorted(parts, key=lambda part: part[0])
-        self.table = cpu_simd.hook_table_fill(cpu_simd.hook_table(parts), d)
+        self.table = cpu_simd_fused.hook_table_fill(cpu_simd_fused.hook_table(parts), d)
         self.alive = (d, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
         self.fa = fa
 
@@ -52,12 +52,12 @@ class HookPasses:
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
             sums = []
             if mid > lo:
-                got, q = cpu_simd.hook_encode(flat, worker_error, bits[j], lo, mid - lo, layout.block,
-                                              self.table)
+                got, q = cpu_simd_fused.hook_encode(flat, worker_error, bits[j], lo, mid - lo, layout.block,
+                                                    self.table)
                 sums.append(got if layout.block else torch.tensor([got], dtype=torch.float64))
                 sq[0] += q
             if min(hi, n) > mid:  # the padded chunk's data tail: the pre-pass alone, then the plain encode
-                sq[0] += cpu_simd.hook_pre_range(flat, mid, min(hi, n), self.table)
+                sq[0] += cpu_simd_fused.hook_pre_range(flat, mid, min(hi, n), self.table)
             return sums
 
         _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
@@ -73,13 +73,13 @@ class HookPasses:
         for j in range(layout.W):
             lo, mid, hi = _chunks.split(layout, n, j)
             if mid > lo:
-                cpu_simd.hook_decompress(bits[j], piece(scales, layout, j, lo, lo, mid), flat,
-                                         worker_error if update else None,
-                                         piece(s_w, layout, j, lo, lo, mid) if update else None,
-                                         lo, mid - lo, layout.block, self.table)
+                cpu_simd_fused.hook_decompress(bits[j], piece(scales, layout, j, lo, lo, mid), flat,
+                                               worker_error if update else None,
+                                               piece(s_w, layout, j, lo, lo, mid) if update else None,
+                                               lo, mid - lo, layout.block, self.table)
             if hi == mid:
                 continue
             e = worker_error if update else None  # the padded rest: the plain path's arithmetic
             _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
-                cpu_simd.hook_post_range(flat, mid, min(hi, n), self.table)
+                cpu_simd_fused.hook_post_range(flat, mid, min(hi, n), self.table)

@@ -767,6 +767,172 @@ void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start
   update_range(isa, flat, a, b, &tab, lo_c, hi_c, &k);
 }
 
+/* ---- ZeroOneAdam's phase-1 compressed step with its element-wise maths inside the codec's passes
+   (optimizers/_fused_cpu_zoa.py). The table as OnebitAdam's, plus m[k] (the momentum's address) and
+   the scalars b1, 1 - b1, wd, -lr per tensor. The unfused step's order: x = g / d (0 without a
+   gradient) into the accumulator; its compressed mean; m = fma((1 - b1) * mean, d, m * b1) (torch's
+   addcmul_ on FMA CPUs); p = p + (-lr) * clamp(m / d) (+ wd * p inside the bracket with weight decay;
+   cpu_fused.stale_step). The worker pass writes nothing but the bits: x is computed again in the
+   decompress pass, for the deferred error z = x + e. */
+#define ZOA_DIV_LOOP for (int64_t i = 0; i < n; i++) x[i] = g ? g[i] / d[i] : 0.0f;
+#define ZOA_STEP_BODY(ERR, PNEW) \
+  for (int64_t i = 0; i < n; i++) { \
+    ERR \
+    float mm = fmaf(w * mean[i], d[i], m[i] * b1); \
+    m[i] = mm; \
+    float v = mm / d[i]; v = v < lo ? lo : v; v = v > hi ? hi : v; \
+    p[i] = PNEW; \
+  }
+#define ZOA_ERR(X) { float z = (X) + e[i]; e[i] = z - copysignf(ws, z + 0.0f); }
+#define ZOA_STEP_WD(PNEW) \
+  if (e && g) ZOA_STEP_BODY(ZOA_ERR(g[i] / d[i]), PNEW) \
+  else if (e) ZOA_STEP_BODY(ZOA_ERR(0.0f), PNEW) \
+  else ZOA_STEP_BODY(, PNEW)
+/* the branches outside the loops, which then vectorise */
+#define ZOA_STEP_LOOP if (wd != 0.0f) { ZOA_STEP_WD(p[i] + nlr * (v + wd * p[i])) } else { ZOA_STEP_WD(p[i] + nlr * v) }
+static void zoa_div_c(float* restrict x, const float* restrict g, const float* restrict d, int64_t n) { ZOA_DIV_LOOP }
+static void zoa_step_c(const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, float ws,
+                     float* restrict m, float* restrict p,
+                       float b1, float w, float wd, float nlr, float lo, float hi, int64_t n) { ZOA_STEP_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void zoa_div_512(float* restrict x, const float* restrict g, const float* restrict d, int64_t n) {
+  ZOA_DIV_LOOP
+}
+__attribute__((target("avx512f")))
+static void zoa_step_512(const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, float ws,
+                     float* restrict m, float* restrict p,
+                         float b1, float w, float wd, float nlr, float lo, float hi, int64_t n) { ZOA_STEP_LOOP }
+__attribute__((target("avx2,fma"))) static void zoa_div_256(float* restrict x, const float* restrict g, const float* restrict d, int64_t n) {
+  ZOA_DIV_LOOP
+}
+__attribute__((target("avx2,fma")))
+static void zoa_step_256(const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, float ws,
+                     float* restrict m, float* restrict p,
+                         float b1, float w, float wd, float nlr, float lo, float hi, int64_t n) { ZOA_STEP_LOOP }
+#endif
+
+typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; int K; } zoa_t;
+
+/* x over flat elements [a, b) into x[0, b - a) */
+static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* t, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    int64_t o = lo - t->start[kk];
+    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
+    const float* d = (const float*)t->d[kk] + o;
+#ifdef ONEBIT_X86
+    if (isa >= 2) { zoa_div_512(x + (lo - a), g, d, hi - lo); continue; }
+    if (isa == 1) { zoa_div_256(x + (lo - a), g, d, hi - lo); continue; }
+#endif
+    zoa_div_c(x + (lo - a), g, d, hi - lo);
+  }
+}
+
+/* the error, momentum and parameter updates over flat elements [a, b), mean[0, b - a) the decoded
+   mean (e: the whole worker error buffer, NULL: not updated) */
+static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64_t a, int64_t b, const zoa_t* t,
+                           float lo_c, float hi_c, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    int64_t o = lo - t->start[kk];
+    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
+    const float* d = (const float*)t->d[kk] + o;
+    float *m = (float*)t->m[kk] + o, *p = (float*)t->p[kk] + o, *ee = e ? e + lo : 0;
+    const float* sc = t->sc + 5 * kk;
+#ifdef ONEBIT_X86
+    if (isa >= 2) { zoa_step_512(mean + (lo - a), g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, hi - lo); continue; }
+    if (isa == 1) { zoa_step_256(mean + (lo - a), g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, hi - lo); continue; }
+#endif
+    zoa_step_c(mean + (lo - a), g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, hi - lo);
+  }
+}
+
+/* The worker pass of every chunk of a bucket (as onebit_fold_encode_all, the same thread split and
+   sums): chunk j's [j C, j C + n_enc[j]) encoded from x + e run by run (x in a scratch run), and x
+   written into flat over [j C + n_enc[j], j C + n_fold[j]) (the padded rest's data, for the caller's
+   plain encode). */
+void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+                           const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
+                           const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
+                           int K, int isa, int threads) {
+  enum { RUN = 4096, SMALL = 1 << 16 };
+  zoa_t tab = {start, count, g, d, 0, 0, 0, K};
+  blocks_fn f = pick(isa);
+  const int P = threads;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    float x[RUN] __attribute__((aligned(64)));
+    if (t == 0) used = T;
+    for (int j = 0; j < W; j++) {
+      int Tj = n_enc[j] < SMALL ? 1 : T;
+      if (t >= Tj) continue;
+      int64_t off = j * C, units = n_enc[j] / 8, lo = units * t / Tj * 8, hi = units * (t + 1) / Tj * 8;
+      double acc = 0.0, r;
+      k = 0;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        zoa_div_range(isa, x, off + i, off + i + len, &tab, &k);
+        f(x, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        acc += r;
+      }
+      part[(size_t)j * P + t] = acc;
+    }
+  }
+  for (int j = 0; j < W; j++) {
+    int k = 0, Tj = n_enc[j] < SMALL ? 1 : used;
+    if (n_fold[j] > n_enc[j]) zoa_div_range(isa, flat + j * C + n_enc[j], j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
+    double total = 0.0;
+    for (int t = 0; t < Tj; t++) total += part[(size_t)j * P + t];
+    sums[j] = total;
+  }
+}
+
+/* The decompress pass of every chunk of a bucket: chunk j's [j C, j C + n[j]) decoded run by run
+   (scale s[j]) into a scratch run, then the error (ws[j]; e NULL: not updated), momentum and
+   parameter updates. */
+void onebit_zoa_step_all(const uint8_t* bits, int64_t stride, const float* s, float* e, const float* ws, int64_t C,
+                         int W, const int64_t* n, const int64_t* start, const int64_t* count, const int64_t* g,
+                         const int64_t* d, const int64_t* m, const int64_t* p, const float* sc, int K, float lo_c,
+                         float hi_c, int isa, int threads) {
+  enum { RUN = 4096 };
+  zoa_t tab = {start, count, g, d, m, p, sc, K};
+  decompress_fn f = decompress_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = decompress_avx512;
+  else if (isa == 1) f = decompress_avx2;
+#endif
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    float mean[RUN] __attribute__((aligned(64)));
+    for (int j = 0; j < W; j++) {
+      int k = 0;
+      int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        f(bits + j * stride + i / 8, s + j, 0, mean, 0, 0, 0, len, len);
+        zoa_step_range(isa, mean, e, e ? ws[j] : 0.0f, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+      }
+    }
+  }
+}
+
+/* The updates alone over flat elements [a, b), their decoded mean at mean[0, b - a) (a chunk's
+   padded rest, decoded by the caller; its error too: e not updated here). */
+void onebit_zoa_step_range(const float* mean, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
+                           const int64_t* g, const int64_t* d, const int64_t* m, const int64_t* p, const float* sc,
+                           int K, float lo_c, float hi_c, int isa) {
+  zoa_t tab = {start, count, g, d, m, p, sc, K};
+  int k = 0;
+  zoa_step_range(isa, mean, 0, 0.0f, a, b, &tab, lo_c, hi_c, &k);
+}
+
 /* ---- The float64 sum of squares of n float32s (any n): exact squares, float64 adds; threads sum
    contiguous ranges, added in thread order. */
 static double sumsq_c(const float* x, int64_t n) {

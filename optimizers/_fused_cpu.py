@@ -25,8 +25,19 @@ import torch
 
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
-from ..kernels import _chunks, cpu_simd
+from ..kernels import _chunks, cpu_simd, cpu_simd_fused
 from ..kernels.layout import Layout, empty_message, message_bits, message_scales
+
+
+def prepared_verdict(opt, plan, pairs) -> bool | None:
+    """``plan.prepare`` for ``opt``'s next step, and with it this rank's verdict on its gradients
+    (those of the groups that are not compressed read as before); None: not prepared."""
+    others = [p.grad for g in opt.param_groups if g.get("non_freeze", False) for p in g["params"]
+              if p.grad is not None]
+    ok = plan.prepare(opt, pairs, opt.updates + 1)
+    if ok is None or not others:
+        return ok
+    return ok and opt._grads_finite(others)
 
 
 class CpuFusedCompression:
@@ -44,11 +55,11 @@ class CpuFusedCompression:
 
     def __init__(self, reducer) -> None:
         self.reducer = reducer
-        self.tables = [cpu_simd.Table(list(b.offsets), list(b.numels)) for b in reducer.buckets]
+        self.tables = [cpu_simd_fused.Table(list(b.offsets), list(b.numels)) for b in reducer.buckets]
         self.last: list = [None] * len(reducer.buckets)  # (gathered, layout, flat._version) per bucket
         self.ready: list | None = None  # the prepared messages, until step or abandon
 
-    def _fill(self, opt, pairs, t: int, bucket, table: cpu_simd.Table) -> None:
+    def _fill(self, opt, pairs, t: int, bucket, table: cpu_simd_fused.Table) -> None:
         g_addr, d_addr, p_addr, rows = [], [], [], []
         for i in bucket.indices:
             p, g = pairs[i]
@@ -92,7 +103,7 @@ class CpuFusedCompression:
             self._fill(opt, pairs, t, b, table)
             layout = Layout(b.worker_error.numel(), W, None)
             msg = empty_message(layout, W, b.flat.device)
-            _Passes(table, 0.0).worker(b.flat, b.worker_error, layout, msg)
+            self.PASSES(table, 0.0).worker(b.flat, b.worker_error, layout, msg)
             finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
             ready.append(msg)
         self.ready = ready
@@ -125,7 +136,7 @@ class CpuFusedCompression:
                 continue
             if ready is None:
                 self._fill(opt, pairs, t, b, table)
-            passes = _Passes(table, clip, None if ready is None else ready[k])
+            passes = self.PASSES(table, clip, None if ready is None else ready[k])
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
                 compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group,
                                             passes, local=local)
@@ -134,7 +145,7 @@ class CpuFusedCompression:
 
 
 class _Passes:
-    def __init__(self, table: cpu_simd.Table, clip: float, msg: torch.Tensor | None = None) -> None:
+    def __init__(self, table: cpu_simd_fused.Table, clip: float, msg: torch.Tensor | None = None) -> None:
         self.table, self.clip = table, clip
         self.gathered = self.layout = None
         if msg is not None:  # the message prepare built (collectives._async.worker_message)
@@ -162,9 +173,9 @@ class _Passes:
         :func:`onebit.kernels.cpu_compiled.worker_compress` computes it, the fold inside (every
         chunk in one C call)."""
         n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
-        sums = cpu_simd.fold_encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
-                                        [mid - lo for lo, mid, _ in splits],
-                                        [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
+        sums = cpu_simd_fused.fold_encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
+                                              [mid - lo for lo, mid, _ in splits],
+                                              [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
 
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
             return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
@@ -179,13 +190,16 @@ class _Passes:
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout)
         splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
-        cpu_simd.decompress_update_all(bits, scales.contiguous(), flat, worker_error if update else None,
-                                       s_w.contiguous() if update else None, layout.C,
-                                       [mid - lo for lo, mid, _ in splits], self.table, self.clip)
-        e = worker_error if update else None  # the padded rests: the plain path's arithmetic
+        e, ws = (worker_error, s_w.contiguous()) if update else (None, None)
+        cpu_simd_fused.decompress_update_all(bits, scales.contiguous(), flat, e, ws, layout.C,
+                                             [mid - lo for lo, mid, _ in splits], self.table, self.clip)
+        # the padded rests: the plain path's arithmetic
         for j, (lo, mid, hi) in enumerate(splits):
             if hi == mid:
                 continue
             _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
-                cpu_simd.update(flat, mid, min(hi, n), self.table, self.clip)
+                cpu_simd_fused.update(flat, mid, min(hi, n), self.table, self.clip)
+
+
+CpuFusedCompression.PASSES = _Passes

@@ -148,15 +148,12 @@ class OnebitAdam(WarmupThenCompress):
         reducer, pairs = self.reducer(), self.compressed_params()
         if not _fused.applies(self, reducer, pairs):
             return None
-        prepare = getattr(self._fused_plan(reducer), "prepare", None)  # the C passes only
-        if prepare is None:
+        plan = self._fused_plan(reducer)
+        if not hasattr(plan, "prepare"):  # the C passes only
             return None
-        others = [p.grad for g in self.param_groups if g.get("non_freeze", False) for p in g["params"]
-                  if p.grad is not None]
-        ok = prepare(self, pairs, self.updates + 1)
-        if ok is None or not others:
-            return ok
-        return ok and self._grads_finite(others)
+        from ._fused_cpu import prepared_verdict
+
+        return prepared_verdict(self, plan, pairs)
 
     def _abandon_step(self) -> None:
         plan = getattr(self, "_fused_cache", None)

@@ -6,10 +6,11 @@ import torch
 
 from ..kernels import cpu_fused
 from ..kernels._checks import check_int
-from . import _multi
+from . import _fused_cpu_zoa, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
+from ._fused_cpu import prepared_verdict
 
 __all__ = ["ZeroOneAdam"]
 
@@ -173,8 +174,43 @@ class ZeroOneAdam(OnebitOptimizerBase):
         else:
             self._phase_two(reducer, pairs, t)
 
+    def _prepare_step(self) -> bool | None:
+        """Phase 1's fused compressed step (optimizers/_fused_cpu_zoa.py): its worker pass before the
+        agreement, the messages' scales giving this rank's verdict (the pass changes no state)."""
+        if not self._compresses_gradients() or self._overlap is not None:
+            return None
+        reducer, pairs = self.reducer(), self.compressed_params()
+        if not _fused_cpu_zoa.applies(self, reducer, pairs):
+            return None
+        return prepared_verdict(self, self._zoa_plan(reducer), pairs)
+
+    def _abandon_step(self) -> None:
+        plan = getattr(self, "_zoa_cache", None)
+        if plan is not None:
+            plan.abandon()
+
+    def _zoa_plan(self, reducer):
+        plan = getattr(self, "_zoa_cache", None)
+        if plan is None or plan.reducer is not reducer:
+            plan = self._zoa_cache = _fused_cpu_zoa.CpuFusedZeroOne(reducer)
+        return plan
+
     def _phase_one(self, reducer, pairs, t: int) -> None:
         var_step = t % self.var_interval == 0
+        prepared = getattr(getattr(self, "_zoa_cache", None), "ready", None) is not None  # applies held
+        fused = prepared or (not self._overlapped and _fused_cpu_zoa.applies(self, reducer, pairs))
+        if not var_step and fused:
+            # the gradient's compressed mean, the fold and the stale step inside the codec's passes
+            self._zoa_plan(reducer).step(self, pairs, t)
+        else:
+            self._phase_one_unfused(reducer, pairs, var_step)
+        if var_step:
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter = 0
+                self.var_interval *= 2
+
+    def _phase_one_unfused(self, reducer, pairs, var_step: bool) -> None:
         if var_step:
             for _, p, g, grad in self.averaged_gradients(reducer, pairs):
                 moments_(self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], grad, g["betas"])
@@ -190,11 +226,6 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 self._fold_each(pairs, reducer.views, masks)
         if not self._stale_step_all(pairs):
             self._stale_step_each(pairs)
-        if var_step:
-            self.var_counter += 1
-            if self.var_counter == self.var_update_scaler:
-                self.var_counter = 0
-                self.var_interval *= 2
 
     def _fold_each(self, pairs, views, masks) -> None:
         """Phase 1: the decompressed mean gradient into the momentum, then the accumulator zeroed."""

@@ -166,14 +166,15 @@ def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
 def _wide_body(steps, fused, c_pass=False, in_codec=False):
     """A layer of 2^16 weights (the fused CPU passes' size) behind the hook with freeze_step; with
     ``fused=False`` the compiled passes are out of reach (their size threshold raised); the C
-    pre-pass (onebit.kernels.cpu_simd.hook_pre, the local norm inside) only with ``c_pass``; the
+    pre-pass (onebit.kernels.cpu_simd_fused.hook_pre, the local norm inside) only with ``c_pass``; the
     pre- and post-pass inside the codec's C passes (collectives/_hook_fused.py) only with
     ``in_codec`` (and ``c_pass``)."""
     from onebit.collectives import _hook_fused
-    from onebit.kernels import cpu_fused, cpu_simd
+    from onebit.kernels import cpu_fused, cpu_simd, cpu_simd_fused
 
     saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
-    saved_c = cpu_simd._state.get("available"), cpu_simd.hook_pre, cpu_simd.hook_encode, _hook_fused.ENABLED
+    saved_c = (cpu_simd._state.get("available"), cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode,
+               _hook_fused.ENABLED)
     cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
     cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
     _hook_fused.ENABLED = in_codec
@@ -197,12 +198,12 @@ def _wide_body(steps, fused, c_pass=False, in_codec=False):
         return saved_c[2](*a)
 
     cpu_simd._state["available"] = bool(c_pass and cpu_simd.library() and cpu_simd.best_isa() >= 1)
-    cpu_simd.hook_pre, cpu_simd.hook_encode = c_counted, encode_counted
+    cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode = c_counted, encode_counted
     try:  # the rank processes serve later tests: the modules are put back as they were
         return _wide_run(steps), calls
     finally:
         cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
-        cpu_simd.hook_pre, cpu_simd.hook_encode, _hook_fused.ENABLED = saved_c[1:]
+        cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.ENABLED = saved_c[1:]
         if saved_c[0] is None:
             cpu_simd._state.pop("available", None)
         else:

@@ -1,0 +1,143 @@
+"""ZeroOneAdam's phase-1 compressed steps with their element-wise maths inside the CPU codec's C
+passes (onebit.kernels.cpu_simd ``zoa_*``), as :mod:`onebit.optimizers._fused_cpu` does for
+OnebitAdam.
+
+The unfused step writes ``g / d`` into the accumulator, all-reduces it compressed, folds the mean
+into the momentum (``m.mul_(b1).addcmul_(mean, d, value=1 - b1)``), zeroes the accumulator and takes
+the stale step (``p -= lr * (clamp(m / d) [+ wd * p])``): about nine passes over memory. Here the
+worker pass reads g, d and the worker error and writes only the bits (``x = g / d`` lives in a
+scratch run), and the decompress pass reads g, d, e, m and p once, recomputes ``x`` for the
+deferred error and writes e, m and p: 44 B per element and the server's, against about 150 with
+the C codec. The accumulator stays zero (the chunks' padded rests, a few elements, go through it
+with the plain path's arithmetic, as in :mod:`onebit.kernels.cpu_compiled`).
+
+Since the worker pass changes no state, the non-finite agreement reads its verdict from the
+messages' scales (as OnebitAdam's fused step does) and a skip has nothing to restore but those
+padded rests. The momentum is ``fma((1 - b1) * mean, d, b1 * m)``: what torch's ``addcmul_`` computes
+on CPUs with FMA (x86 since Haswell); the error, the bits and the scales are the unfused step's
+bitwise, the momentum and the parameters to float32 rounding (tests/test_fused_cpu_zoa.py).
+
+Used where :func:`applies`: a CPU with the C passes, phase 1's compressed (not variance) steps,
+the default preconditioned compression, no block scales, mesh, masks or ``overlap``, float32
+contiguous parameters, gradients, denominators and momenta, more than one rank (or the
+benchmarks' local collective).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives.allreduce import compressed_allreduce
+from ..kernels import _chunks, cpu_simd, cpu_simd_fused
+from ..kernels.layout import message_bits, message_scales
+from . import _fused
+from ._fused_cpu import CpuFusedCompression
+
+
+def applies(opt, reducer, pairs) -> bool:
+    """Whether ``opt`` (a ZeroOneAdam in phase 1) can take this compressed step fused."""
+    if not (_fused.ENABLED and pairs and opt.preconditioned and opt.phase == 1):
+        return False
+    if opt.block is not None or reducer.mesh is not None or opt._overlap is not None:
+        return False
+    if opt.auto_mask is not None or any(g.get("exp_avg_mask") is not None for _, g in pairs):
+        return False
+    local = bool(getattr(reducer.allreduce, "local_compute", False))
+    if not local and (reducer.allreduce is not compressed_allreduce or reducer.world_size < 2):
+        return False
+    if pairs[0][0].device.type != "cpu" or not cpu_simd.available():
+        return False
+    plain = _fused._plain
+    for k, (p, g) in enumerate(pairs):
+        m = opt.state[p].get("exp_avg")
+        if not plain(p) or m is None or not plain(m) or m.numel() != p.numel():
+            return False
+        if p.grad is not None and (not plain(p.grad) or p.grad.shape != p.shape):
+            return False
+        d = opt.stale_denominator(k, p, g)
+        if not plain(d) or d.numel() != p.numel():
+            return False
+    return True
+
+
+class CpuFusedZeroOne(CpuFusedCompression):
+    """The per-reducer tables and the phase-1 compressed step (``prepare``, ``abandon``, ``step``
+    as :class:`CpuFusedCompression`'s; nothing to restore but the accumulator's padded rests)."""
+
+    def _fill(self, opt, pairs, t: int, bucket, table: cpu_simd_fused.Table) -> None:
+        g_addr, d_addr, m_addr, p_addr, rows = [], [], [], [], []
+        for i in bucket.indices:
+            p, g = pairs[i]
+            g_addr.append(0 if p.grad is None else p.grad.data_ptr())
+            d_addr.append(opt.stale_denominator(i, p, g).data_ptr())
+            m_addr.append(opt.state[p]["exp_avg"].data_ptr())
+            p_addr.append(p.data_ptr())
+            b1 = g["betas"][0]
+            rows.append((b1, 1.0 - b1, g["weight_decay"], -g["lr"], 0.0))
+        old = table.key or (None, None)
+        if old[0] != (g_addr, d_addr, m_addr, p_addr):
+            for dst, src in ((table.g, g_addr), (table.d, d_addr), (table.m, m_addr), (table.p, p_addr)):
+                dst.copy_(torch.tensor(src, dtype=torch.int64))
+        if old[1] != rows:  # float64 rounded to float32, as torch's scalar arguments are
+            table.scalars.copy_(torch.tensor(rows, dtype=torch.float64).to(torch.float32))
+        table.key = ((g_addr, d_addr, m_addr, p_addr), rows)
+
+    def _restorable(self) -> bool:
+        return True  # the worker pass writes no state
+
+    def abandon(self) -> None:
+        if self.ready is None:
+            return
+        self.ready = None
+        for b in self.reducer.buckets:
+            b.flat.zero_()  # the padded rests' x (the accumulator is zero in phase 1)
+
+
+class _ZoaPasses:
+    def __init__(self, table: cpu_simd_fused.Table, clip: float, msg: torch.Tensor | None = None) -> None:
+        self.table, self.clip = table, clip
+        self.gathered = self.layout = None
+        if msg is not None:  # the message prepare built (collectives._async.worker_message)
+            def ready(layout):
+                if msg.numel() != layout.message_bytes:
+                    raise AssertionError("the prepared message does not fit the call's layout")
+                return msg
+
+            self.ready = ready
+
+    def worker(self, flat, worker_error, layout, msg) -> None:
+        """worker_compress(update_error=False) of ``g / d`` (every chunk in one C call; the padded
+        rests through the accumulator)."""
+        n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
+        sums = cpu_simd_fused.zoa_encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
+                                             [mid - lo for lo, mid, _ in splits],
+                                             [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
+
+        def piece(j: int, lo: int, mid: int, hi: int) -> list:
+            return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
+
+        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
+
+    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
+        """decompress (the deferred worker error where the scales are finite), the momentum and the
+        stale step inside; the padded rests with the plain path's decode, then the accumulator
+        zeroed there."""
+        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
+        update = bool(torch.isfinite(scales).all())
+        s_w = message_scales(msg, layout)
+        splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
+        cpu_simd_fused.zoa_step_all(bits, scales.contiguous(), worker_error if update else None,
+                                    s_w.contiguous() if update else None, layout.C,
+                                    [mid - lo for lo, mid, _ in splits], self.table, self.clip)
+        e = worker_error if update else None
+        for j, (lo, mid, hi) in enumerate(splits):
+            if hi == mid:
+                continue
+            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
+            end = min(hi, n)
+            if mid < end:
+                cpu_simd_fused.zoa_step_range(flat[mid:end], mid, end, self.table, self.clip)
+                flat[mid:end].zero_()
+
+
+CpuFusedZeroOne.PASSES = _ZoaPasses

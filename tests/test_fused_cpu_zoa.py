@@ -1,0 +1,170 @@
+"""ZeroOneAdam's phase-1 compressed steps with the fold and the stale step inside the CPU codec's
+C passes (onebit.optimizers._fused_cpu_zoa) against the unfused steps: two parameter groups with
+their own lr, betas and weight decay, a parameter without a gradient in one step, several buckets
+whose tensors straddle the chunks, sizes not a multiple of 8, variance steps in between; locally
+(W = 1's whole compute) and on 3 gloo ranks; a skipped step on one rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
+from onebit.optimizers import ZeroOneAdam, _fused, _fused_cpu_zoa
+
+pytestmark = pytest.mark.skipif("not cpu_simd.available()", reason="no C passes on this CPU")
+
+SHAPES = [(37, 5), (9000,), (3,), (64, 17), (70001,), (301, 300)]
+STEPS = 12  # variance steps at t = 1, 2, 4, 8 (var_update_scaler=1), compressed steps between
+
+
+def _compiled(tensor, we, se, group=None):
+    from onebit.collectives import local_compressed_allreduce
+
+    return local_compressed_allreduce([tensor], [we], [se], backend="compiled")[0]
+
+
+_compiled.local_compute = True
+
+
+def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
+    """STEPS steps; ``bad``: (step, rank) with an infinite gradient. Returns the parameters,
+    momenta, error buffers, whether each step was fused, the states around the bad step and how
+    often the agreement read the gradients."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    groups = [{"params": params[:2], "weight_decay": 0.1},
+              {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
+    opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.2)
+    red = opt.reducer()
+    if local:
+        red.allreduce = _compiled
+    reads = []
+    read = opt._local_gradients_finite
+    opt._local_gradients_finite = lambda: reads.append(1) or read()
+    _fused.ENABLED = fused
+    used, around = [], []
+
+    def state():
+        return [t.detach().clone() for t in params + [opt.state[p]["exp_avg"] for p in params]
+                + [b.flat for b in red.buckets] + [e for pair in red.errors() for e in pair]]
+
+    try:
+        g = torch.Generator().manual_seed(1000 + rank)
+        for step in range(STEPS):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 5 and i == 2) else torch.randn(p.shape, generator=g)
+            if bad is not None and step == bad[0] and rank == bad[1]:
+                params[4].grad[77] = float("inf")
+            pairs = opt.compressed_params()
+            used.append(opt._compresses_gradients() and _fused_cpu_zoa.applies(opt, red, pairs))
+            if bad is not None and step == bad[0]:
+                around.append(state())
+            opt.step()
+            if bad is not None and step == bad[0]:
+                around.append(state())
+    finally:
+        _fused.ENABLED = True
+    return state(), used, around, len(reads), opt.skipped_steps
+
+
+def _addcmul_fuses() -> bool:
+    """Whether torch's addcmul_ rounds once here (an FMA), as the fused pass does."""
+    g = torch.Generator().manual_seed(3)
+    m, x, d = (torch.randn(4096, generator=g) for _ in range(3))
+    ref = (m * 0.9).addcmul_(x, d, value=0.1)
+    w = torch.tensor(0.1, dtype=torch.float32)
+    exact = ((w * x).double() * d.double() + (m * 0.9).double()).float()
+    return torch.equal(ref, exact)
+
+
+def _compare(fused, plain) -> None:
+    from onebit.kernels.cpu_fused import MIN_NUMEL
+
+    (s1, used1, _, _, _), (s0, used0, _, _, _) = fused, plain
+    assert used1 == [False, False, True, False, True, True, True, False, True, True, True, True]
+    assert not any(used0)
+    n = len(SHAPES)
+    for k, (a, b) in enumerate(zip(s1, s0, strict=True)):
+        assert a.isfinite().all(), k
+        if k >= 2 * n or (k >= n and _addcmul_fuses()) or (k < n and a.numel() >= MIN_NUMEL):
+            # the accumulators (zero), the errors; the momenta where torch's addcmul_ is an FMA;
+            # the parameters where the unfused step runs cpu_fused's compiled stale step
+            assert torch.equal(a, b), k
+        else:  # the plain ops' p.add_(update, alpha=-lr): another rounding
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_matches_unfused_locally():
+    _compare(_train(True), _train(False))
+
+
+def _ranks_body():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return _train(True, rank, local=False), _train(False, rank, local=False)
+
+
+def test_fused_matches_unfused_on_three_ranks(ranks):
+    results = ranks(3).run(_ranks_body)
+    for fused, plain in results:
+        _compare(fused, plain)
+    for other in results[1:]:  # the replicas' parameters and momenta stay bitwise identical
+        for a, b in zip(other[0][0][: 2 * len(SHAPES)], results[0][0][0][: 2 * len(SHAPES)], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_skipped_compressed_step_changes_nothing():
+    # step 5 is a compressed step: its worker pass runs before the agreement and the agreement
+    # reads the messages' scales (no pass over the gradients); the skip leaves every parameter,
+    # momentum, accumulator and error buffer bitwise as it was
+    final, used, (before, after), reads, skipped = _train(True, bad=(5, 0))
+    assert skipped == 1 and used[5]
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+    final0, _, _, reads0, skipped0 = _train(False, bad=(5, 0))
+    assert skipped0 == 1 and reads0 == STEPS and reads == STEPS - sum(used)
+    for a, b in zip(final, final0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_the_passes_agree_at_every_isa_level(wd):
+    # zoa_encode_all and zoa_step_all in portable C (fmaf), AVX2 and AVX-512: the same bits, errors,
+    # momenta and parameters, bitwise (the float64 sums: exact squares added in each ISA's order);
+    # a tensor without a gradient; with and without the error update
+    from onebit.kernels import _chunks, cpu_simd_fused
+    from onebit.kernels.layout import Layout, empty_message, message_bits
+
+    gen = torch.Generator().manual_seed(5)
+    sizes, W = [30001, 7, 40000], 3
+    n = sum(sizes)
+    layout = Layout(-(-n // (8 * W)) * 8 * W, W, None)
+    splits = [_chunks.split(layout, n, j) for j in range(W)]
+    grads = [torch.randn(s, generator=gen) for s in sizes]
+    dens = [torch.rand(s, generator=gen) + 0.5 for s in sizes]
+    e0 = torch.randn(layout.N, generator=gen) * 0.1
+    m0, p0 = [torch.randn(s, generator=gen) for s in sizes], [torch.randn(s, generator=gen) for s in sizes]
+    scales, wscales = torch.rand(W, generator=gen) + 0.1, torch.rand(W, generator=gen) + 0.1
+    out = {}
+    for isa in range(cpu_simd.best_isa() + 1):
+        for update in (True, False):
+            e, ms, ps, flat = e0.clone(), [x.clone() for x in m0], [x.clone() for x in p0], torch.zeros(n)
+            t = cpu_simd_fused.Table([0, sizes[0], sizes[0] + sizes[1]], sizes)
+            for k in range(3):
+                t.g[k] = 0 if k == 1 else grads[k].data_ptr()
+                t.d[k], t.m[k], t.p[k] = dens[k].data_ptr(), ms[k].data_ptr(), ps[k].data_ptr()
+                t.scalars[k] = torch.tensor([0.9, 0.1, wd, -1e-2, 0.0])
+            bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
+            enc = [mid - lo for lo, mid, _ in splits]
+            fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
+            sums = cpu_simd_fused.zoa_encode_all(flat, e, bits, layout.C, enc, fold, t, isa=isa)
+            coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])
+            ee, ws = (e, wscales) if update else (None, None)
+            cpu_simd_fused.zoa_step_all(bits, scales, ee, ws, layout.C, enc, t, 0.5, isa=isa)
+            out[isa, update] = [torch.tensor(sums, dtype=torch.float64), coded, e, *ms, *ps]
+    for (isa, update), got in out.items():
+        torch.testing.assert_close(got[0], out[0, update][0], rtol=1e-12, atol=0)
+        for a, b in zip(got[1:], out[0, update][1:], strict=True):
+            assert torch.equal(a, b), (isa, update)
