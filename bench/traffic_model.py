@@ -110,6 +110,10 @@ def rows():
         # agreement (its verdict from the messages' scales)
         cpu = 20.125 + server + 24.125 + xfer
         r.append((f"OnebitAdam compression, CPU fused passes (prepared), {tag}", cpu))
+        # ZeroOneAdam's phase-1 compressed step on x86 (optimizers/_fused_cpu_zoa.py): the worker reads
+        # g, d, e (12.125 with the bits); the decompress pass reads bits, g, d, e, m, p, writes e, m, p
+        zoa = 12.125 + server + 32.125 + xfer
+        r.append((f"ZeroOneAdam P1 compressed step, CPU fused passes, {tag}", zoa))
     return r
 
 
