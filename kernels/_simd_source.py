@@ -679,6 +679,28 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
 }
 #endif
 
+/* The worker passes over every chunk of a bucket: thread t of T's elements [*lo, *hi) of a chunk's n
+   to encode, as onebit_fold_encode splits them (one thread below 65536 elements, as
+   cpu_simd._threads); 0 where it has none. */
+static int chunk_part(int64_t n, int t, int T, int64_t* lo, int64_t* hi) {
+  int Tj = n < (1 << 16) ? 1 : T;
+  if (t >= Tj) return 0;
+  int64_t units = n / 8;
+  *lo = units * t / Tj * 8;
+  *hi = units * (t + 1) / Tj * 8;
+  return 1;
+}
+
+/* chunk j's sum: its threads' partial sums part[j P + t] in thread order (used: the region's threads) */
+static void chunk_sums(const int64_t* n_enc, int W, const double* part, int P, int used, double* sums) {
+  for (int j = 0; j < W; j++) {
+    int Tj = n_enc[j] < (1 << 16) ? 1 : used;
+    double total = 0.0;
+    for (int t = 0; t < Tj; t++) total += part[(size_t)j * P + t];
+    sums[j] = total;
+  }
+}
+
 /* All W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py): chunk j covers flat
    elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold up to j C + n_fold[j];
    sums[j] its float64 total, with onebit_fold_encode's thread split and order within each chunk
@@ -688,7 +710,7 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
                             const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                             const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
                             const float* sc, int K, int isa, int threads) {
-  enum { RUN = 4096, SMALL = 1 << 16 };
+  enum { RUN = 4096 };
   table_t tab = {start, count, g, d, 0, sc, K};
   blocks_fn f = pick(isa);
   const int P = threads;
@@ -698,9 +720,8 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
     int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
     if (t == 0) used = T;
     for (int j = 0; j < W; j++) {
-      int Tj = n_enc[j] < SMALL ? 1 : T;
-      if (t >= Tj) continue;
-      int64_t off = j * C, units = n_enc[j] / 8, lo = units * t / Tj * 8, hi = units * (t + 1) / Tj * 8;
+      int64_t off = j * C, lo, hi;
+      if (!chunk_part(n_enc[j], t, T, &lo, &hi)) continue;
       double acc = 0.0, r;
       k = 0;
       for (int64_t i = lo; i < hi; i += RUN) {
@@ -723,12 +744,10 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
     }
   }
   for (int j = 0; j < W; j++) {
-    int k = 0, Tj = n_enc[j] < SMALL ? 1 : used;
+    int k = 0;
     if (n_fold[j] > n_enc[j]) fold_range(isa, flat, j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
-    double total = 0.0;
-    for (int t = 0; t < Tj; t++) total += part[(size_t)j * P + t];
-    sums[j] = total;
   }
+  chunk_sums(n_enc, W, part, P, used, sums);
 }
 
 /* onebit_decompress_update over all W chunks of a bucket in one parallel region: chunk j's elements
@@ -790,43 +809,50 @@ void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start
   else ZOA_STEP_BODY(, PNEW)
 /* the branches outside the loops, which then vectorise */
 #define ZOA_STEP_LOOP if (wd != 0.0f) { ZOA_STEP_WD(p[i] + nlr * (v + wd * p[i])) } else { ZOA_STEP_WD(p[i] + nlr * v) }
-static void zoa_div_c(float* restrict x, const float* restrict g, const float* restrict d, int64_t n) { ZOA_DIV_LOOP }
-static void zoa_step_c(const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, float ws,
-                     float* restrict m, float* restrict p,
-                       float b1, float w, float wd, float nlr, float lo, float hi, int64_t n) { ZOA_STEP_LOOP }
+#define ZOA_DIV_ARGS float* restrict x, const float* restrict g, const float* restrict d, int64_t n
+#define ZOA_STEP_ARGS const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, \
+  float ws, float* restrict m, float* restrict p, float b1, float w, float wd, float nlr, float lo, float hi, int64_t n
+static void zoa_div_c(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+static void zoa_step_c(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f"))) static void zoa_div_512(float* restrict x, const float* restrict g, const float* restrict d, int64_t n) {
-  ZOA_DIV_LOOP
-}
-__attribute__((target("avx512f")))
-static void zoa_step_512(const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, float ws,
-                     float* restrict m, float* restrict p,
-                         float b1, float w, float wd, float nlr, float lo, float hi, int64_t n) { ZOA_STEP_LOOP }
-__attribute__((target("avx2,fma"))) static void zoa_div_256(float* restrict x, const float* restrict g, const float* restrict d, int64_t n) {
-  ZOA_DIV_LOOP
-}
-__attribute__((target("avx2,fma")))
-static void zoa_step_256(const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, float ws,
-                     float* restrict m, float* restrict p,
-                         float b1, float w, float wd, float nlr, float lo, float hi, int64_t n) { ZOA_STEP_LOOP }
+__attribute__((target("avx512f"))) static void zoa_div_512(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+__attribute__((target("avx512f"))) static void zoa_step_512(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+__attribute__((target("avx2,fma"))) static void zoa_div_256(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+__attribute__((target("avx2,fma"))) static void zoa_step_256(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 #endif
 
 typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; int K; } zoa_t;
 
+/* table tensor kk's part of flat elements [a, b): [lo, hi) (empty where hi <= lo), its offset o there
+   and its gradient g (0: none) and denominator d at that offset; 0 past [a, b) */
+typedef struct { int64_t lo, hi, o; const float *g, *d; } seg_t;
+static int zoa_seg(const zoa_t* t, int64_t a, int64_t b, int kk, seg_t* s) {
+  if (kk >= t->K || t->start[kk] >= b) return 0;
+  int64_t end = t->start[kk] + t->count[kk];
+  s->lo = a > t->start[kk] ? a : t->start[kk];
+  s->hi = b < end ? b : end;
+  s->o = s->lo - t->start[kk];
+  s->g = t->g[kk] ? (const float*)t->g[kk] + s->o : 0;
+  s->d = (const float*)t->d[kk] + s->o;
+  return 1;
+}
+
+/* the first tensor that can overlap [a, ...): the cursor k moved past those that end before a */
+static int zoa_first(const zoa_t* t, int64_t a, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  return *k;
+}
+
 /* x over flat elements [a, b) into x[0, b - a) */
 static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* t, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
-    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
-    if (hi <= lo) continue;
-    int64_t o = lo - t->start[kk];
-    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
-    const float* d = (const float*)t->d[kk] + o;
+  seg_t s;
+  for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
+    if (s.hi <= s.lo) continue;
 #ifdef ONEBIT_X86
-    if (isa >= 2) { zoa_div_512(x + (lo - a), g, d, hi - lo); continue; }
-    if (isa == 1) { zoa_div_256(x + (lo - a), g, d, hi - lo); continue; }
+    if (isa >= 2) { zoa_div_512(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
+    if (isa == 1) { zoa_div_256(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
 #endif
-    zoa_div_c(x + (lo - a), g, d, hi - lo);
+    zoa_div_c(x + (s.lo - a), s.g, s.d, s.hi - s.lo);
   }
 }
 
@@ -834,20 +860,17 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
    mean (e: the whole worker error buffer, NULL: not updated) */
 static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64_t a, int64_t b, const zoa_t* t,
                            float lo_c, float hi_c, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
-    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
-    if (hi <= lo) continue;
-    int64_t o = lo - t->start[kk];
-    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
-    const float* d = (const float*)t->d[kk] + o;
-    float *m = (float*)t->m[kk] + o, *p = (float*)t->p[kk] + o, *ee = e ? e + lo : 0;
-    const float* sc = t->sc + 5 * kk;
+  seg_t s;
+  for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
+    if (s.hi <= s.lo) continue;
+    float *m = (float*)t->m[kk] + s.o, *p = (float*)t->p[kk] + s.o, *ee = e ? e + s.lo : 0;
+    const float *sc = t->sc + 5 * kk, *mv = mean + (s.lo - a);
+    int64_t n = s.hi - s.lo;
 #ifdef ONEBIT_X86
-    if (isa >= 2) { zoa_step_512(mean + (lo - a), g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, hi - lo); continue; }
-    if (isa == 1) { zoa_step_256(mean + (lo - a), g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, hi - lo); continue; }
+    if (isa >= 2) { zoa_step_512(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
+    if (isa == 1) { zoa_step_256(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
 #endif
-    zoa_step_c(mean + (lo - a), g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, hi - lo);
+    zoa_step_c(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n);
   }
 }
 
@@ -859,7 +882,7 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
                            const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                            const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
                            int K, int isa, int threads) {
-  enum { RUN = 4096, SMALL = 1 << 16 };
+  enum { RUN = 4096 };
   zoa_t tab = {start, count, g, d, 0, 0, 0, K};
   blocks_fn f = pick(isa);
   const int P = threads;
@@ -870,9 +893,8 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
     float x[RUN] __attribute__((aligned(64)));
     if (t == 0) used = T;
     for (int j = 0; j < W; j++) {
-      int Tj = n_enc[j] < SMALL ? 1 : T;
-      if (t >= Tj) continue;
-      int64_t off = j * C, units = n_enc[j] / 8, lo = units * t / Tj * 8, hi = units * (t + 1) / Tj * 8;
+      int64_t off = j * C, lo, hi;
+      if (!chunk_part(n_enc[j], t, T, &lo, &hi)) continue;
       double acc = 0.0, r;
       k = 0;
       for (int64_t i = lo; i < hi; i += RUN) {
@@ -885,12 +907,10 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
     }
   }
   for (int j = 0; j < W; j++) {
-    int k = 0, Tj = n_enc[j] < SMALL ? 1 : used;
+    int k = 0;
     if (n_fold[j] > n_enc[j]) zoa_div_range(isa, flat + j * C + n_enc[j], j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
-    double total = 0.0;
-    for (int t = 0; t < Tj; t++) total += part[(size_t)j * P + t];
-    sums[j] = total;
   }
+  chunk_sums(n_enc, W, part, P, used, sums);
 }
 
 /* The decompress pass of every chunk of a bucket: chunk j's [j C, j C + n[j]) decoded run by run

@@ -82,22 +82,28 @@ def _chunks_ok(name: str, flat: torch.Tensor, bits: torch.Tensor, C: int, W: int
                          "with contiguous rows, and per chunk n_enc (a multiple of 8) <= n_fold <= C")
 
 
+def _encode_all(name: str, fn, flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int,
+                n_enc: list[int], n_fold: list[int], table_args: tuple, isa: int | None) -> list[float]:
+    """The call of a worker pass over every chunk: the chunks' sizes, the threads' partial sums."""
+    W = len(n_enc)
+    _chunks_ok(name, flat, bits, C, W, n_enc, n_fold, e)
+    enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
+    threads = torch.get_num_threads()
+    sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
+    fn(flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W, enc.data_ptr(), fold.data_ptr(),
+       sums.data_ptr(), part.data_ptr(), *table_args, _isa(isa), threads)
+    return sums.tolist()
+
+
 def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
                     n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
     """:func:`fold_encode` of every chunk of a bucket in one call: chunk j (elements ``[j C, j C +
     n_enc[j])``, its fold to ``j C + n_fold[j]``) into ``bits[j]`` (a message's ``[W, C / 8]``
     rows); returns each chunk's sum, bitwise those of W calls."""
-    W = len(n_enc)
-    _chunks_ok("fold_encode_all", flat, bits, C, W, n_enc, n_fold, e)
-    enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
-    threads = torch.get_num_threads()
-    sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
     t = table
-    library().onebit_fold_encode_all(
-        flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W, enc.data_ptr(), fold.data_ptr(),
-        sums.data_ptr(), part.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(),
-        t.d.data_ptr(), t.scalars.data_ptr(), t.K, _isa(isa), threads)
-    return sums.tolist()
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.scalars.data_ptr(), t.K)
+    fn = library().onebit_fold_encode_all
+    return _encode_all("fold_encode_all", fn, flat, e, bits, C, n_enc, n_fold, args, isa)
 
 
 def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor,
@@ -130,17 +136,10 @@ def zoa_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: i
     contract with ``x = g / d`` (0 without a gradient) encoded instead of the folded momentum and
     ``flat`` left as it is, but over each chunk's ``[j C + n_enc[j], j C + n_fold[j])``, which
     receives ``x`` (the padded rest's data, for the caller's plain encode)."""
-    W = len(n_enc)
-    _chunks_ok("zoa_encode_all", flat, bits, C, W, n_enc, n_fold, e)
-    enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
-    threads = torch.get_num_threads()
-    sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
     t = table
-    library().onebit_zoa_encode_all(
-        flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W, enc.data_ptr(), fold.data_ptr(),
-        sums.data_ptr(), part.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(),
-        t.d.data_ptr(), t.K, _isa(isa), threads)
-    return sums.tolist()
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.K)
+    fn = library().onebit_zoa_encode_all
+    return _encode_all("zoa_encode_all", fn, flat, e, bits, C, n_enc, n_fold, args, isa)
 
 
 def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | None,

@@ -145,6 +145,8 @@ class CpuFusedCompression:
 
 
 class _Passes:
+    ENCODE = staticmethod(cpu_simd_fused.fold_encode_all)  # the worker pass over every chunk
+    STEP = staticmethod(cpu_simd_fused.decompress_update_all)  # the decompress pass over every chunk
     def __init__(self, table: cpu_simd_fused.Table, clip: float, msg: torch.Tensor | None = None) -> None:
         self.table, self.clip = table, clip
         self.gathered = self.layout = None
@@ -173,9 +175,9 @@ class _Passes:
         :func:`onebit.kernels.cpu_compiled.worker_compress` computes it, the fold inside (every
         chunk in one C call)."""
         n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
-        sums = cpu_simd_fused.fold_encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
-                                              [mid - lo for lo, mid, _ in splits],
-                                              [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
+        sums = self.ENCODE(flat, worker_error, message_bits(msg, layout), layout.C,
+                           [mid - lo for lo, mid, _ in splits],
+                           [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
 
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
             return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
@@ -191,15 +193,19 @@ class _Passes:
         s_w = message_scales(msg, layout)
         splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
         e, ws = (worker_error, s_w.contiguous()) if update else (None, None)
-        cpu_simd_fused.decompress_update_all(bits, scales.contiguous(), flat, e, ws, layout.C,
-                                             [mid - lo for lo, mid, _ in splits], self.table, self.clip)
+        self.STEP(bits, scales.contiguous(), flat, e, ws, layout.C, [mid - lo for lo, mid, _ in splits],
+                  self.table, self.clip)
         # the padded rests: the plain path's arithmetic
         for j, (lo, mid, hi) in enumerate(splits):
             if hi == mid:
                 continue
             _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
-                cpu_simd_fused.update(flat, mid, min(hi, n), self.table, self.clip)
+                self.tail(flat, mid, min(hi, n))
+
+    def tail(self, flat, a: int, b: int) -> None:
+        """The update of flat elements [a, b) (a padded rest's data, decoded)."""
+        cpu_simd_fused.update(flat, a, b, self.table, self.clip)
 
 
 CpuFusedCompression.PASSES = _Passes

@@ -28,10 +28,9 @@ from __future__ import annotations
 import torch
 
 from ..collectives.allreduce import compressed_allreduce
-from ..kernels import _chunks, cpu_simd, cpu_simd_fused
-from ..kernels.layout import message_bits, message_scales
+from ..kernels import cpu_simd, cpu_simd_fused
 from . import _fused
-from ._fused_cpu import CpuFusedCompression
+from ._fused_cpu import CpuFusedCompression, _Passes
 
 
 def applies(opt, reducer, pairs) -> bool:
@@ -93,51 +92,21 @@ class CpuFusedZeroOne(CpuFusedCompression):
             b.flat.zero_()  # the padded rests' x (the accumulator is zero in phase 1)
 
 
-class _ZoaPasses:
-    def __init__(self, table: cpu_simd_fused.Table, clip: float, msg: torch.Tensor | None = None) -> None:
-        self.table, self.clip = table, clip
-        self.gathered = self.layout = None
-        if msg is not None:  # the message prepare built (collectives._async.worker_message)
-            def ready(layout):
-                if msg.numel() != layout.message_bytes:
-                    raise AssertionError("the prepared message does not fit the call's layout")
-                return msg
+class _ZoaPasses(_Passes):
+    """:class:`onebit.optimizers._fused_cpu._Passes` with ZeroOneAdam's maths: the worker encodes
+    ``g / d`` (every chunk in one C call; the padded rests through the accumulator)."""
 
-            self.ready = ready
+    ENCODE = staticmethod(cpu_simd_fused.zoa_encode_all)
 
-    def worker(self, flat, worker_error, layout, msg) -> None:
-        """worker_compress(update_error=False) of ``g / d`` (every chunk in one C call; the padded
-        rests through the accumulator)."""
-        n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
-        sums = cpu_simd_fused.zoa_encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
-                                             [mid - lo for lo, mid, _ in splits],
-                                             [max(0, min(hi, n) - lo) for lo, _, hi in splits], self.table)
+    @staticmethod
+    def STEP(bits, scales, flat, e, ws, C, n, table, clip) -> None:  # noqa: N802 (as _Passes.STEP)
+        """The decompress pass: the error, the momentum and the stale step (the accumulator stays zero)."""
+        cpu_simd_fused.zoa_step_all(bits, scales, e, ws, C, n, table, clip)
 
-        def piece(j: int, lo: int, mid: int, hi: int) -> list:
-            return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
-
-        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
-
-    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
-        """decompress (the deferred worker error where the scales are finite), the momentum and the
-        stale step inside; the padded rests with the plain path's decode, then the accumulator
-        zeroed there."""
-        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
-        update = bool(torch.isfinite(scales).all())
-        s_w = message_scales(msg, layout)
-        splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
-        cpu_simd_fused.zoa_step_all(bits, scales.contiguous(), worker_error if update else None,
-                                    s_w.contiguous() if update else None, layout.C,
-                                    [mid - lo for lo, mid, _ in splits], self.table, self.clip)
-        e = worker_error if update else None
-        for j, (lo, mid, hi) in enumerate(splits):
-            if hi == mid:
-                continue
-            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
-            end = min(hi, n)
-            if mid < end:
-                cpu_simd_fused.zoa_step_range(flat[mid:end], mid, end, self.table, self.clip)
-                flat[mid:end].zero_()
+    def tail(self, flat, a: int, b: int) -> None:
+        """A padded rest's updates from its decoded mean in the accumulator, then the accumulator zero."""
+        cpu_simd_fused.zoa_step_range(flat[a:b], a, b, self.table, self.clip)
+        flat[a:b].zero_()
 
 
 CpuFusedZeroOne.PASSES = _ZoaPasses

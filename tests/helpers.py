@@ -49,6 +49,23 @@ def simulate_allreduce(xs, worker_errors, server_errors, backend=None):
     return local_compressed_allreduce([x.clone() for x in xs], worker_errors, server_errors, backend=backend)
 
 
+def compiled_local(tensor, worker_error, server_error, group=None):
+    """An optimizer reducer's collective as a one-rank group's whole compute with the compiled
+    codec (the fused passes run theirs too: ``local_compute``)."""
+    return local_compressed_allreduce([tensor], [worker_error], [server_error], backend="compiled")[0]
+
+
+compiled_local.local_compute = True
+
+
+def count_gradient_reads(opt) -> list:
+    """A list that grows by one each time ``opt``'s non-finite agreement reads the gradients."""
+    reads = []
+    read = opt._local_gradients_finite
+    opt._local_gradients_finite = lambda: reads.append(1) or read()
+    return reads
+
+
 # -- the demo (examples/train_lm.py) run small -------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--freeze-step", "2", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",

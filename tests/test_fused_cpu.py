@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from helpers import compiled_local, count_gradient_reads
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.optimizers import OnebitAdam, _fused
@@ -127,10 +128,8 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
     opt = OnebitAdam(params, lr=1e-2, freeze_step=2, bucket_cap_mb=0.2, nonfinite=policy)
     red = opt.reducer()
     if local:
-        red.allreduce = _compiled
-    reads = []
-    read = opt._local_gradients_finite
-    opt._local_gradients_finite = lambda: reads.append(1) or read()
+        red.allreduce = compiled_local
+    reads = count_gradient_reads(opt)
     _fused.ENABLED = fused
     states = []
     try:
@@ -156,13 +155,6 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
     return states, final, len(reads), opt.skipped_steps
 
 
-def _compiled(tensor, we, se, group=None):
-    from onebit.collectives import local_compressed_allreduce
-
-    return local_compressed_allreduce([tensor], [we], [se], backend="compiled")[0]
-
-
-_compiled.local_compute = True
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
@@ -210,10 +202,8 @@ def _one_tensor():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(70001))
     opt = OnebitAdam([p], lr=1e-2, freeze_step=1, nonfinite="skip")
-    opt.reducer().allreduce = _compiled
-    reads = []
-    read = opt._local_gradients_finite
-    opt._local_gradients_finite = lambda: reads.append(1) or read()
+    opt.reducer().allreduce = compiled_local
+    reads = count_gradient_reads(opt)
     return p, opt, reads
 
 

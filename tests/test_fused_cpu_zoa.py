@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import compiled_local, count_gradient_reads
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.optimizers import ZeroOneAdam, _fused, _fused_cpu_zoa
@@ -18,13 +19,6 @@ SHAPES = [(37, 5), (9000,), (3,), (64, 17), (70001,), (301, 300)]
 STEPS = 12  # variance steps at t = 1, 2, 4, 8 (var_update_scaler=1), compressed steps between
 
 
-def _compiled(tensor, we, se, group=None):
-    from onebit.collectives import local_compressed_allreduce
-
-    return local_compressed_allreduce([tensor], [we], [se], backend="compiled")[0]
-
-
-_compiled.local_compute = True
 
 
 def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
@@ -38,10 +32,8 @@ def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
     opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.2)
     red = opt.reducer()
     if local:
-        red.allreduce = _compiled
-    reads = []
-    read = opt._local_gradients_finite
-    opt._local_gradients_finite = lambda: reads.append(1) or read()
+        red.allreduce = compiled_local
+    reads = count_gradient_reads(opt)
     _fused.ENABLED = fused
     used, around = [], []
 
