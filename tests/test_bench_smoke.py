@@ -48,6 +48,17 @@ def test_bench_optimizer_appends_both_optimizers(tmp_path):
     assert {r["parameters"] for r in rows} == {str(12 * 64 * 64 + 4 * 64 + 4 * 64)}  # one block, d = 64
 
 
+def test_bench_optimizer_interleaves_zero_one_adam(tmp_path):
+    path = tmp_path / "z.csv"
+    _run("bench_optimizer.py", "--device", "cpu", "--blocks", "1", "--d-model", "64", "--repeats", "3",
+         "--world", "3", "--zero-one", "--interleave", "--csv", str(path))
+    rows = _rows(path)
+    assert [r["optimizer"] for r in rows] == ["adamw_fused", "zero_one_adam_unfused_interleaved",
+                                              "zero_one_adam_interleaved",
+                                              "zero_one_adam_gradient_pass_interleaved"]
+    assert {r["world"] for r in rows} == {"3"} and all(float(r["ms_median"]) > 0 for r in rows)
+
+
 def test_bench_profile_runs_every_path(tmp_path):
     path = tmp_path / "p.csv"
     _run("bench_profile.py", "--device", "cpu", "--blocks", "1", "--d-model", "64", "--steps", "2",
