@@ -198,8 +198,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _phase_one(self, reducer, pairs, t: int) -> None:
         var_step = t % self.var_interval == 0
         prepared = getattr(getattr(self, "_zoa_cache", None), "ready", None) is not None  # applies held
-        fused = prepared or (not self._overlapped and _fused_cpu_zoa.applies(self, reducer, pairs))
-        if not var_step and fused:
+        fused = not var_step and (prepared or not self._overlapped)
+        if fused and (prepared or _fused_cpu_zoa.applies(self, reducer, pairs)):
             # the gradient's compressed mean, the fold and the stale step inside the codec's passes
             self._zoa_plan(reducer).step(self, pairs, t)
         else:
