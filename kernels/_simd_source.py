@@ -814,6 +814,31 @@ void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start
   float ws, float* restrict m, float* restrict p, float b1, float w, float wd, float nlr, float lo, float hi, int64_t n
 static void zoa_div_c(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
 static void zoa_step_c(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+/* Phase 2's synchronisation (ZeroOneAdam._sync, preconditioned): x = p - s (s: the parameters of the
+   last synchronisation) is what the ranks average; then e from z = x + e, m = (mean * d) / nl (nl:
+   minus the group's learning rates summed since), s = s + mean and p = s. */
+#define ZOS_DIFF_ARGS float* restrict x, const float* restrict p, const float* restrict s, int64_t n
+#define ZOS_DIFF_LOOP for (int64_t i = 0; i < n; i++) x[i] = p[i] - s[i];
+#define ZOS_SYNC_ARGS const float* restrict mean, const float* restrict d, float* restrict e, float ws, \
+  float* restrict m, float* restrict s, float* restrict p, float nl, int64_t n
+#define ZOS_SYNC_BODY(ERR) \
+  for (int64_t i = 0; i < n; i++) { \
+    ERR \
+    m[i] = (mean[i] * d[i]) / nl; \
+    float sn = s[i] + mean[i]; \
+    s[i] = sn; \
+    p[i] = sn; \
+  }
+#define ZOS_SYNC_LOOP if (e) ZOS_SYNC_BODY(ZOA_ERR(p[i] - s[i])) else ZOS_SYNC_BODY()
+static void zos_diff_c(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+static void zos_sync_c(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void zos_diff_512(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+__attribute__((target("avx512f"))) static void zos_sync_512(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+__attribute__((target("avx2,fma"))) static void zos_diff_256(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+__attribute__((target("avx2,fma"))) static void zos_sync_256(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+#endif
+
 #ifdef ONEBIT_X86
 __attribute__((target("avx512f"))) static void zoa_div_512(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
 __attribute__((target("avx512f"))) static void zoa_step_512(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
@@ -821,7 +846,8 @@ __attribute__((target("avx2,fma"))) static void zoa_div_256(ZOA_DIV_ARGS) { ZOA_
 __attribute__((target("avx2,fma"))) static void zoa_step_256(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 #endif
 
-typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; int K; } zoa_t;
+/* sync: phase 2's synchronisation, g[k] then the address of tensor k's sync_params (sc[5 k + 4]: nl) */
+typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; int K, sync; } zoa_t;
 
 /* table tensor kk's part of flat elements [a, b): [lo, hi) (empty where hi <= lo), its offset o there
    and its gradient g (0: none) and denominator d at that offset; 0 past [a, b) */
@@ -848,6 +874,15 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
   seg_t s;
   for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
     if (s.hi <= s.lo) continue;
+    if (t->sync) { /* x = p - sync_params */
+      const float* p = (const float*)t->p[kk] + s.o;
+#ifdef ONEBIT_X86
+      if (isa >= 2) { zos_diff_512(x + (s.lo - a), p, s.g, s.hi - s.lo); continue; }
+      if (isa == 1) { zos_diff_256(x + (s.lo - a), p, s.g, s.hi - s.lo); continue; }
+#endif
+      zos_diff_c(x + (s.lo - a), p, s.g, s.hi - s.lo);
+      continue;
+    }
 #ifdef ONEBIT_X86
     if (isa >= 2) { zoa_div_512(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
     if (isa == 1) { zoa_div_256(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
@@ -866,6 +901,15 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
     float *m = (float*)t->m[kk] + s.o, *p = (float*)t->p[kk] + s.o, *ee = e ? e + s.lo : 0;
     const float *sc = t->sc + 5 * kk, *mv = mean + (s.lo - a);
     int64_t n = s.hi - s.lo;
+    if (t->sync) {
+      float* sp = (float*)t->g[kk] + s.o;
+#ifdef ONEBIT_X86
+      if (isa >= 2) { zos_sync_512(mv, s.d, ee, ws, m, sp, p, sc[4], n); continue; }
+      if (isa == 1) { zos_sync_256(mv, s.d, ee, ws, m, sp, p, sc[4], n); continue; }
+#endif
+      zos_sync_c(mv, s.d, ee, ws, m, sp, p, sc[4], n);
+      continue;
+    }
 #ifdef ONEBIT_X86
     if (isa >= 2) { zoa_step_512(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
     if (isa == 1) { zoa_step_256(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
@@ -881,9 +925,9 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
 void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
                            const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                            const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
-                           int K, int isa, int threads) {
+                           const int64_t* p, int K, int sync, int isa, int threads) {
   enum { RUN = 4096 };
-  zoa_t tab = {start, count, g, d, 0, 0, 0, K};
+  zoa_t tab = {start, count, g, d, 0, p, 0, K, sync};
   blocks_fn f = pick(isa);
   const int P = threads;
   int used = 1;
@@ -919,9 +963,9 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
 void onebit_zoa_step_all(const uint8_t* bits, int64_t stride, const float* s, float* e, const float* ws, int64_t C,
                          int W, const int64_t* n, const int64_t* start, const int64_t* count, const int64_t* g,
                          const int64_t* d, const int64_t* m, const int64_t* p, const float* sc, int K, float lo_c,
-                         float hi_c, int isa, int threads) {
+                         float hi_c, int sync, int isa, int threads) {
   enum { RUN = 4096 };
-  zoa_t tab = {start, count, g, d, m, p, sc, K};
+  zoa_t tab = {start, count, g, d, m, p, sc, K, sync};
   decompress_fn f = decompress_c;
 #ifdef ONEBIT_X86
   if (isa >= 2) f = decompress_avx512;
@@ -947,8 +991,8 @@ void onebit_zoa_step_all(const uint8_t* bits, int64_t stride, const float* s, fl
    padded rest, decoded by the caller; its error too: e not updated here). */
 void onebit_zoa_step_range(const float* mean, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
                            const int64_t* g, const int64_t* d, const int64_t* m, const int64_t* p, const float* sc,
-                           int K, float lo_c, float hi_c, int isa) {
-  zoa_t tab = {start, count, g, d, m, p, sc, K};
+                           int K, float lo_c, float hi_c, int sync, int isa) {
+  zoa_t tab = {start, count, g, d, m, p, sc, K, sync};
   int k = 0;
   zoa_step_range(isa, mean, 0, 0.0f, a, b, &tab, lo_c, hi_c, &k);
 }

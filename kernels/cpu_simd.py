@@ -106,13 +106,14 @@ def _build() -> ctypes.CDLL:
     lib.onebit_decompress_update_all.argtypes = [p, i64, p, p, p, p, i64, i32, p, p, p, p, p, i32,
                                                  ctypes.c_float, ctypes.c_float, i32, i32]
     lib.onebit_decompress_update_all.restype = None
-    lib.onebit_zoa_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32]
+    lib.onebit_zoa_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, p, i32, i32, i32,
+                                          i32]
     lib.onebit_zoa_encode_all.restype = None
     f32 = ctypes.c_float
     lib.onebit_zoa_step_all.argtypes = [p, i64, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, f32, f32, i32,
-                                        i32]
+                                        i32, i32]
     lib.onebit_zoa_step_all.restype = None
-    lib.onebit_zoa_step_range.argtypes = [p, i64, i64, p, p, p, p, p, p, p, i32, f32, f32, i32]
+    lib.onebit_zoa_step_range.argtypes = [p, i64, i64, p, p, p, p, p, p, p, i32, f32, f32, i32, i32]
     lib.onebit_zoa_step_range.restype = None
     lib.onebit_update.argtypes = [p, i64, i64, p, p, p, p, i32, ctypes.c_float, ctypes.c_float, i32]
     lib.onebit_update.restype = None

@@ -131,24 +131,30 @@ def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.
 
 
 def zoa_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
-                   n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
+                   n_fold: list[int], table: Table, isa: int | None = None,
+                   sync: bool = False) -> list[float]:
     """ZeroOneAdam's worker pass (phase 1) of every chunk of a bucket: :func:`fold_encode_all`'s
     contract with ``x = g / d`` (0 without a gradient) encoded instead of the folded momentum and
     ``flat`` left as it is, but over each chunk's ``[j C + n_enc[j], j C + n_fold[j])``, which
-    receives ``x`` (the padded rest's data, for the caller's plain encode)."""
+    receives ``x`` (the padded rest's data, for the caller's plain encode). ``sync``: phase 2's
+    synchronisation, ``x = p - sync_params`` (their addresses in the table's ``g``)."""
     t = table
-    args = (t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.K)
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.p.data_ptr(), t.K,
+            int(sync))
     fn = library().onebit_zoa_encode_all
     return _encode_all("zoa_encode_all", fn, flat, e, bits, C, n_enc, n_fold, args, isa)
 
 
 def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | None,
                  worker_scales: torch.Tensor | None, C: int, n: list[int], table: Table, clip: float,
-                 isa: int | None = None) -> None:
+                 isa: int | None = None, sync: bool = False) -> None:
     """ZeroOneAdam's decompress pass (phase 1) of every chunk of a bucket: chunk j's elements ``[j C,
     j C + n[j])`` decoded (``scales[j]``), the deferred worker error from ``z = g / d + e`` (``e``
     None: not updated), ``m = fma((1 - b1) mean, d, b1 m)`` and the stale step ``p = p - lr (clamp(m /
-    d, -clip, clip) [+ wd p])`` of the tensors they cover (the table's ``m`` and ``p``)."""
+    d, -clip, clip) [+ wd p])`` of the tensors they cover (the table's ``m`` and ``p``). ``sync``:
+    phase 2's synchronisation instead: the error from ``z = p - sync_params + e``, ``m = mean d /
+    nl`` (``nl``: the table's ``scalars[:, 4]``), ``sync_params = sync_params + mean``, ``p =
+    sync_params``."""
     W = len(n)
     if not (_rows(bits, C, W) and _f32(scales) and scales.numel() == W
             and all(a % 8 == 0 and 0 <= a <= C for a in n)
@@ -162,11 +168,11 @@ def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | Non
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if e is None else e.data_ptr(),
         None if worker_scales is None else worker_scales.data_ptr(), C, W, counts.data_ptr(),
         t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.m.data_ptr(),
-        t.p.data_ptr(), t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa), torch.get_num_threads())
+        t.p.data_ptr(), t.scalars.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa), torch.get_num_threads())
 
 
 def zoa_step_range(mean: torch.Tensor, a: int, b: int, table: Table, clip: float,
-                   isa: int | None = None) -> None:
+                   isa: int | None = None, sync: bool = False) -> None:
     """:func:`zoa_step_all`'s updates alone over flat elements ``[a, b)``, their decoded mean in
     ``mean`` (``b - a`` float32; a padded rest, its error updated by the caller)."""
     if not (_f32(mean) and mean.numel() == b - a and 0 <= a <= b):
@@ -174,7 +180,7 @@ def zoa_step_range(mean: torch.Tensor, a: int, b: int, table: Table, clip: float
     t = table
     library().onebit_zoa_step_range(mean.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(),
                                     t.g.data_ptr(), t.d.data_ptr(), t.m.data_ptr(), t.p.data_ptr(),
-                                    t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa))
+                                    t.scalars.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa))
 
 
 def update(flat: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:

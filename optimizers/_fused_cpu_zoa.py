@@ -25,6 +25,8 @@ benchmarks' local collective).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..collectives.allreduce import compressed_allreduce
@@ -33,9 +35,10 @@ from . import _fused
 from ._fused_cpu import CpuFusedCompression, _Passes
 
 
-def applies(opt, reducer, pairs) -> bool:
-    """Whether ``opt`` (a ZeroOneAdam in phase 1) can take this compressed step fused."""
-    if not (_fused.ENABLED and pairs and opt.preconditioned and opt.phase == 1):
+def applies(opt, reducer, pairs, phase: int = 1) -> bool:
+    """Whether ``opt`` (a ZeroOneAdam in ``phase``) can take this compressed step (phase 1) or
+    synchronisation (phase 2) fused."""
+    if not (_fused.ENABLED and pairs and opt.preconditioned and opt.phase == phase):
         return False
     if opt.block is not None or reducer.mesh is not None or opt._overlap is not None:
         return False
@@ -48,8 +51,10 @@ def applies(opt, reducer, pairs) -> bool:
         return False
     plain = _fused._plain
     for k, (p, g) in enumerate(pairs):
-        m = opt.state[p].get("exp_avg")
+        m, sync = opt.state[p].get("exp_avg"), opt.state[p].get("sync_params")
         if not plain(p) or m is None or not plain(m) or m.numel() != p.numel():
+            return False
+        if phase == 2 and (sync is None or not plain(sync) or sync.numel() != p.numel()):
             return False
         if p.grad is not None and (not plain(p.grad) or p.grad.shape != p.shape):
             return False
@@ -110,3 +115,43 @@ class _ZoaPasses(_Passes):
 
 
 CpuFusedZeroOne.PASSES = _ZoaPasses
+
+
+class CpuFusedZeroOneSync(CpuFusedZeroOne):
+    """Phase 2's synchronisation (ZeroOneAdam._sync, preconditioned) in the same two passes: the
+    worker encodes ``x = p - sync_params``; the decompress pass updates the error from ``x + e``, sets
+    ``m = mean d / (-lrs)``, ``sync_params += mean`` and ``p = sync_params`` (the unfused step's
+    operations: bitwise). The table's gradient column holds ``sync_params``, its last scalar ``-lrs``."""
+
+    def _fill(self, opt, pairs, t: int, bucket, table: cpu_simd_fused.Table) -> None:
+        index = {id(g): i for i, g in enumerate(opt.param_groups)}
+        s_addr, d_addr, m_addr, p_addr, rows = [], [], [], [], []
+        for i in bucket.indices:
+            p, g = pairs[i]
+            s_addr.append(opt.state[p]["sync_params"].data_ptr())
+            d_addr.append(opt.stale_denominator(i, p, g).data_ptr())
+            m_addr.append(opt.state[p]["exp_avg"].data_ptr())
+            p_addr.append(p.data_ptr())
+            rows.append((0.0, 0.0, 0.0, 0.0, -opt.lrs[index[id(g)]]))
+        old = table.key or (None, None)
+        if old[0] != (s_addr, d_addr, m_addr, p_addr):
+            for dst, src in ((table.g, s_addr), (table.d, d_addr), (table.m, m_addr), (table.p, p_addr)):
+                dst.copy_(torch.tensor(src, dtype=torch.int64))
+        if old[1] != rows:
+            table.scalars.copy_(torch.tensor(rows, dtype=torch.float64).to(torch.float32))
+        table.key = ((s_addr, d_addr, m_addr, p_addr), rows)
+
+
+class _ZosPasses(_ZoaPasses):
+    ENCODE = staticmethod(partial(cpu_simd_fused.zoa_encode_all, sync=True))
+
+    @staticmethod
+    def STEP(bits, scales, flat, e, ws, C, n, table, clip) -> None:  # noqa: N802 (as _Passes.STEP)
+        cpu_simd_fused.zoa_step_all(bits, scales, e, ws, C, n, table, clip, sync=True)
+
+    def tail(self, flat, a: int, b: int) -> None:
+        cpu_simd_fused.zoa_step_range(flat[a:b], a, b, self.table, self.clip, sync=True)
+        flat[a:b].zero_()
+
+
+CpuFusedZeroOneSync.PASSES = _ZosPasses

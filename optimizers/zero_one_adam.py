@@ -329,7 +329,16 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _sync(self, reducer, pairs, masks, t: int) -> None:
         """Phase 2's synchronisation: the replicas average their accumulated updates ``u``
         (momentum: in momentum space, ``u * denom``; preconditioned: as they are) and set the
-        momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical."""
+        momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical. On an x86
+        CPU (preconditioned) inside the codec's C passes (optimizers/_fused_cpu_zoa.py)."""
+        if _fused_cpu_zoa.applies(self, reducer, pairs, phase=2):
+            plan = getattr(self, "_zos_cache", None)
+            if plan is None or plan.reducer is not reducer:
+                plan = self._zos_cache = _fused_cpu_zoa.CpuFusedZeroOneSync(reducer)
+            plan.step(self, pairs, t)
+            self.lrs = [0.0] * len(self.param_groups)
+            self.last_sync = t
+            return
         index = {id(g): i for i, g in enumerate(self.param_groups)}
         denoms = []
         for k, (p, g) in enumerate(pairs):

@@ -163,3 +163,58 @@ def test_the_passes_agree_at_every_isa_level(wd):
         torch.testing.assert_close(got[0], out[0, update][0], rtol=1e-12, atol=0)
         for a, b in zip(got[1:], out[0, update][1:], strict=True):
             assert torch.equal(a, b), (isa, update)
+
+
+def _phase_two(fused: bool, rank: int = 0, local: bool = True):
+    """Phase 1 for 4 updates, then local steps with syncs at t = 5, 6, 8, 10, 12, ... (the interval
+    1, then 2): the state after 16 steps and how many syncs ran fused."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    groups = [{"params": params[:2], "weight_decay": 0.1},
+              {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
+    opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2,
+                      local_step_clipper=2, bucket_cap_mb=0.2)
+    red = opt.reducer()
+    if local:
+        red.allreduce = compiled_local
+    synced = []
+    step = _fused_cpu_zoa.CpuFusedZeroOneSync.step
+    try:
+        _fused_cpu_zoa.CpuFusedZeroOneSync.step = lambda self, *a: synced.append(1) or step(self, *a)
+        g = torch.Generator().manual_seed(1000 + rank)
+        for _ in range(16):
+            _fused.ENABLED = fused or opt.phase == 1  # phase 1 the same in both runs
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+    finally:
+        _fused.ENABLED = True
+        _fused_cpu_zoa.CpuFusedZeroOneSync.step = step
+    state = [t.detach().clone() for t in params + [opt.state[p][k] for k in ("exp_avg", "sync_params")
+                                                   for p in params]
+             + [b.flat for b in red.buckets] + [e for pair in red.errors() for e in pair]]
+    return state, len(synced), opt.phase
+
+
+def test_phase_two_syncs_fused_match_unfused_bitwise():
+    # the syncs' operations are the unfused step's (p - sync, the error, mean * d / -lrs, sync +
+    # mean, p = sync): parameters, momenta, sync points, accumulators and errors bitwise
+    (s1, n1, phase), (s0, n0, _) = _phase_two(True), _phase_two(False)
+    assert phase == 2 and n1 >= 5 and n0 == 0
+    for k, (a, b) in enumerate(zip(s1, s0, strict=True)):
+        assert torch.equal(a, b), k
+
+
+def _phase_two_body():
+    import torch.distributed as dist
+
+    return _phase_two(True, dist.get_rank(), local=False)
+
+
+def test_phase_two_syncs_leave_the_replicas_identical(ranks):
+    results = ranks(3).run(_phase_two_body)
+    for _, synced, phase in results:
+        assert phase == 2 and synced >= 5
+    for other in results[1:]:  # after the last sync (step 16): parameters, momenta and sync points
+        for a, b in zip(other[0][: 3 * len(SHAPES)], results[0][0][: 3 * len(SHAPES)], strict=True):
+            assert torch.equal(a, b)
