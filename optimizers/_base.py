@@ -217,9 +217,9 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         if overlap is None or not overlap.wanted():
             if check:
                 self.verify_ranks()
-            local = self._prepare_step() if self.nonfinite is not None and not self._grads_verified else None
             try:
-                usable = self._gradients_usable(local)
+                prepare = self.nonfinite is not None and not self._grads_verified
+                usable = self._gradients_usable(self._prepare_step() if prepare else None)
             except BaseException:
                 self._abandon_step()
                 raise

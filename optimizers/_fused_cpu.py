@@ -96,6 +96,7 @@ class CpuFusedCompression:
         if not self._restorable():
             return None
         W, ready, finite = self._W(), [], True
+        self.ready = ready  # filled bucket by bucket: abandon undoes a prepare that raised halfway
         for b, table in zip(self.reducer.buckets, self.tables, strict=True):
             if not b.numel:
                 ready.append(None)
@@ -106,7 +107,6 @@ class CpuFusedCompression:
             self.PASSES(table, 0.0).worker(b.flat, b.worker_error, layout, msg)
             finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
             ready.append(msg)
-        self.ready = ready
         if finite:
             return True
         # a non-finite sum: a non-finite gradient, or finite ones whose fold overflowed (the

@@ -254,3 +254,36 @@ def test_an_unfused_step_in_between_is_not_undone_from_an_older_message():
     with pytest.warns(RuntimeWarning, match="step skipped on every rank"):
         opt.step()
     assert opt.skipped_steps == 1 and torch.equal(opt.reducer().buckets[0].flat, middle)
+
+
+def test_a_prepare_that_raises_halfway_restores_the_momentum():
+    # the second bucket's encode fails after the first bucket was folded: the step raises and the
+    # momentum of every bucket is as it was
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=1, bucket_cap_mb=0.2, nonfinite="skip")
+    red = opt.reducer()
+    red.allreduce = compiled_local
+    assert len(red.buckets) >= 2
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    before = [b.flat.clone() for b in red.buckets]
+    plan = opt._fused_cache
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("the second bucket")
+        return type(plan).PASSES.ENCODE(*args, **kwargs)
+
+    plan.PASSES = type("Failing", (type(plan).PASSES,), {"ENCODE": staticmethod(failing)})
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    with pytest.raises(MemoryError):
+        opt.step()
+    assert len(calls) == 2
+    for a, b in zip(red.buckets, before, strict=True):
+        assert torch.equal(a.flat, b)
