@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..kernels import cpu_fused, cpu_simd, cpu_simd_fused
 from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
+from . import _hook_triton
 from ._fsdp_replicas import to_local
 
 # torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
@@ -65,6 +66,7 @@ class FrozenAdam:
         # built once (frozen_terms); the entries of `denominators` then view it (no second copy).
         # Emptied whenever the denominators change
         self.flat: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.tables: dict = {}  # the GPU passes' tables (collectives/_hook_triton.py)
 
     @property
     def frozen(self) -> bool:
@@ -178,12 +180,14 @@ class FrozenAdam:
                 bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
                 self.denominators[names[id(p)]] = stale_denominator(v, floor, group["eps"], bc2)
 
-    def add_local(self, buffer: torch.Tensor, sq: float | None = None) -> None:
+    def add_local(self, buffer: torch.Tensor, sq: float | torch.Tensor | None = None) -> None:
         """Count a bucket of this rank's own gradient into this iteration's squared norm (``sq``:
         its sum of squares, already counted by the caller's pass)."""
         b = buffer.detach()
         cpu = b.dtype == torch.float32 and b.device.type == "cpu" and b.is_contiguous()
-        if sq is not None:
+        if isinstance(sq, torch.Tensor):  # on the bucket's device (the GPU pre-pass: no host sync)
+            sq = sq.to(torch.float64)
+        elif sq is not None:
             sq = torch.tensor(sq, dtype=torch.float64)
         elif cpu and cpu_simd.available():
             sq = torch.tensor(cpu_simd.sumsq(b), dtype=torch.float64)  # one read, no float64 copy
@@ -257,6 +261,8 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
     (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
     is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
     fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
+    if _hook_triton.applies(buffer, d, parts):  # a GPU: one Triton launch each way
+        return _hook_triton.pre_(buffer, d, parts, fa)
     fused, rest = [], []
     simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32
             and buffer.is_contiguous() and d.is_contiguous() and cpu_simd.available())

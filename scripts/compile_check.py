@@ -23,7 +23,8 @@ each path's access widths. The launchers never launch these (the kernel they lau
 paths, the stricter test of registers and spills), so CI leaves them out: they were 58 of the
 132 variants per target. The targets compile
 in parallel (one process each, as many as there are cores). Also OnebitAdam's fused passes
-(``onebit.kernels.triton_fused``: ``fold_worker_launches``, ``decompress_update_launches``).
+(``onebit.kernels.triton_fused``: ``fold_worker_launches``, ``decompress_update_launches``) and the
+DDP hook's GPU pre- and post-pass (``onebit.kernels.triton_hook``).
 Exits 1 if any variant fails to compile or has an FMA it should not have, or if a fused-pass
 variant spills registers.
 
@@ -59,6 +60,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from onebit.kernels import triton_blocks as tb  # noqa: E402
 from onebit.kernels import triton_fused as tf  # noqa: E402
+from onebit.kernels import triton_hook as th  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
 from onebit.kernels.layout import Layout  # noqa: E402
 
@@ -87,6 +89,7 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
             yield from _with_paths(align, launch, split=paths and bool(align))
     yield from block_launches(N, W, paths)
     yield from fused_launches(N, W)
+    yield from hook_launches(N)
 
 
 def fused_launches(N: int, W: int):
@@ -106,6 +109,17 @@ def fused_launches(N: int, W: int):
         for launch in tf.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), tiles, T(i64),
                                                     T(i64), addr, T(f32), n, layout, 1.0):
             yield tag, launch
+
+
+def hook_launches(N: int):
+    """The DDP hook's GPU pre- and post-pass (onebit.kernels.triton_hook): float32, n a multiple of
+    16 and not, a table of 17 momenta."""
+    T, f32, f64, i32, i64 = MockTensor, torch.float32, torch.float64, torch.int32, torch.int64
+    t = th.Table(tf.Tiles(T(i32), T(i32)), T(i64), T(i64), MockTensor(i64, shape=[17]), T(f32))
+    for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
+        made = [*th.pre_launches(T(f32), T(f32), T(f64), t, n), *th.post_launches(T(f32), T(f32), t, n)]
+        for launch in made:
+            yield f"hook{align}", launch
 
 
 def block_launches(N: int, W: int, paths: bool = False):
@@ -297,7 +311,7 @@ def compile_target(arch: str, dump: str | None = None,
         if fma and not tk.FP_FUSION:
             fused += 1
         wrong = "  <- contraction is off" if fma and not tk.FP_FUSION else ""
-        if spills and launch.kernel.fn.__module__ == tf.__name__:  # issue 38: the fused passes must not spill
+        if spills and launch.kernel.fn.__module__ in (tf.__name__, th.__name__):  # issue 38: no spills there
             spilled += 1
             wrong += "  <- spills"
         lines.append(f"{label} {name:44} {usage}  fma {fma}" + (f" (+{expansion} exact)" if expansion

@@ -61,7 +61,12 @@ def test_the_fma_column_tells_interleaved_divisions_from_contraction():
     the scheduler interleaves several divisions' sequences (the fused passes' per-element divisions
     do): their FMAs are exact, an FMA outside every sequence is a contraction."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import compile_check as cc
+    saved = dict(os.environ)
+    try:
+        import compile_check as cc  # sets its own Triton cache and leaves the interpreter, for the check
+    finally:  # this process's later tests run Triton kernels under the interpreter (tests/conftest.py)
+        os.environ.clear()
+        os.environ.update(saved)
 
     one = ["v_div_scale_f32 v1, s[0:1], v8, v8, v2", "v_rcp_f32_e32 v3, v1", "v_fma_f32 v4, -v1, v3, 1.0",
            "v_fmac_f32_e32 v3, v4, v3", "v_div_scale_f32 v5, vcc, v2, v8, v2", "v_mul_f32_e32 v6, v5, v3",

@@ -1,0 +1,188 @@
+"""The DDP hook's GPU pre- and post-pass (kernels/triton_hook.py, collectives/_hook_triton.py) under
+the Triton interpreter, against the plain passes of ``frozen_pre_`` as a GPU runs them (one bucket
+of ``c``, ``add_``, ``div_``; ``mul_``, ``sub_``: on this CPU with its C and compiled passes
+switched off): the bucket bitwise after each pass, the local gradient norm to float64 rounding.
+Parameters with gaps between them and after, spanning programs and several in one program, sizes
+not a multiple of 16, dead units, zero and non-finite gradients; then a real DDP on 3 gloo ranks
+(odd W) with the hook's default block and without block scales: parameters bitwise the plain
+hook's, replicas identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onebit.collectives import _frozen_adam, _hook_fused, _hook_triton
+from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
+
+pytest.importorskip("triton")
+from onebit.kernels import triton_hook  # noqa: E402  (decorated now, under the interpreter conftest sets)
+
+
+def _bucket(n: int, spans: list[tuple[int, int]], seed: int, special: str | None = None):
+    g = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 10  # heavy-tailed
+    d = torch.ones(n)
+    parts = []
+    for k, (lo, hi) in enumerate(spans):
+        d[lo:hi] = torch.rand(hi - lo, generator=g) * 3 + 1e-3
+        m = torch.randn(hi - lo, generator=g)
+        if k == 0:
+            m[: (hi - lo) // 3] = 0.0  # dead units: no momentum
+        parts.append((lo, hi, m, 9.0 / (k + 1)))
+    if special == "zero":
+        buffer[: n // 2] = 0.0
+        buffer[n // 2] = -0.0
+    elif special == "nan":
+        buffer[n // 3] = float("nan")
+    elif special == "inf":
+        buffer[-1] = float("-inf")
+    out = torch.randn(n, generator=g)  # what the collective hands back
+    return buffer, d, parts, out
+
+
+class _Without:
+    """A module with some of its functions replaced."""
+
+    def __init__(self, module, **replaced) -> None:
+        self._module, self._replaced = module, replaced
+
+    def __getattr__(self, name: str):
+        return self._replaced[name] if name in self._replaced else getattr(self._module, name)
+
+
+# frozen_pre_'s route on a GPU: neither the C pass (cpu_simd) nor the compiled one (cpu_fused)
+GPU_ROUTE = {"cpu_simd": _Without(_frozen_adam.cpu_simd, available=lambda: False),
+             "cpu_fused": _Without(_frozen_adam.cpu_fused, hook_pre_=lambda *a: False)}
+
+
+def _passes(n, spans, seed, special, triton: bool, monkeypatch):
+    buffer, d, parts, out = _bucket(n, spans, seed, special)
+    monkeypatch.setattr(_hook_triton, "ON_CPU", triton)
+    monkeypatch.setattr(_hook_triton, "ENABLED", triton)
+    for name, shim in GPU_ROUTE.items():
+        monkeypatch.setattr(_frozen_adam, name, shim)
+    fa = FrozenAdam(1, 0.1)
+    post = frozen_pre_(buffer, d, parts, fa)
+    x = buffer.clone()
+    buffer.copy_(out)
+    post(buffer)
+    return x, buffer, float(fa.local_sq)
+
+
+CASES = [  # n, parameter spans (gaps between and after)
+    (1000, [(0, 640), (700, 990)]),
+    (5003, [(5, 2000), (2000, 2003), (2003, 2100), (3000, 5003)]),  # several in one program, spanning
+    (13, [(1, 12)]),
+    (4096, [(0, 4096)]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("special", [None, "zero", "nan", "inf"])
+def test_the_triton_passes_are_bitwise_the_plain_passes(case, special, monkeypatch):
+    n, spans = CASES[case]
+    got = _passes(n, spans, case, special, True, monkeypatch)
+    want = _passes(n, spans, case, special, False, monkeypatch)
+    for a, b in zip(got[:2], want[:2], strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.signbit(), b.signbit())
+    if special in ("nan", "inf"):
+        assert got[2] != got[2] or got[2] == float("inf")
+        assert want[2] != want[2] or want[2] == float("inf")
+    else:
+        assert got[2] == pytest.approx(want[2], rel=1e-12) and got[2] > 0
+
+
+def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):
+    buffer, d, parts, _ = _bucket(1000, [(0, 640), (700, 990)], 0)
+    monkeypatch.setattr(_hook_triton, "ON_CPU", True)
+    assert _hook_triton.applies(buffer, d, parts)
+    assert not _hook_triton.applies(buffer.double(), d, parts)  # not float32
+    assert not _hook_triton.applies(buffer, d, [(0, 640, parts[0][2][::2].clone(), 1.0)])  # a wrong size
+    assert not _hook_triton.applies(buffer, d, [(0, 320, torch.zeros(640)[::2], 1.0)])  # not contiguous
+    monkeypatch.setattr(_hook_triton, "ON_CPU", False)
+    assert not _hook_triton.applies(buffer, d, parts)  # a CPU bucket: the C or torch passes
+    calls = []
+    real = triton_hook.pre
+    monkeypatch.setattr(triton_hook, "pre", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_hook_triton, "ON_CPU", True)
+    fa = FrozenAdam(1, 0.1)
+    frozen_pre_(buffer, d, parts, fa)(buffer)
+    frozen_pre_(buffer, d, parts, fa)(buffer)
+    assert calls == [1, 1] and len(fa.tables) == 1  # the table built once
+
+
+def _ddp_body(steps: int, triton: bool, block):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(61, 37), torch.nn.Tanh(), torch.nn.Linear(37, 5),
+                              torch.nn.Linear(5, 3, bias=False))
+    net[3].weight.requires_grad_(False)  # a frozen layer: no gradient, no state
+    model = DDP(net)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=block)
+    model.register_comm_hook(state, onebit_compress_hook)
+    saved = (_hook_fused.ENABLED, _hook_triton.ON_CPU, triton_hook.post, _frozen_adam.cpu_simd,
+             _frozen_adam.cpu_fused)
+    calls = [0]
+
+    def counted(*a):
+        calls[0] += 1
+        return saved[2](*a)
+
+    _hook_fused.ENABLED, _hook_triton.ON_CPU, triton_hook.post = False, triton, counted
+    _frozen_adam.cpu_simd, _frozen_adam.cpu_fused = GPU_ROUTE["cpu_simd"], GPU_ROUTE["cpu_fused"]
+    norms = []
+    try:
+        for t in range(steps):
+            g = torch.Generator().manual_seed(100 * t + r)
+            x = torch.randn(16, 61, generator=g)
+            x[:, :9] = 0.0  # always-zero features
+            torch.nn.functional.cross_entropy(model(x)[:, :3], x[:, 9:12].argmax(1)).backward()
+            norms.append(float(state.clip_grad_norm_(1.0)))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        (_hook_fused.ENABLED, _hook_triton.ON_CPU, triton_hook.post, _frozen_adam.cpu_simd,
+         _frozen_adam.cpu_fused) = saved
+    return [p.detach().clone() for p in model.parameters()], calls[0], norms
+
+
+@pytest.mark.parametrize("block", [64, None])
+def test_ddp_hook_on_three_ranks_is_bitwise_the_plain_hook(ranks, block):
+    fast = ranks(3).run(_ddp_body, 5, True, block)
+    plain = ranks(3).run(_ddp_body, 5, False, block)
+    for r in range(3):
+        assert fast[r][1] == 3 and plain[r][1] == 0  # the compressed iterations (3, 4, 5): one bucket each
+        for a, b in zip(fast[r][0], plain[r][0], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(fast[r][0], fast[0][0], strict=True):
+            assert torch.equal(a, b)  # replicas agree
+        assert fast[r][2] == pytest.approx(plain[r][2], rel=1e-9)  # the agreed clip norms
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_on_cuda_the_triton_passes_are_bitwise_the_plain_gpu_passes(case, monkeypatch):
+    n, spans = CASES[case]
+    runs = []
+    for triton in (True, False):
+        buffer, d, parts, out = _bucket(n, spans, case, "zero")
+        buffer, d, out = buffer.cuda(), d.cuda(), out.cuda()
+        parts = [(lo, hi, m.cuda(), f) for lo, hi, m, f in parts]
+        monkeypatch.setattr(_hook_triton, "ENABLED", triton)
+        fa = FrozenAdam(1, 0.1)
+        post = frozen_pre_(buffer, d, parts, fa)
+        x = buffer.clone()
+        buffer.copy_(out)
+        post(buffer)
+        runs.append((x.cpu(), buffer.cpu(), float(fa.local_sq)))
+    (x1, o1, s1), (x0, o0, s0) = runs
+    assert torch.equal(x1, x0) and torch.equal(x1.signbit(), x0.signbit()) and torch.equal(o1, o0)
+    assert s1 == pytest.approx(s0, rel=1e-12)
