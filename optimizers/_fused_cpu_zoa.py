@@ -38,6 +38,14 @@ from ._fused_cpu import CpuFusedCompression, _Passes
 def applies(opt, reducer, pairs, phase: int = 1) -> bool:
     """Whether ``opt`` (a ZeroOneAdam in ``phase``) can take this compressed step (phase 1) or
     synchronisation (phase 2) fused."""
+    return (bool(pairs) and pairs[0][0].device.type == "cpu" and not _fused.ON_CPU and cpu_simd.available()
+            and eligible(opt, reducer, pairs, phase))
+
+
+def eligible(opt, reducer, pairs, phase: int = 1) -> bool:
+    """:func:`applies` but for the device: the optimizer's settings, the tensors' kinds (float32,
+    contiguous, on the parameters' device) and the collective (also the GPU passes',
+    optimizers/_fused_zoa.py)."""
     if not (_fused.ENABLED and pairs and opt.preconditioned and opt.phase == phase):
         return False
     if opt.block is not None or reducer.mesh is not None or opt._overlap is not None:
@@ -47,9 +55,11 @@ def applies(opt, reducer, pairs, phase: int = 1) -> bool:
     local = bool(getattr(reducer.allreduce, "local_compute", False))
     if not local and (reducer.allreduce is not compressed_allreduce or reducer.world_size < 2):
         return False
-    if pairs[0][0].device.type != "cpu" or not cpu_simd.available():
-        return False
-    plain = _fused._plain
+    device = pairs[0][0].device
+
+    def plain(t: torch.Tensor) -> bool:
+        return _fused._plain(t) and t.device == device
+
     for k, (p, g) in enumerate(pairs):
         m, sync = opt.state[p].get("exp_avg"), opt.state[p].get("sync_params")
         if not plain(p) or m is None or not plain(m) or m.numel() != p.numel():

@@ -6,7 +6,7 @@ import torch
 
 from ..kernels import cpu_fused
 from ..kernels._checks import check_int
-from . import _fused_cpu_zoa, _multi
+from . import _fused_cpu_zoa, _fused_zoa, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
@@ -202,6 +202,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if fused and (prepared or _fused_cpu_zoa.applies(self, reducer, pairs)):
             # the gradient's compressed mean, the fold and the stale step inside the codec's passes
             self._zoa_plan(reducer).step(self, pairs, t)
+        elif fused and _fused_zoa.applies(self, reducer, pairs):  # the same in Triton passes (GPU)
+            plan = getattr(self, "_zoa_gpu_cache", None)
+            if plan is None or plan.reducer is not reducer:
+                plan = self._zoa_gpu_cache = _fused_zoa.FusedZeroOne(reducer)
+            plan.step(self, pairs, t)
         else:
             self._phase_one_unfused(reducer, pairs, var_step)
         if var_step:

@@ -24,7 +24,8 @@ paths, the stricter test of registers and spills), so CI leaves them out: they w
 132 variants per target. The targets compile
 in parallel (one process each, as many as there are cores). Also OnebitAdam's fused passes
 (``onebit.kernels.triton_fused``: ``fold_worker_launches``, ``decompress_update_launches``) and the
-DDP hook's GPU pre- and post-pass (``onebit.kernels.triton_hook``).
+DDP hook's GPU pre- and post-pass (``onebit.kernels.triton_hook``) and ZeroOneAdam's fused phase-1
+passes (``onebit.kernels.triton_fused_zoa``); these fused passes must not spill.
 Exits 1 if any variant fails to compile or has an FMA it should not have, or if a fused-pass
 variant spills registers.
 
@@ -60,6 +61,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from onebit.kernels import triton_blocks as tb  # noqa: E402
 from onebit.kernels import triton_fused as tf  # noqa: E402
+from onebit.kernels import triton_fused_zoa as tz  # noqa: E402
 from onebit.kernels import triton_hook as th  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
 from onebit.kernels.layout import Layout  # noqa: E402
@@ -90,6 +92,7 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
     yield from block_launches(N, W, paths)
     yield from fused_launches(N, W)
     yield from hook_launches(N)
+    yield from zoa_launches(N, W)
 
 
 def fused_launches(N: int, W: int):
@@ -109,6 +112,21 @@ def fused_launches(N: int, W: int):
         for launch in tf.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), tiles, T(i64),
                                                     T(i64), addr, T(f32), n, layout, 1.0):
             yield tag, launch
+
+
+def zoa_launches(N: int, W: int):
+    """ZeroOneAdam's fused phase-1 passes (onebit.kernels.triton_fused_zoa), as fused_launches."""
+    T, f32, f64, u8 = MockTensor, torch.float32, torch.float64, torch.uint8
+    i32, i64 = torch.int32, torch.int64
+    layout, tiles = Layout(N, W), tf.Tiles(T(i32), T(i32))
+    for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
+        addr = MockTensor(i64, shape=[4, 17])
+        made = [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(i32), tiles, T(i64), T(i64), addr, n,
+                                    layout),
+                *tz.step_launches(T(u8), T(f32), T(f32), T(f32), tiles, T(i64), T(i64), addr, T(f32), n,
+                                  layout, 1.0)]
+        for launch in made:
+            yield f"zoa{align}", launch
 
 
 def hook_launches(N: int):
@@ -311,7 +329,7 @@ def compile_target(arch: str, dump: str | None = None,
         if fma and not tk.FP_FUSION:
             fused += 1
         wrong = "  <- contraction is off" if fma and not tk.FP_FUSION else ""
-        if spills and launch.kernel.fn.__module__ in (tf.__name__, th.__name__):  # issue 38: no spills there
+        if spills and launch.kernel.fn.__module__ in (tf.__name__, th.__name__, tz.__name__):  # issue 38
             spilled += 1
             wrong += "  <- spills"
         lines.append(f"{label} {name:44} {usage}  fma {fma}" + (f" (+{expansion} exact)" if expansion

@@ -1,0 +1,102 @@
+"""ZeroOneAdam's phase-1 compressed steps in two fused Triton passes per bucket on a GPU
+(kernels/triton_fused_zoa.py), as :mod:`onebit.optimizers._fused` does for OnebitAdam: the worker
+pass reads the gradients, denominators and the worker error and writes only the message; the
+decompress pass updates the error, the momenta and the parameters. 12 + 28 B per element and the
+server's instead of about 104 at W = 4, and two launches per bucket instead of about nine per
+parameter. The accumulator is not touched (zero in phase 1).
+
+Used by :class:`onebit.optimizers.ZeroOneAdam` where :func:`applies`: CUDA parameters (or CPU ones
+with ``_fused.ON_CPU``, for the tests under ``TRITON_INTERPRET=1``) and what
+:func:`onebit.optimizers._fused_cpu_zoa.eligible` asks of the optimizer and its tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..collectives.allreduce import compressed_allreduce_passes
+from ..collectives.telemetry import counting
+from . import _fused
+from ._fused_cpu_zoa import eligible
+
+
+def applies(opt, reducer, pairs) -> bool:
+    """Whether ``opt`` (a ZeroOneAdam in phase 1) can take this compressed step in the GPU passes."""
+    if not pairs:
+        return False
+    device = pairs[0][0].device
+    if not (device.type == "cuda" or (_fused.ON_CPU and device.type == "cpu")):
+        return False
+    if not eligible(opt, reducer, pairs, 1):
+        return False
+    try:
+        from ..kernels import triton_fused_zoa  # noqa: F401  (triton may be missing)
+    except ImportError:
+        return False
+    return True
+
+
+class FusedZeroOne:
+    """The per-reducer tables of the GPU passes (built once) and the step."""
+
+    def __init__(self, reducer) -> None:
+        from ..kernels import triton_fused as tf
+        from ..kernels import triton_fused_zoa as tz
+
+        self.tz, self.reducer = tz, reducer
+        device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+        self.device = device
+        starts, counts = [0] * len(reducer.views), [0] * len(reducer.views)
+        self.tiles = []
+        for b in reducer.buckets:
+            if b.indices != list(range(b.indices[0], b.indices[0] + len(b.indices))):
+                raise AssertionError("bucket indices must be consecutive")  # plan_buckets makes them so
+            for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
+                starts[i], counts[i] = off, size
+            self.tiles.append(tf.tiles(b.indices[0], b.offsets, b.numels, b.worker_error.numel(), device))
+        self.start = torch.tensor(starts, dtype=torch.int64, device=device)
+        self.count = torch.tensor(counts, dtype=torch.int64, device=device)
+        self._addr_key = self._scal_key = self._addr = self._scal = None
+
+    def _tables(self, opt, pairs):
+        tz = self.tz
+        grads = [p.grad for p, _ in pairs]
+        denoms = [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)]
+        moms = [opt.state[p]["exp_avg"] for p, _ in pairs]
+        key = tuple(0 if x is None else x.data_ptr() for x in grads) + tuple(
+            t.data_ptr() for t in (*denoms, *(p for p, _ in pairs), *moms))
+        if key != self._addr_key:  # the caching allocator usually hands back the same addresses
+            self._addr = tz.addresses(grads, denoms, [p for p, _ in pairs], moms, self.device)
+            self._addr_key = key
+        rows = [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -g["lr"]) for _, g in pairs]
+        if rows != self._scal_key:
+            self._scal, self._scal_key = tz.scalars(rows, self.device), rows
+        return self._addr, self._scal
+
+    def step(self, opt, pairs, t: int) -> None:
+        """The compressed mean of every bucket's g / d, the fold and the stale step."""
+        tz, reducer = self.tz, self.reducer
+        addr, scal = self._tables(opt, pairs)
+        clip = math.inf if opt.update_clip is None else float(opt.update_clip)
+        local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
+        for b, tiles in zip(reducer.buckets, self.tiles, strict=True):
+            if not b.numel:
+                continue
+            passes = _Passes(tz, tz.Table(tiles, self.start, self.count, addr, scal), clip)
+            with counting(reducer.traffic):
+                compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group, passes,
+                                            local=local)
+            reducer.count_compressed(b)
+
+
+class _Passes:
+    def __init__(self, tz, table, clip: float) -> None:
+        self.tz, self.table, self.clip = tz, table, clip
+
+    def worker(self, flat, worker_error, layout, msg) -> None:
+        self.tz.worker(worker_error, flat.numel(), layout, msg, self.table)
+
+    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
+        self.tz.step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip)

@@ -1,0 +1,175 @@
+"""ZeroOneAdam's fused Triton passes (kernels/triton_fused_zoa.py, optimizers/_fused_zoa.py) under
+the Triton interpreter, against the plain path.
+
+Pass A must give the plain worker's packed bits of ``g / d`` exactly, its scale to float32 rounding
+(float64 partials summed in another order), and store nothing. Pass B must give the plain
+decompress's error bitwise, the momentum bitwise ``b1 m + ((1 - b1) mean) d`` with each op rounded
+(and within a rounding of each term of ``m.mul_(b1).addcmul_(mean, d, value=1 - b1)``, which fuses
+its multiply-add on this CPU) and the parameters bitwise the stale step with each op rounded,
+``p + (-lr) (clamp(m / d) [+ wd p])``; the accumulator stays zero. Parameters of several sizes (one
+spanning programs, several in one program, n not a multiple of 16), two param groups with their
+own scalars and weight decay, a missing gradient, a non-finite scale. Then ZeroOneAdam end to end
+through phase 1 (variance and compressed steps): one process (the benchmarks' local collective)
+and 3 gloo ranks, fused against unfused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
+from onebit.kernels import triton_fused as tf
+from onebit.kernels import triton_fused_zoa as tz
+from onebit.kernels.layout import empty_message
+from onebit.optimizers import ZeroOneAdam, _fused, _fused_zoa
+
+SIZES = [185, 1000, 3, 9000, 1088, 16, 5000]  # 9000 spans several 1024-element programs
+ROWS = [(0.9, 0.1, 0.01, -1e-2)] * 3 + [(0.8, 0.2, 0.0, -3e-3)] * 4  # b1, 1 - b1, wd, -lr
+
+
+def _bucket(W: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    offsets = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    n, N = sum(SIZES), padded_numel(sum(SIZES), W)
+    e = torch.randn(N, generator=g) * 0.1
+    grads = [torch.randn(s, generator=g) * 3 for s in SIZES]
+    grads[2] = None
+    denoms = [torch.rand(s, generator=g) + 0.01 for s in SIZES]
+    params = [torch.randn(s, generator=g) for s in SIZES]
+    moms = [torch.randn(s, generator=g) * 0.1 for s in SIZES]
+    return offsets, n, N, e, grads, denoms, params, moms
+
+
+def _table(offsets, N, grads, denoms, params, moms):
+    return tz.Table(tf.tiles(0, offsets, SIZES, N, "cpu"), torch.tensor(offsets), torch.tensor(SIZES),
+                    tz.addresses(grads, denoms, params, moms, "cpu"), tz.scalars(ROWS, "cpu"))
+
+
+def _x(n, grads, denoms):
+    return torch.cat([torch.zeros(d.numel()) if g is None else g / d
+                      for g, d in zip(grads, denoms, strict=True)])
+
+
+@pytest.mark.parametrize("W", [1, 3])
+def test_pass_a_is_the_plain_worker_of_g_over_d(W):
+    offsets, n, N, e, grads, denoms, params, moms = _bucket(W, W)
+    layout = Layout(N, W)
+    want = empty_message(layout, W, torch.device("cpu"))
+    worker_compress(_x(n, grads, denoms), e.clone(), W, out=want, update_error=False)
+    got = empty_message(layout, W, torch.device("cpu"))
+    e0 = e.clone()
+    tz.worker(e, n, layout, got, _table(offsets, N, grads, denoms, params, moms))
+    assert torch.equal(e, e0)  # nothing stored
+    assert torch.equal(message_bits(got, layout), message_bits(want, layout))
+    torch.testing.assert_close(message_scales(got, layout), message_scales(want, layout), rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("W", [1, 3])
+@pytest.mark.parametrize("bad_scale", [False, True])
+def test_pass_b_is_the_plain_decompress_fold_and_stale_step(W, bad_scale):
+    offsets, n, N, e, grads, denoms, params, moms = _bucket(W, 10 + W)
+    layout = Layout(N, W)
+    x = _x(n, grads, denoms)
+    msg = empty_message(layout, W, torch.device("cpu"))
+    worker_compress(x, e.clone(), W, out=msg, update_error=False)
+    gathered = empty_message(layout, W, torch.device("cpu"))
+    bits = torch.randint(0, 256, gathered.shape, generator=torch.Generator().manual_seed(W))
+    gathered.copy_(bits.to(torch.uint8))
+    scales = message_scales(gathered, layout)
+    scales.copy_(torch.rand(W, generator=torch.Generator().manual_seed(W + 1)) + 0.1)
+    if bad_scale:
+        scales[W - 1] = float("inf")
+    clip = 0.7
+    # the plain path: decompress into the accumulator (x), fold, stale step, each op rounded
+    acc, e_plain = x.clone(), e.clone()
+    decompress(gathered, acc, W, worker_error=e_plain, worker_message=msg)
+    ms_plain, ps_plain = [], []
+    for k, (off, s) in enumerate(zip(offsets, SIZES, strict=True)):
+        b1, w, wd, nlr = ROWS[k]
+        mean, d, p = acc[off:off + s], denoms[k], params[k]
+        m = moms[k] * b1 + (w * mean) * d
+        fused = moms[k].clone().mul_(b1).addcmul_(mean, d, value=w)
+        terms = (moms[k] * b1).abs() + ((w * mean) * d).abs()  # one rounding of each term apart
+        finite = terms.isfinite()  # (the infinite scale's chunk: both infinite, same signs)
+        assert ((m - fused).abs()[finite] <= 2.4e-7 * terms[finite]).all()
+        assert torch.equal(m[~finite], fused[~finite])
+        v = (m / d).clamp(-clip, clip)
+        if wd:
+            v = v + wd * p
+        ms_plain.append(m)
+        ps_plain.append(p + nlr * v)
+    flat = torch.zeros(n)
+    tz.step(gathered, layout, e, msg, n, _table(offsets, N, grads, denoms, params, moms), clip)
+    assert torch.equal(flat, torch.zeros(n))
+    assert torch.equal(e, e_plain)  # bitwise; with a non-finite scale not updated at all
+    for got, want in zip(moms + params, ms_plain + ps_plain, strict=True):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+SHAPES = [(40, 30), (7,), (3, 333), (1025,)]
+
+
+def _train(fused: bool, rank: int, steps: int = 9, local: bool = False):
+    from onebit.collectives import local_compressed_allreduce
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    groups = [{"params": params[:2], "weight_decay": 0.1},
+              {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
+    opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
+    if local:
+        def forced(tensor, we, se, group=None):
+            return local_compressed_allreduce([tensor], [we], [se], backend="torch")[0]
+
+        forced.local_compute = True
+        opt.reducer().allreduce = forced
+    _fused.ON_CPU, _fused.ENABLED = True, fused
+    used = []
+    try:
+        g = torch.Generator().manual_seed(1000 + rank)
+        for step in range(steps):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 4 and i == 2) else torch.randn(p.shape, generator=g)
+            t = opt.updates + 1
+            compressed = t % opt.var_interval != 0
+            used.append(compressed and _fused_zoa.applies(opt, opt.reducer(), opt.compressed_params()))
+            opt.step()
+    finally:
+        _fused.ON_CPU, _fused.ENABLED = False, True
+    red = opt.reducer()
+    return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params],
+            [b.flat.clone() for b in red.buckets], [e.clone() for pair in red.errors() for e in pair], used)
+
+
+def _compare(fused, plain) -> None:
+    (p1, m1, u1, e1, used1), (p0, m0, _, e0, used0) = fused, plain
+    assert sum(used1) >= 4 and not any(used0)  # phase 1's compressed steps (between the variance steps)
+    for a in u1:
+        assert torch.equal(a, torch.zeros_like(a))  # the accumulator stays zero
+    for a, b in zip(e1, e0, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)  # a scale's last bit may differ (sum order)
+    for a, b in zip(p1 + m1, p0 + m0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert a.isfinite().all()
+
+
+def test_zero_one_adam_fused_matches_unfused_locally():
+    _compare(_train(True, 0, local=True), _train(False, 0, local=True))
+
+
+def _ranks_body():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return _train(True, rank), _train(False, rank)
+
+
+def test_zero_one_adam_fused_matches_unfused_on_three_ranks(ranks):
+    results = ranks(3).run(_ranks_body)
+    for fused, plain in results:
+        _compare(fused, plain)
+    for other in results[1:]:  # every rank holds the same parameters and momenta, bitwise
+        for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
+            assert torch.equal(a, b)
