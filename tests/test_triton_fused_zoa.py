@@ -111,11 +111,11 @@ def test_pass_b_is_the_plain_decompress_fold_and_stale_step(W, bad_scale):
 SHAPES = [(40, 30), (7,), (3, 333), (1025,)]
 
 
-def _train(fused: bool, rank: int, steps: int = 9, local: bool = False):
+def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: str = "cpu"):
     from onebit.collectives import local_compressed_allreduce
 
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in SHAPES]
     groups = [{"params": params[:2], "weight_decay": 0.1},
               {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
     opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
@@ -131,7 +131,7 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False):
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(steps):
             for i, p in enumerate(params):
-                p.grad = None if (step == 4 and i == 2) else torch.randn(p.shape, generator=g)
+                p.grad = None if (step == 4 and i == 2) else torch.randn(p.shape, generator=g).to(device)
             t = opt.updates + 1
             compressed = t % opt.var_interval != 0
             used.append(compressed and _fused_zoa.applies(opt, opt.reducer(), opt.compressed_params()))
@@ -139,8 +139,8 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False):
     finally:
         _fused.ON_CPU, _fused.ENABLED = False, True
     red = opt.reducer()
-    return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params],
-            [b.flat.clone() for b in red.buckets], [e.clone() for pair in red.errors() for e in pair], used)
+    return ([p.detach().cpu() for p in params], [opt.state[p]["exp_avg"].cpu() for p in params],
+            [b.flat.cpu() for b in red.buckets], [e.cpu() for pair in red.errors() for e in pair], used)
 
 
 def _compare(fused, plain) -> None:
@@ -155,8 +155,10 @@ def _compare(fused, plain) -> None:
         assert a.isfinite().all()
 
 
-def test_zero_one_adam_fused_matches_unfused_locally():
-    _compare(_train(True, 0, local=True), _train(False, 0, local=True))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_zero_one_adam_fused_matches_unfused_locally(device):
+    """On CUDA the unfused path's ops are torch's CUDA kernels (their own roundings)."""
+    _compare(_train(True, 0, local=True, device=device), _train(False, 0, local=True, device=device))
 
 
 def _ranks_body():
