@@ -29,7 +29,7 @@ fi
 if has tests; then
   # tests/test_cuda.py: Triton against the torch path and the float64 chain on CUDA tensors
   timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py tests/test_multi.py \
-    tests/test_triton_fused.py \
+    tests/test_triton_fused.py tests/test_triton_fused_zoa.py tests/test_triton_hook.py \
     --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
 fi
 if has kernels; then
@@ -41,6 +41,9 @@ if has optimizer; then
     timeout 90 "$py" bench/bench_optimizer.py --device cuda $mode --csv "$OUT/optimizer-cuda.csv" 2>&1 \
       | tee -a "$OUT/optimizer.log"
   done
+  # ZeroOneAdam's phase 1 (its fused Triton passes against unfused, interleaved)
+  timeout 90 "$py" bench/bench_optimizer.py --device cuda --zero-one --interleave --csv "$OUT/optimizer-cuda.csv" \
+    2>&1 | tee -a "$OUT/optimizer.log"
 fi
 if has profile; then
   # wall time against kernel time and launches per step, for each path of bench/TRAFFIC.md's table;
