@@ -72,6 +72,22 @@ def _owned(idx, k, start_ptr, count_ptr):
 
 
 @triton.jit
+def _decoded(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word,
+             BLOCK_BYTES: tl.constexpr):
+    # the program's byte rows of the gathered message, decoded: element indices [BLOCK_BYTES, 8],
+    # which rows are live, and +-s of each element (its chunk's scale s)
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    j = g // chunk_bytes
+    live = g < total_bytes
+    byte = tl.load(g_ptr + j * seg_bytes + g % chunk_bytes, mask=live, other=0).to(tl.int32)
+    s = tl.load(g_words_ptr + j * seg_words + scale_word, mask=live, other=0.0)
+    bit = (byte[:, None] >> (7 - i)[None, :]) & 1
+    return idx, live, tl.where(bit == 1, s[:, None], -s[:, None])
+
+
+@triton.jit
 def _fold_worker_kernel(
     u_ptr, e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr,
     num_params, scalar_ptr, n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words,
@@ -122,15 +138,8 @@ def _decompress_update_kernel(
     # finite, then u <- s_j sgn), then p <- p (1 - lr wd) + (-lr) clamp(u / bc1, -clip, clip)
     pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
     ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
-    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    i = tl.arange(0, 8)
-    idx = g[:, None] * 8 + i[None, :]
-    j = g // chunk_bytes
-    live = g < total_bytes
-    byte = tl.load(g_ptr + j * seg_bytes + g % chunk_bytes, mask=live, other=0).to(tl.int32)
-    s = tl.load(g_words_ptr + j * seg_words + scale_word, mask=live, other=0.0)
-    bit = (byte[:, None] >> (7 - i)[None, :]) & 1
-    val = tl.where(bit == 1, s[:, None], -s[:, None])
+    idx, live, val = _decoded(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                              scale_word, BLOCK_BYTES)
     in_x = live[:, None] & (idx < n)
     sw = tl.load(w_words_ptr + scale_word)
     _store_decompressed(u_ptr, e_ptr, idx, live, in_x, val, sw, ok, True, False)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .layout import Layout
-from .triton_fused import Tiles, _owned, _settings, programs
+from .triton_fused import Tiles, _decoded, _owned, _settings, programs
 from .triton_kernels import Launch, _finish_scale, _partials, _segments_finite, _store_packed, ticket
 
 GRAD, DENOM, PARAM, MOM = range(4)
@@ -93,15 +93,8 @@ def _zoa_step_kernel(
     # then per parameter m = b1 m + ((1 - b1) mean) d and p = p + (-lr) (clamp(m / d) [+ wd p])
     pid = tl.program_id(0)
     ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
-    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    i = tl.arange(0, 8)
-    idx = g[:, None] * 8 + i[None, :]
-    j = g // chunk_bytes
-    live = g < total_bytes
-    byte = tl.load(g_ptr + j * seg_bytes + g % chunk_bytes, mask=live, other=0).to(tl.int32)
-    s = tl.load(g_words_ptr + j * seg_words + scale_word, mask=live, other=0.0)
-    bit = (byte[:, None] >> (7 - i)[None, :]) & 1
-    mean = tl.where(bit == 1, s[:, None], -s[:, None])
+    idx, live, mean = _decoded(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                               scale_word, BLOCK_BYTES)
     in_x = live[:, None] & (idx < n)
     x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live[:, None], other=0.0)

@@ -79,6 +79,24 @@ def plan(reducer):
     return FusedCompression(reducer)
 
 
+def bucket_tables(reducer):
+    """``(device, tiles, start, count)`` of the Triton passes over ``reducer``'s buckets: each
+    bucket's program -> parameter ranges, and every parameter's offset in its bucket and size."""
+    from ..kernels import triton_fused as tf
+
+    device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+    starts, counts = [0] * len(reducer.views), [0] * len(reducer.views)
+    tiles = []
+    for b in reducer.buckets:
+        if b.indices != list(range(b.indices[0], b.indices[0] + len(b.indices))):
+            raise AssertionError("bucket indices must be consecutive")  # plan_buckets makes them so
+        for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
+            starts[i], counts[i] = off, size
+        tiles.append(tf.tiles(b.indices[0], b.offsets, b.numels, b.worker_error.numel(), device))
+    as_i64 = dict(dtype=torch.int64, device=device)
+    return device, tiles, torch.tensor(starts, **as_i64), torch.tensor(counts, **as_i64)
+
+
 class FusedCompression:
     """The per-reducer tables of the fused passes (built once) and the step."""
 
@@ -87,18 +105,7 @@ class FusedCompression:
 
         self.tf = tf
         self.reducer = reducer
-        device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
-        self.device = device
-        starts, counts = [0] * len(reducer.views), [0] * len(reducer.views)
-        self.tiles = []
-        for b in reducer.buckets:
-            if b.indices != list(range(b.indices[0], b.indices[0] + len(b.indices))):
-                raise AssertionError("bucket indices must be consecutive")  # plan_buckets makes them so
-            for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
-                starts[i], counts[i] = off, size
-            self.tiles.append(tf.tiles(b.indices[0], b.offsets, b.numels, b.worker_error.numel(), device))
-        self.start = torch.tensor(starts, dtype=torch.int64, device=device)
-        self.count = torch.tensor(counts, dtype=torch.int64, device=device)
+        self.device, self.tiles, self.start, self.count = bucket_tables(reducer)
         self._addr_key = self._scal_key = None
         self._addr = self._scal = None
 

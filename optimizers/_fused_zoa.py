@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
 from . import _fused
@@ -42,22 +40,10 @@ class FusedZeroOne:
     """The per-reducer tables of the GPU passes (built once) and the step."""
 
     def __init__(self, reducer) -> None:
-        from ..kernels import triton_fused as tf
         from ..kernels import triton_fused_zoa as tz
 
         self.tz, self.reducer = tz, reducer
-        device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
-        self.device = device
-        starts, counts = [0] * len(reducer.views), [0] * len(reducer.views)
-        self.tiles = []
-        for b in reducer.buckets:
-            if b.indices != list(range(b.indices[0], b.indices[0] + len(b.indices))):
-                raise AssertionError("bucket indices must be consecutive")  # plan_buckets makes them so
-            for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
-                starts[i], counts[i] = off, size
-            self.tiles.append(tf.tiles(b.indices[0], b.offsets, b.numels, b.worker_error.numel(), device))
-        self.start = torch.tensor(starts, dtype=torch.int64, device=device)
-        self.count = torch.tensor(counts, dtype=torch.int64, device=device)
+        self.device, self.tiles, self.start, self.count = _fused.bucket_tables(reducer)
         self._addr_key = self._scal_key = self._addr = self._scal = None
 
     def _tables(self, opt, pairs):

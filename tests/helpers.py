@@ -58,6 +58,14 @@ def compiled_local(tensor, worker_error, server_error, group=None):
 compiled_local.local_compute = True
 
 
+def torch_local(tensor, worker_error, server_error, group=None):
+    """As :func:`compiled_local` with the plain torch codec."""
+    return local_compressed_allreduce([tensor], [worker_error], [server_error], backend="torch")[0]
+
+
+torch_local.local_compute = True
+
+
 def count_gradient_reads(opt) -> list:
     """A list that grows by one each time ``opt``'s non-finite agreement reads the gradients."""
     reads = []

@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from helpers import torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels import triton_fused as tf
@@ -150,19 +151,13 @@ SHAPES = [(37, 5), (9000,), (3,), (64, 17), (5000,)]
 
 
 def _train(fused: bool, rank: int, world: int, steps: int = 6, local: bool = False, device: str = "cpu"):
-    from onebit.collectives import local_compressed_allreduce
-
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in SHAPES]
     groups = [{"params": params[:2], "weight_decay": 0.1},
               {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
     opt = OnebitAdam(groups, lr=1e-2, freeze_step=2, bucket_cap_mb=0.03, bias_correction=True)
     if local:
-        def forced(tensor, we, se, group=None):
-            return local_compressed_allreduce([tensor], [we], [se], backend="torch")[0]
-
-        forced.local_compute = True
-        opt.reducer().allreduce = forced
+        opt.reducer().allreduce = torch_local
     _fused.ON_CPU, _fused.ENABLED = True, fused
     used = []
     try:

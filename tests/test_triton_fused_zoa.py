@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels import triton_fused as tf
@@ -112,19 +113,13 @@ SHAPES = [(40, 30), (7,), (3, 333), (1025,)]
 
 
 def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: str = "cpu"):
-    from onebit.collectives import local_compressed_allreduce
-
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in SHAPES]
     groups = [{"params": params[:2], "weight_decay": 0.1},
               {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
     opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
     if local:
-        def forced(tensor, we, se, group=None):
-            return local_compressed_allreduce([tensor], [we], [se], backend="torch")[0]
-
-        forced.local_compute = True
-        opt.reducer().allreduce = forced
+        opt.reducer().allreduce = torch_local
     _fused.ON_CPU, _fused.ENABLED = True, fused
     used = []
     try:
