@@ -184,3 +184,53 @@ def step(gathered: torch.Tensor, layout: Layout, e: torch.Tensor, msg: torch.Ten
     for launch in step_launches(gathered, gathered.view(torch.float32), e, msg.view(torch.float32), t.tiles,
                                 t.start, t.count, t.addr, t.scal, n, layout, clip):
         launch()
+
+
+# ---- phase 2's local step: one launch over every parameter ---------------------------------------
+
+LOCAL_BLOCK = _settings()[0] * 8  # elements per program: triton_fused's tiles, over the parameters end to end
+
+
+@triton.jit
+def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, scalar_ptr, n, clip,
+                      BLOCK: tl.constexpr):
+    # per parameter (laid end to end): m = b1 m + (1 - b1) g (b1 m without a gradient), then
+    # p = p + (-lr) (clamp(m / d) [+ wd p]); cpu_fused.local_step_'s operations, each rounded
+    pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    in_x = idx < n
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off = idx - tl.load(start_ptr + k).to(tl.int32)
+        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        ga = tl.load(addr_ptr + _GRAD * num_params + k)
+        gp = ga.to(tl.pointer_type(tl.float32)) + off
+        dp = tl.load(addr_ptr + _DENOM * num_params + k).to(tl.pointer_type(tl.float32)) + off
+        pp = tl.load(addr_ptr + _PARAM * num_params + k).to(tl.pointer_type(tl.float32)) + off
+        mp = tl.load(addr_ptr + _MOM * num_params + k).to(tl.pointer_type(tl.float32)) + off
+        g = tl.load(gp, mask=mine & ((off * 0 + ga) != 0), other=0.0)
+        m = tl.load(mp, mask=mine, other=0.0)
+        d = tl.load(dp, mask=mine, other=1.0)
+        p = tl.load(pp, mask=mine, other=0.0)
+        m = m * tl.load(scalar_ptr + _B1 * num_params + k)
+        m = tl.where(ga != 0, m + tl.load(scalar_ptr + _W1 * num_params + k) * g, m)
+        v = tl.div_rn(m, d)
+        v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                       propagate_nan=tl.PropagateNan.ALL)
+        wd = tl.load(scalar_ptr + _WD * num_params + k)
+        v = tl.where(wd > 0.0, v + wd * p, v)
+        tl.store(mp, m, mask=mine)
+        tl.store(pp, p + tl.load(scalar_ptr + _NEG_LR * num_params + k) * v, mask=mine)
+
+
+def local_launches(t: Tiles, start, count, addr, scal, n: int, clip: float) -> list[Launch]:
+    return [Launch(_zoa_local_kernel, triton.cdiv(n, LOCAL_BLOCK),
+                   (t.lo, t.hi, start, count, addr, addr.shape[-1], scal, n, clip), dict(BLOCK=LOCAL_BLOCK),
+                   8)]
+
+
+def local_step(table: Table, n: int, clip: float) -> None:
+    """Phase 2's local step of every parameter in the table (``table.start``: their offsets laid
+    end to end, n elements in all; ``clip``: inf for none)."""
+    t = table
+    for launch in local_launches(t.tiles, t.start, t.count, t.addr, t.scal, n, clip):
+        launch()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
 from . import _fused
@@ -86,3 +88,73 @@ class _Passes:
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         self.tz.step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip)
+
+
+def local_applies(opt, pairs, masks) -> bool:
+    """Whether ``opt``'s phase-2 local step can run as one Triton launch (kernels/triton_fused_zoa.py
+    ``local_step``): CUDA parameters (or CPU ones with ``_fused.ON_CPU``), ``_fused.ENABLED``, the
+    default maths, no dead-coordinate masks, float32 contiguous parameters, momenta, gradients and
+    denominators on one device, fewer than 2^31 elements in all."""
+    if not (_fused.ENABLED and pairs) or opt._reference_maths() or any(d is not None for d in masks):
+        return False
+    device = pairs[0][0].device
+    if not (device.type == "cuda" or (_fused.ON_CPU and device.type == "cpu")):
+        return False
+
+    def plain(t) -> bool:
+        return _fused._plain(t) and t.device == device
+
+    total = 0
+    for k, (p, g) in enumerate(pairs):
+        m, d = opt.state[p].get("exp_avg"), opt.stale_denominator(k, p, g)
+        if not (plain(p) and m is not None and plain(m) and m.numel() == p.numel() and plain(d)
+                and d.numel() == p.numel()):
+            return False
+        if p.grad is not None and (not plain(p.grad) or p.grad.shape != p.shape):
+            return False
+        total += p.numel()
+    if total >= 2**31:
+        return False
+    try:
+        from ..kernels import triton_fused_zoa  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FusedLocalStep:
+    """Phase 2's local step as one launch over every parameter; its table rebuilt only when a
+    tensor's address, size or a group's scalar changes."""
+
+    def __init__(self) -> None:
+        from ..kernels import triton_fused as tf
+        from ..kernels import triton_fused_zoa as tz
+
+        self.tf, self.tz = tf, tz
+        self._key = self._table = None
+
+    def step(self, opt, pairs) -> None:
+        tz, tf = self.tz, self.tf
+        device = pairs[0][0].device
+        grads = [p.grad for p, _ in pairs]
+        denoms = [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)]
+        moms = [opt.state[p]["exp_avg"] for p, _ in pairs]
+        params = [p for p, _ in pairs]
+        rows = [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -g["lr"]) for _, g in pairs]
+        sizes = [p.numel() for p in params]
+        key = (tuple(0 if x is None else x.data_ptr() for x in grads),
+               tuple(t.data_ptr() for t in (*denoms, *params, *moms)), tuple(sizes), tuple(rows))
+        if key != self._key:
+            offsets = [0]
+            for s in sizes[:-1]:
+                offsets.append(offsets[-1] + s)
+            n = sum(sizes)
+            as_i64 = dict(dtype=torch.int64, device=device)
+            tiles = tf.tiles(0, offsets, sizes, -(-n // 8) * 8, device)
+            table = tz.Table(tiles, torch.tensor(offsets, **as_i64), torch.tensor(sizes, **as_i64),
+                             tz.addresses(grads, denoms, params, moms, device), tz.scalars(rows, device))
+            self._table = (table, n)
+            self._key = key
+        table, n = self._table
+        clip = math.inf if opt.update_clip is None else float(opt.update_clip)
+        tz.local_step(table, n, clip)

@@ -321,6 +321,12 @@ class ZeroOneAdam(OnebitOptimizerBase):
         return True
 
     def _local_step_all(self, pairs, masks) -> bool:
+        if _fused_zoa.local_applies(self, pairs, masks):  # one Triton launch (GPU)
+            plan = getattr(self, "_local_cache", None)
+            if plan is None:
+                plan = self._local_cache = _fused_zoa.FusedLocalStep()
+            plan.step(self, pairs)
+            return True
         if not self._multi(pairs) or any(d is not None for d in masks):
             return False
         rows = [(g, p, self.state[p]["exp_avg"], p.grad, self.stale_denominator(k, p, g))

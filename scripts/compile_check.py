@@ -125,6 +125,7 @@ def zoa_launches(N: int, W: int):
                                     layout),
                 *tz.step_launches(T(u8), T(f32), T(f32), T(f32), tiles, T(i64), T(i64), addr, T(f32), n,
                                   layout, 1.0)]
+        made += tz.local_launches(tiles, T(i64), T(i64), addr, T(f32), n, 1.0)
         for launch in made:
             yield f"zoa{align}", launch
 

@@ -170,3 +170,83 @@ def test_zero_one_adam_fused_matches_unfused_on_three_ranks(ranks):
     for other in results[1:]:  # every rank holds the same parameters and momenta, bitwise
         for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
             assert torch.equal(a, b)
+
+
+def test_the_local_step_is_the_each_op_rounded_local_step():
+    # phase 2's local step as one launch: m = b1 m + (1 - b1) g (b1 m without a gradient), p = p +
+    # (-lr) (clamp(m / d) [+ wd p]), each op rounded (cpu_fused.local_step_'s), bitwise; tensors
+    # several to a program and spanning programs, two groups, a missing gradient, a zero denominator's
+    # neighbour (tiny d: the clip)
+    g = torch.Generator().manual_seed(5)
+    sizes = [3, 1025, 16, 9000, 185]
+    params = [torch.randn(s, generator=g) for s in sizes]
+    moms = [torch.randn(s, generator=g) * 0.1 for s in sizes]
+    grads = [torch.randn(s, generator=g) for s in sizes]
+    grads[2] = None
+    denoms = [torch.rand(s, generator=g) + 1e-3 for s in sizes]
+    denoms[3][::7] = 1e-12
+    rows = [(0.9, 0.1, 0.01, -1e-2)] * 2 + [(0.8, 0.2, 0.0, -3e-3)] * 3
+    clip = 0.5
+    want_m, want_p = [], []
+    for k in range(len(sizes)):
+        b1, w, wd, nlr = (torch.tensor(x, dtype=torch.float32).item() for x in rows[k])
+        m = moms[k] * b1 if grads[k] is None else moms[k] * b1 + w * grads[k]
+        v = (m / denoms[k]).clamp(-clip, clip)
+        if wd > 0:
+            v = v + wd * params[k]
+        want_m.append(m)
+        want_p.append(params[k] + nlr * v)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    n = sum(sizes)
+    tiles = tf.tiles(0, offsets, sizes, -(-n // 8) * 8, "cpu")
+    table = tz.Table(tiles, torch.tensor(offsets), torch.tensor(sizes),
+                     tz.addresses(grads, denoms, params, moms, "cpu"), tz.scalars(rows, "cpu"))
+    tz.local_step(table, n, clip)
+    for got, want in zip(moms + params, want_m + want_p, strict=True):
+        assert torch.equal(got, want)
+
+
+def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    groups = [{"params": params[:2], "weight_decay": 0.1},
+              {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
+    opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=4, local_step_scaler=2, local_step_clipper=4,
+                      bucket_cap_mb=0.01)
+    if local:
+        opt.reducer().allreduce = torch_local
+    _fused.ON_CPU, _fused.ENABLED = True, fused
+    used = []
+    try:
+        g = torch.Generator().manual_seed(2000 + rank)
+        for step in range(steps):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 9 and i == 1) else torch.randn(p.shape, generator=g)
+            phase2 = opt.phase == 2
+            used.append(phase2 and _fused_zoa.local_applies(opt, opt.compressed_params(), opt.auto_masks()))
+            opt.step()
+    finally:
+        _fused.ON_CPU, _fused.ENABLED = False, True
+    return [p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params], used
+
+
+def test_zero_one_adam_phase_two_fused_matches_unfused_locally():
+    (p1, m1, used1), (p0, m0, used0) = _train_phase2(True, 0, local=True), _train_phase2(False, 0, local=True)
+    assert sum(used1) >= 8 and not any(used0)
+    for a, b in zip(p1 + m1, p0 + m0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert a.isfinite().all()
+
+
+def _phase2_ranks_body():
+    import torch.distributed as dist
+
+    return _train_phase2(True, dist.get_rank()), _train_phase2(False, dist.get_rank())
+
+
+def test_zero_one_adam_phase_two_fused_on_three_ranks(ranks):
+    results = ranks(3).run(_phase2_ranks_body)
+    for (p1, m1, used1), (p0, m0, _) in results:
+        assert sum(used1) >= 8
+        for a, b in zip(p1 + m1, p0 + m0, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
