@@ -62,19 +62,37 @@ def _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_param
 
 
 @triton.jit
+def _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params,
+            BLOCK_BYTES: tl.constexpr):
+    # phase 2's synchronisation: x = p - sync_params (the GRAD row holds sync_params' addresses)
+    x = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = _owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        sp = tl.load(addr_ptr + _GRAD * num_params + k).to(tl.pointer_type(tl.float32))
+        pp = tl.load(addr_ptr + _PARAM * num_params + k).to(tl.pointer_type(tl.float32))
+        p = tl.load(pp + off, mask=mine, other=0.0)
+        x = tl.where(mine, p - tl.load(sp + off, mask=mine, other=0.0), x)
+    return x
+
+
+@triton.jit
 def _zoa_worker_kernel(
     e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params,
     n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word,
-    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr,
 ):
-    # as _worker_pack_kernel on z = x + e, x = g / d never stored
+    # as _worker_pack_kernel on z = x + e, x = g / d (SYNC: p - sync_params) never stored
     pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
     g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     i = tl.arange(0, 8)
     idx = g[:, None] * 8 + i[None, :]
     live = (g < total_bytes)[:, None]
     in_x = live & (idx < n)
-    x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
+    if SYNC:
+        x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
+    else:
+        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
     zd = tl.where(live, z, 0.0).to(tl.float64)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
@@ -87,16 +105,21 @@ def _zoa_worker_kernel(
 def _zoa_step_kernel(
     g_ptr, g_words_ptr, e_ptr, w_words_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params,
     scalar_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip,
-    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr,
 ):
     # the mean decoded; the deferred worker error from z = x + e (x again) if every scale is finite;
-    # then per parameter m = b1 m + ((1 - b1) mean) d and p = p + (-lr) (clamp(m / d) [+ wd p])
+    # then per parameter m = b1 m + ((1 - b1) mean) d and p = p + (-lr) (clamp(m / d) [+ wd p]);
+    # SYNC (phase 2's synchronisation, the NEG_LR row holding -lrs): m = (mean d) / (-lrs),
+    # sync_params += mean, p = sync_params
     pid = tl.program_id(0)
     ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
     idx, live, mean = _decoded(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
                                scale_word, BLOCK_BYTES)
     in_x = live[:, None] & (idx < n)
-    x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
+    if SYNC:
+        x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
+    else:
+        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
     sw = tl.load(w_words_ptr + scale_word)
     if ok:
@@ -108,19 +131,27 @@ def _zoa_step_kernel(
         mp = tl.load(addr_ptr + _MOM * num_params + k).to(tl.pointer_type(tl.float32)) + off
         pp = tl.load(addr_ptr + _PARAM * num_params + k).to(tl.pointer_type(tl.float32)) + off
         d = tl.load(dp, mask=mine, other=1.0)
-        m = tl.load(mp, mask=mine, other=0.0)
-        p = tl.load(pp, mask=mine, other=0.0)
-        b1 = tl.load(scalar_ptr + _B1 * num_params + k)
-        w = tl.load(scalar_ptr + _W1 * num_params + k)
-        wd = tl.load(scalar_ptr + _WD * num_params + k)
-        m = m * b1 + (w * mean) * d
-        v = tl.div_rn(m, d)
-        v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
-                       propagate_nan=tl.PropagateNan.ALL)
-        v = tl.where(wd != 0.0, v + wd * p, v)
-        p = p + tl.load(scalar_ptr + _NEG_LR * num_params + k) * v
-        tl.store(mp, m, mask=mine)
-        tl.store(pp, p, mask=mine)
+        if SYNC:
+            sp = tl.load(addr_ptr + _GRAD * num_params + k).to(tl.pointer_type(tl.float32)) + off
+            m = tl.div_rn(mean * d, tl.load(scalar_ptr + _NEG_LR * num_params + k))
+            s = tl.load(sp, mask=mine, other=0.0) + mean
+            tl.store(mp, m, mask=mine)
+            tl.store(sp, s, mask=mine)
+            tl.store(pp, s, mask=mine)
+        else:
+            m = tl.load(mp, mask=mine, other=0.0)
+            p = tl.load(pp, mask=mine, other=0.0)
+            b1 = tl.load(scalar_ptr + _B1 * num_params + k)
+            w = tl.load(scalar_ptr + _W1 * num_params + k)
+            wd = tl.load(scalar_ptr + _WD * num_params + k)
+            m = m * b1 + (w * mean) * d
+            v = tl.div_rn(m, d)
+            v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                           propagate_nan=tl.PropagateNan.ALL)
+            v = tl.where(wd != 0.0, v + wd * p, v)
+            p = p + tl.load(scalar_ptr + _NEG_LR * num_params + k) * v
+            tl.store(mp, m, mask=mine)
+            tl.store(pp, p, mask=mine)
 
 
 def addresses(grads: list[torch.Tensor | None], denoms: list[torch.Tensor], params: list[torch.Tensor],
@@ -148,41 +179,45 @@ class Table:
     scal: torch.Tensor
 
 
-def worker_launches(e, msg, words, partial, ticket_, t: Tiles, start, count, addr, n: int, layout: Layout):
+def worker_launches(e, msg, words, partial, ticket_, t: Tiles, start, count, addr, n: int, layout: Layout,
+                    sync: bool = False):
     bb, warps = _settings()
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
     return [Launch(_zoa_worker_kernel, programs(layout),
                    (e, msg, partial, ticket_, t.lo, t.hi, start, count, addr, addr.shape[-1], n,
                     layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.N, words, layout.W,
                     seg_words, scale_word),
-                   dict(BLOCK_BYTES=bb, FINAL_BLOCK=1024), warps)]
+                   dict(BLOCK_BYTES=bb, FINAL_BLOCK=1024, SYNC=sync), warps)]
 
 
 def step_launches(gathered, g_words, e, w_words, t: Tiles, start, count, addr, scal, n: int, layout: Layout,
-                  clip: float):
+                  clip: float, sync: bool = False):
     bb, warps = _settings()
     return [Launch(_zoa_step_kernel, programs(layout),
                    (gathered, g_words, e, w_words, t.lo, t.hi, start, count, addr, addr.shape[-1], scal, n,
                     layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.segment_bytes // 4,
                     layout.scale_offset // 4, layout.W, clip),
-                   dict(BLOCK_BYTES=bb, GATE_BLOCK=128), warps)]
+                   dict(BLOCK_BYTES=bb, GATE_BLOCK=128, SYNC=sync), warps)]
 
 
-def worker(e: torch.Tensor, n: int, layout: Layout, msg: torch.Tensor, table: Table) -> None:
-    """Pass A over a bucket of n elements: ``worker_compress(x, e, update_error=False)`` of x = g / d."""
+def worker(e: torch.Tensor, n: int, layout: Layout, msg: torch.Tensor, table: Table,
+           sync: bool = False) -> None:
+    """Pass A over a bucket of n elements: ``worker_compress(x, e, update_error=False)`` of x = g / d
+    (``sync``: of x = p - sync_params, their addresses in the table's GRAD row)."""
     partial = _partials(programs(layout), e.device)
     t = table
     for launch in worker_launches(e, msg, msg.view(torch.float32), partial, ticket(e.device), t.tiles,
-                                  t.start, t.count, t.addr, n, layout):
+                                  t.start, t.count, t.addr, n, layout, sync):
         launch()
 
 
 def step(gathered: torch.Tensor, layout: Layout, e: torch.Tensor, msg: torch.Tensor, n: int, table: Table,
-         clip: float) -> None:
-    """Pass B over a bucket: the deferred error, the fold and the stale step (``clip``: inf for none)."""
+         clip: float, sync: bool = False) -> None:
+    """Pass B over a bucket: the deferred error, the fold and the stale step (``clip``: inf for none);
+    ``sync``: phase 2's synchronisation (the table's NEG_LR row holding -lrs)."""
     t = table
     for launch in step_launches(gathered, gathered.view(torch.float32), e, msg.view(torch.float32), t.tiles,
-                                t.start, t.count, t.addr, t.scal, n, layout, clip):
+                                t.start, t.count, t.addr, t.scal, n, layout, clip, sync):
         launch()
 
 

@@ -22,14 +22,15 @@ from . import _fused
 from ._fused_cpu_zoa import eligible
 
 
-def applies(opt, reducer, pairs) -> bool:
-    """Whether ``opt`` (a ZeroOneAdam in phase 1) can take this compressed step in the GPU passes."""
+def applies(opt, reducer, pairs, phase: int = 1) -> bool:
+    """Whether ``opt`` (a ZeroOneAdam in ``phase``) can take this compressed step (phase 1) or
+    synchronisation (phase 2) in the GPU passes."""
     if not pairs:
         return False
     device = pairs[0][0].device
     if not (device.type == "cuda" or (_fused.ON_CPU and device.type == "cpu")):
         return False
-    if not eligible(opt, reducer, pairs, 1):
+    if not eligible(opt, reducer, pairs, phase):
         return False
     try:
         from ..kernels import triton_fused_zoa  # noqa: F401  (triton may be missing)
@@ -41,6 +42,8 @@ def applies(opt, reducer, pairs) -> bool:
 class FusedZeroOne:
     """The per-reducer tables of the GPU passes (built once) and the step."""
 
+    SYNC = False
+
     def __init__(self, reducer) -> None:
         from ..kernels import triton_fused_zoa as tz
 
@@ -48,9 +51,16 @@ class FusedZeroOne:
         self.device, self.tiles, self.start, self.count = _fused.bucket_tables(reducer)
         self._addr_key = self._scal_key = self._addr = self._scal = None
 
+    def _inputs(self, opt, pairs) -> list:
+        """The table's GRAD row: the gradients (phase 1's x = g / d)."""
+        return [p.grad for p, _ in pairs]
+
+    def _rows(self, opt, pairs) -> list:
+        return [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -g["lr"]) for _, g in pairs]
+
     def _tables(self, opt, pairs):
         tz = self.tz
-        grads = [p.grad for p, _ in pairs]
+        grads = self._inputs(opt, pairs)
         denoms = [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)]
         moms = [opt.state[p]["exp_avg"] for p, _ in pairs]
         key = tuple(0 if x is None else x.data_ptr() for x in grads) + tuple(
@@ -58,7 +68,7 @@ class FusedZeroOne:
         if key != self._addr_key:  # the caching allocator usually hands back the same addresses
             self._addr = tz.addresses(grads, denoms, [p for p, _ in pairs], moms, self.device)
             self._addr_key = key
-        rows = [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -g["lr"]) for _, g in pairs]
+        rows = self._rows(opt, pairs)
         if rows != self._scal_key:
             self._scal, self._scal_key = tz.scalars(rows, self.device), rows
         return self._addr, self._scal
@@ -72,22 +82,39 @@ class FusedZeroOne:
         for b, tiles in zip(reducer.buckets, self.tiles, strict=True):
             if not b.numel:
                 continue
-            passes = _Passes(tz, tz.Table(tiles, self.start, self.count, addr, scal), clip)
+            passes = _Passes(tz, tz.Table(tiles, self.start, self.count, addr, scal), clip, self.SYNC)
             with counting(reducer.traffic):
                 compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group, passes,
                                             local=local)
             reducer.count_compressed(b)
 
 
+class FusedZeroOneSync(FusedZeroOne):
+    """Phase 2's synchronisation (ZeroOneAdam._sync, preconditioned) in the same two passes: the
+    worker encodes x = p - sync_params; the decompress pass updates the error from x + e and sets
+    m = (mean d) / (-lrs), sync_params += mean and p = sync_params (the unfused ops, each rounded:
+    bitwise). The table's GRAD row holds sync_params, its NEG_LR row -lrs."""
+
+    SYNC = True
+
+    def _inputs(self, opt, pairs) -> list:
+        return [opt.state[p]["sync_params"] for p, _ in pairs]
+
+    def _rows(self, opt, pairs) -> list:
+        index = {id(g): i for i, g in enumerate(opt.param_groups)}
+        return [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -opt.lrs[index[id(g)]])
+                for _, g in pairs]
+
+
 class _Passes:
-    def __init__(self, tz, table, clip: float) -> None:
-        self.tz, self.table, self.clip = tz, table, clip
+    def __init__(self, tz, table, clip: float, sync: bool) -> None:
+        self.tz, self.table, self.clip, self.sync = tz, table, clip, sync
 
     def worker(self, flat, worker_error, layout, msg) -> None:
-        self.tz.worker(worker_error, flat.numel(), layout, msg, self.table)
+        self.tz.worker(worker_error, flat.numel(), layout, msg, self.table, self.sync)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
-        self.tz.step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip)
+        self.tz.step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip, self.sync)
 
 
 def local_applies(opt, pairs, masks) -> bool:

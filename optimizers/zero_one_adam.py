@@ -190,9 +190,14 @@ class ZeroOneAdam(OnebitOptimizerBase):
             plan.abandon()
 
     def _zoa_plan(self, reducer):
-        plan = getattr(self, "_zoa_cache", None)
+        return self._plan("_zoa_cache", reducer, _fused_cpu_zoa.CpuFusedZeroOne)
+
+    def _plan(self, name: str, reducer, kind):
+        """The fused passes' tables ``kind(reducer)``, kept in attribute ``name`` while the reducer lives."""
+        plan = getattr(self, name, None)
         if plan is None or plan.reducer is not reducer:
-            plan = self._zoa_cache = _fused_cpu_zoa.CpuFusedZeroOne(reducer)
+            plan = kind(reducer)
+            setattr(self, name, plan)
         return plan
 
     def _phase_one(self, reducer, pairs, t: int) -> None:
@@ -203,10 +208,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
             # the gradient's compressed mean, the fold and the stale step inside the codec's passes
             self._zoa_plan(reducer).step(self, pairs, t)
         elif fused and _fused_zoa.applies(self, reducer, pairs):  # the same in Triton passes (GPU)
-            plan = getattr(self, "_zoa_gpu_cache", None)
-            if plan is None or plan.reducer is not reducer:
-                plan = self._zoa_gpu_cache = _fused_zoa.FusedZeroOne(reducer)
-            plan.step(self, pairs, t)
+            self._plan("_zoa_gpu_cache", reducer, _fused_zoa.FusedZeroOne).step(self, pairs, t)
         else:
             self._phase_one_unfused(reducer, pairs, var_step)
         if var_step:
@@ -342,10 +344,12 @@ class ZeroOneAdam(OnebitOptimizerBase):
         (momentum: in momentum space, ``u * denom``; preconditioned: as they are) and set the
         momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical. On an x86
         CPU (preconditioned) inside the codec's C passes (optimizers/_fused_cpu_zoa.py)."""
+        plan = None
         if _fused_cpu_zoa.applies(self, reducer, pairs, phase=2):
-            plan = getattr(self, "_zos_cache", None)
-            if plan is None or plan.reducer is not reducer:
-                plan = self._zos_cache = _fused_cpu_zoa.CpuFusedZeroOneSync(reducer)
+            plan = self._plan("_zos_cache", reducer, _fused_cpu_zoa.CpuFusedZeroOneSync)
+        elif _fused_zoa.applies(self, reducer, pairs, phase=2):  # the same in Triton passes (GPU)
+            plan = self._plan("_zos_gpu_cache", reducer, _fused_zoa.FusedZeroOneSync)
+        if plan is not None:
             plan.step(self, pairs, t)
             self.lrs = [0.0] * len(self.param_groups)
             self.last_sync = t

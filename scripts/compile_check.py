@@ -126,6 +126,10 @@ def zoa_launches(N: int, W: int):
                 *tz.step_launches(T(u8), T(f32), T(f32), T(f32), tiles, T(i64), T(i64), addr, T(f32), n,
                                   layout, 1.0)]
         made += tz.local_launches(tiles, T(i64), T(i64), addr, T(f32), n, 1.0)
+        made += [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(i32), tiles, T(i64), T(i64), addr, n,
+                                     layout, True),
+                 *tz.step_launches(T(u8), T(f32), T(f32), T(f32), tiles, T(i64), T(i64), addr, T(f32), n,
+                                   layout, 1.0, True)]
         for launch in made:
             yield f"zoa{align}", launch
 

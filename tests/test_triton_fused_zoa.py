@@ -206,6 +206,40 @@ def test_the_local_step_is_the_each_op_rounded_local_step():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("W", [1, 3])
+def test_the_sync_passes_are_the_plain_synchronisation(W):
+    # phase 2's synchronisation: pass A encodes p - sync_params (bits exact), pass B gives the plain
+    # decompress's error, m = (mean d) / (-lrs), sync_params + mean and p = sync_params, bitwise
+    offsets, n, N, e, _, denoms, params, moms = _bucket(W, 20 + W)
+    g = torch.Generator().manual_seed(W)
+    syncs = [q + torch.randn(q.numel(), generator=g) * 1e-3 for q in params]
+    layout = Layout(N, W)
+    x = torch.cat([q - s for q, s in zip(params, syncs, strict=True)])
+    want = empty_message(layout, W, torch.device("cpu"))
+    worker_compress(x, e.clone(), W, out=want, update_error=False)
+    rows = [(0.9, 0.1, 0.01, -0.037)] * 3 + [(0.8, 0.2, 0.0, -0.011)] * 4  # the last: -lrs
+    table = tz.Table(tf.tiles(0, offsets, SIZES, N, "cpu"), torch.tensor(offsets), torch.tensor(SIZES),
+                     tz.addresses(syncs, denoms, params, moms, "cpu"), tz.scalars(rows, "cpu"))
+    got = empty_message(layout, W, torch.device("cpu"))
+    tz.worker(e, n, layout, got, table, sync=True)
+    assert torch.equal(message_bits(got, layout), message_bits(want, layout))
+    gathered = empty_message(layout, W, torch.device("cpu"))
+    gathered.copy_(torch.randint(0, 256, gathered.shape, generator=g).to(torch.uint8))
+    message_scales(gathered, layout).copy_(torch.rand(W, generator=g) + 0.1)
+    acc, e_plain = x.clone(), e.clone()
+    decompress(gathered, acc, W, worker_error=e_plain, worker_message=got)
+    want_m, want_s = [], []
+    for k, (off, size) in enumerate(zip(offsets, SIZES, strict=True)):
+        mean = acc[off:off + size]
+        nl = torch.tensor(rows[k][3], dtype=torch.float32).item()
+        want_m.append((mean * denoms[k]) / nl)
+        want_s.append(syncs[k] + mean)
+    tz.step(gathered, layout, e, got, n, table, 1.0, sync=True)
+    assert torch.equal(e, e_plain)
+    for a, b in zip(moms + syncs + params, want_m + want_s + want_s, strict=True):
+        assert torch.equal(a, b)
+
+
 def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
@@ -216,7 +250,8 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
     if local:
         opt.reducer().allreduce = torch_local
     _fused.ON_CPU, _fused.ENABLED = True, fused
-    used = []
+    used, syncs, real = [], [], _fused_zoa.FusedZeroOneSync.step
+    _fused_zoa.FusedZeroOneSync.step = lambda self, *a: syncs.append(1) or real(self, *a)
     try:
         g = torch.Generator().manual_seed(2000 + rank)
         for step in range(steps):
@@ -227,12 +262,15 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
             opt.step()
     finally:
         _fused.ON_CPU, _fused.ENABLED = False, True
-    return [p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params], used
+        _fused_zoa.FusedZeroOneSync.step = real
+    return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params], used,
+            len(syncs))
 
 
 def test_zero_one_adam_phase_two_fused_matches_unfused_locally():
-    (p1, m1, used1), (p0, m0, used0) = _train_phase2(True, 0, local=True), _train_phase2(False, 0, local=True)
-    assert sum(used1) >= 8 and not any(used0)
+    p1, m1, used1, s1 = _train_phase2(True, 0, local=True)
+    p0, m0, used0, s0 = _train_phase2(False, 0, local=True)
+    assert sum(used1) >= 8 and not any(used0) and s1 >= 3 and s0 == 0  # local steps and synchronisations
     for a, b in zip(p1 + m1, p0 + m0, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert a.isfinite().all()
@@ -246,7 +284,7 @@ def _phase2_ranks_body():
 
 def test_zero_one_adam_phase_two_fused_on_three_ranks(ranks):
     results = ranks(3).run(_phase2_ranks_body)
-    for (p1, m1, used1), (p0, m0, _) in results:
-        assert sum(used1) >= 8
+    for (p1, m1, used1, s1), (p0, m0, _, _) in results:
+        assert sum(used1) >= 8 and s1 >= 3
         for a, b in zip(p1 + m1, p0 + m0, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
