@@ -148,7 +148,7 @@ def _zoa_step_kernel(
             v = tl.div_rn(m, d)
             v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
                            propagate_nan=tl.PropagateNan.ALL)
-            v = tl.where(wd != 0.0, v + wd * p, v)
+            v = tl.where(wd > 0.0, v + wd * p, v)
             p = p + tl.load(scalar_ptr + _NEG_LR * num_params + k) * v
             tl.store(mp, m, mask=mine)
             tl.store(pp, p, mask=mine)

@@ -150,38 +150,42 @@ def local_applies(opt, pairs, masks) -> bool:
 
 
 class FusedLocalStep:
-    """Phase 2's local step as one launch over every parameter; its table rebuilt only when a
-    tensor's address, size or a group's scalar changes."""
+    """Phase 2's local step as one launch over every parameter. Its tables are rebuilt only where
+    they change: the programs' ranges with the tensors' sizes, the addresses with a tensor's
+    (gradients are new tensors each step, usually at the same addresses), the scalars with a group's."""
 
     def __init__(self) -> None:
         from ..kernels import triton_fused as tf
         from ..kernels import triton_fused_zoa as tz
 
         self.tf, self.tz = tf, tz
-        self._key = self._table = None
+        self._sizes = self._layout = None
+        self._addr_key = self._addr = self._rows = self._scal = None
 
     def step(self, opt, pairs) -> None:
         tz, tf = self.tz, self.tf
         device = pairs[0][0].device
-        grads = [p.grad for p, _ in pairs]
-        denoms = [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)]
-        moms = [opt.state[p]["exp_avg"] for p, _ in pairs]
         params = [p for p, _ in pairs]
-        rows = [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -g["lr"]) for _, g in pairs]
         sizes = [p.numel() for p in params]
-        key = (tuple(0 if x is None else x.data_ptr() for x in grads),
-               tuple(t.data_ptr() for t in (*denoms, *params, *moms)), tuple(sizes), tuple(rows))
-        if key != self._key:
+        if sizes != self._sizes:
             offsets = [0]
             for s in sizes[:-1]:
                 offsets.append(offsets[-1] + s)
             n = sum(sizes)
             as_i64 = dict(dtype=torch.int64, device=device)
             tiles = tf.tiles(0, offsets, sizes, -(-n // 8) * 8, device)
-            table = tz.Table(tiles, torch.tensor(offsets, **as_i64), torch.tensor(sizes, **as_i64),
-                             tz.addresses(grads, denoms, params, moms, device), tz.scalars(rows, device))
-            self._table = (table, n)
-            self._key = key
-        table, n = self._table
+            self._layout = (tiles, torch.tensor(offsets, **as_i64), torch.tensor(sizes, **as_i64), n)
+            self._sizes = sizes
+        grads = [p.grad for p in params]
+        denoms = [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)]
+        moms = [opt.state[p]["exp_avg"] for p in params]
+        key = tuple(0 if x is None else x.data_ptr() for x in grads) + tuple(
+            t.data_ptr() for t in (*denoms, *params, *moms))
+        if key != self._addr_key:
+            self._addr, self._addr_key = tz.addresses(grads, denoms, params, moms, device), key
+        rows = [(g["betas"][0], 1.0 - g["betas"][0], g["weight_decay"], -g["lr"]) for _, g in pairs]
+        if rows != self._rows:
+            self._scal, self._rows = tz.scalars(rows, device), rows
+        tiles, start, count, n = self._layout
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
-        tz.local_step(table, n, clip)
+        tz.local_step(tz.Table(tiles, start, count, self._addr, self._scal), n, clip)
