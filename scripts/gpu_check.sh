@@ -44,6 +44,9 @@ if has optimizer; then
   # ZeroOneAdam's phase 1 (its fused Triton passes against unfused, interleaved)
   timeout 90 "$py" bench/bench_optimizer.py --device cuda --zero-one --interleave --csv "$OUT/optimizer-cuda.csv" \
     2>&1 | tee -a "$OUT/optimizer.log"
+  # the hook's pre- and post-pass and ZeroOneAdam's local step: Triton against the plain ops
+  timeout 60 "$py" bench/bench_triton_passes.py --device cuda --csv "$OUT/triton-passes-cuda.csv" 2>&1 \
+    | tee -a "$OUT/optimizer.log"
 fi
 if has profile; then
   # wall time against kernel time and launches per step, for each path of bench/TRAFFIC.md's table;

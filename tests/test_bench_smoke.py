@@ -48,6 +48,23 @@ def test_bench_optimizer_appends_both_optimizers(tmp_path):
     assert {r["parameters"] for r in rows} == {str(12 * 64 * 64 + 4 * 64 + 4 * 64)}  # one block, d = 64
 
 
+def test_bench_triton_passes_runs_both_paths_of_each(tmp_path):
+    import subprocess
+    import sys
+
+    # its own interpreter: the kernels run under TRITON_INTERPRET, which the zygote's preloaded
+    # onebit was not imported under
+    path = tmp_path / "t.csv"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_triton_passes.py"), "--device", "cpu",
+                          "--log2", "11", "--params", "5", "--repeats", "1", "--csv", str(path)],
+                         cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows(path)
+    assert [r["path"] for r in rows] == ["hook_plain", "hook_triton", "zoa_local_plain", "zoa_local_triton"]
+    assert all(float(r["ms_median"]) > 0 and r["elements"] == "2048" for r in rows)
+
+
 def test_bench_optimizer_interleaves_zero_one_adam(tmp_path):
     path = tmp_path / "z.csv"
     _run("bench_optimizer.py", "--device", "cpu", "--blocks", "1", "--d-model", "64", "--repeats", "3",
