@@ -185,7 +185,11 @@ class DiLoCo:
         with torch.no_grad():
             for i in self.fragment_params[f]:
                 k = self.params[i].numel()
-                buf[off:off + k].copy_(self.theta[i].reshape(-1)).sub_(self.params[i].detach().reshape(-1))
+                theta, p = self.theta[i].reshape(-1), self.params[i].detach().reshape(-1)
+                if theta.dtype == torch.float32 and p.dtype == torch.float32:
+                    torch.sub(theta, p, out=buf[off:off + k])  # one pass (the copy and sub_ were two)
+                else:  # the difference in float32, not in the parameters' dtype
+                    buf[off:off + k].copy_(theta).sub_(p)
                 off += k
         wait = self.delay > 0
         share = self._share(f) if self.compress else 0.0
