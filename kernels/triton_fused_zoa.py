@@ -1,6 +1,6 @@
-"""ZeroOneAdam's phase-1 compressed step in two fused Triton passes per bucket (as
-:mod:`onebit.kernels.triton_fused` does for OnebitAdam; the CPU's are the C passes of
-optimizers/_fused_cpu_zoa.py).
+"""ZeroOneAdam's phase-1 compressed step and phase-2 synchronisation in two fused Triton passes per
+bucket (as :mod:`onebit.kernels.triton_fused` does for OnebitAdam; the CPU's are the C passes of
+optimizers/_fused_cpu_zoa.py), and its phase-2 local step as one launch over every parameter.
 
 Unfused, the step writes ``x = g / d`` into the accumulator, all-reduces it compressed, folds the
 mean into the momentum (``m.mul_(b1).addcmul_(mean, d, value=1 - b1)``), zeroes the accumulator and
@@ -21,9 +21,14 @@ step), within one rounding of plain ops that fuse a multiply-add (``addcmul_`` o
 passes' ``fmaf``; tests/test_triton_fused_zoa.py). The compile check keeps every launch free of
 contraction.
 
+The synchronisation (``SYNC``) encodes ``x = p - sync_params`` and sets ``m = (mean d) / (-lrs)``,
+``sync_params += mean`` and ``p = sync_params`` (the unfused ops, each rounded). The local step
+(``_zoa_local_kernel``) reads g, m, d and p and writes m and p: ``m = b1 m + (1 - b1) g``, then the
+stale step (24 B against 56-68).
+
 The table as triton_fused's (per program its range of parameters; per parameter its offset, size,
-the addresses of its gradient, denominator, parameter and momentum, and its group's scalars b1,
-1 - b1, wd, -lr).
+the addresses of its gradient (sync_params when synchronising), denominator, parameter and
+momentum, and its group's scalars b1, 1 - b1, wd, -lr (-lrs when synchronising)).
 """
 
 from __future__ import annotations
