@@ -88,6 +88,18 @@ def _decoded(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_w
 
 
 @triton.jit
+def _encode(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes, length,
+            words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK: tl.constexpr):
+    # as _worker_pack_kernel after its z: this program's float64 partial norm, the packed signs,
+    # and the last program to arrive writes the scale
+    zd = tl.where(live, z, 0.0).to(tl.float64)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
+    _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, False)
+    _finish_scale(partial_ptr, ticket_ptr, tl.num_programs(0), length, words_ptr, num_slots, seg_words,
+                  scale_word, words_ptr, 0, False, FINAL_BLOCK)
+
+
+@triton.jit
 def _fold_worker_kernel(
     u_ptr, e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr,
     num_params, scalar_ptr, n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words,
@@ -121,11 +133,8 @@ def _fold_worker_kernel(
     u = u * b1 + tl.div_rn(w * grad, den)  # fold_preconditioned_: u.mul_(b1), u + (w * g) / d
     tl.store(u_ptr + idx, u, mask=in_x)
     z = u + tl.load(e_ptr + idx, mask=live, other=0.0)
-    zd = tl.where(live, z, 0.0).to(tl.float64)
-    tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
-    _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, False)
-    _finish_scale(partial_ptr, ticket_ptr, tl.num_programs(0), length, words_ptr, num_slots, seg_words,
-                  scale_word, words_ptr, 0, False, FINAL_BLOCK)
+    _encode(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes, length,
+            words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
 
 
 @triton.jit

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from .layout import Layout
-from .triton_fused import Tiles, _decoded, _owned, _settings, programs
-from .triton_kernels import Launch, _finish_scale, _partials, _segments_finite, _store_packed, ticket
+from .triton_fused import Tiles, _decoded, _encode, _owned, _settings, programs
+from .triton_kernels import Launch, _partials, _segments_finite, ticket
 
 GRAD, DENOM, PARAM, MOM = range(4)
 B1, W1, WD, NEG_LR = range(4)
@@ -99,11 +99,8 @@ def _zoa_worker_kernel(
     else:
         x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, num_params, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
-    zd = tl.where(live, z, 0.0).to(tl.float64)
-    tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
-    _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, False)
-    _finish_scale(partial_ptr, ticket_ptr, tl.num_programs(0), length, words_ptr, num_slots, seg_words,
-                  scale_word, words_ptr, 0, False, FINAL_BLOCK)
+    _encode(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes, length,
+            words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
 
 
 @triton.jit
