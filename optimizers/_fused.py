@@ -61,11 +61,19 @@ def applies(opt, reducer, pairs) -> bool:
             return False
     if cpu:
         return True
+    if not int32_indexable(reducer):
+        return False
     try:
         from ..kernels import triton_fused  # noqa: F401  (triton may be missing on a CPU machine)
     except ImportError:
         return False
     return True
+
+
+def int32_indexable(reducer) -> bool:
+    """Whether every bucket's padded length fits the Triton passes' int32 element indices (a
+    parameter of 2^31 elements or more gets a bucket of its own: the unfused path takes it)."""
+    return all(b.worker_error.numel() < 2**31 for b in reducer.buckets)
 
 
 def plan(reducer):

@@ -30,7 +30,7 @@ def applies(opt, reducer, pairs, phase: int = 1) -> bool:
     device = pairs[0][0].device
     if not (device.type == "cuda" or (_fused.ON_CPU and device.type == "cpu")):
         return False
-    if not eligible(opt, reducer, pairs, phase):
+    if not (eligible(opt, reducer, pairs, phase) and _fused.int32_indexable(reducer)):
         return False
     try:
         from ..kernels import triton_fused_zoa  # noqa: F401  (triton may be missing)

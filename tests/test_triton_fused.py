@@ -205,3 +205,30 @@ def test_onebit_adam_fused_matches_unfused_on_three_ranks(ranks):
     for other in results[1:]:  # every rank holds the same parameters and momenta, bitwise
         for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
+    """The fused passes index elements in int32: a bucket whose padded length reaches 2^31 (a
+    parameter that large gets a bucket of its own) must not be given to them. A stride-0 view of
+    2^31 elements stands in for the 8 GiB error buffer."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=1, bucket_cap_mb=0.03)
+    opt.reducer().allreduce = torch_local
+    _fused.ON_CPU = True
+    try:
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            opt.step()
+        red, pairs = opt.reducer(), opt.compressed_params()
+        assert _fused.applies(opt, red, pairs)
+        bucket = red.buckets[-1]
+        kept, bucket.worker_error = bucket.worker_error, torch.zeros(1).expand(2**31)
+        try:
+            assert not _fused.applies(opt, red, pairs)
+            bucket.worker_error = torch.zeros(1).expand(2**31 - 8)
+            assert _fused.applies(opt, red, pairs)
+        finally:
+            bucket.worker_error = kept
+    finally:
+        _fused.ON_CPU = False

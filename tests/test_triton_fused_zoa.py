@@ -288,3 +288,25 @@ def test_zero_one_adam_phase_two_fused_on_three_ranks(ranks):
         assert sum(used1) >= 8 and s1 >= 3
         for a, b in zip(p1 + m1, p0 + m0, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
+    """As OnebitAdam's (tests/test_triton_fused.py): the phase-1 passes index in int32."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = ZeroOneAdam(params, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
+    opt.reducer().allreduce = torch_local
+    _fused.ON_CPU = True
+    try:
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        red, pairs = opt.reducer(), opt.compressed_params()
+        assert _fused_zoa.applies(opt, red, pairs)
+        bucket = red.buckets[0]
+        kept, bucket.worker_error = bucket.worker_error, torch.zeros(1).expand(2**31)
+        try:
+            assert not _fused_zoa.applies(opt, red, pairs)
+        finally:
+            bucket.worker_error = kept
+    finally:
+        _fused.ON_CPU = False
