@@ -309,7 +309,7 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
         torch_kernels.server_reduce(received, e, layout, out)
         return
     bits, received_scales = message_bits(received, layout), message_scales(received, layout)
-    if layout.block is None and e.is_contiguous() and cpu_simd.available() and cpu_simd.best_isa() >= 2:
+    if layout.block is None and e.is_contiguous() and cpu_simd.available():
         seg_bits, seg_scale = message_bits(out, layout)[0], message_scales(out, layout)[:1]
         if seg_bits.is_contiguous():  # the whole call in C, as below
             cpu_simd.server_reduce_one(bits, received_scales, e, seg_bits, seg_scale)
@@ -344,7 +344,8 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     if not bool(torch.isfinite(scales).all()):  # any non-finite block: every scale NaN, e unchanged
         scales.fill_(float("nan"))
         return
-    if simd and cpu_simd.server_update(bits, w, e, scales.view(-1), B):  # AVX-512: the C pass
+    if simd:  # the C pass
+        cpu_simd.server_update(bits, w, e, scales.view(-1), B)
         return
     W, words = layout.W, layout.C // 32 if B is None else layout.C // B
     if B is not None:

@@ -18,8 +18,9 @@ bitwise the unsliced ones); the whole-piece sum adds per-thread partial sums in 
 Used by :mod:`onebit.kernels.cpu_compiled` (the worker's encode of float32 inputs, the server's
 passes, the decode) where :func:`available`; else its torch.compile'd passes run. The same library
 holds the passes with an optimizer's maths inside, bound in :mod:`onebit.kernels.cpu_simd_fused`.
-The library is cached under ``$XDG_CACHE_HOME/onebit`` (or ``~/.cache/onebit``, else the temporary
-folder), keyed by the source's hash; a failed build warns once and leaves the compiled path in place.
+The C is the package's ``.c`` files (``onebit/kernels/native/``, ``onebit/kernels/fused/``), built and
+cached by :mod:`onebit.kernels.native.build`; a failed build warns once and leaves the compiled path
+in place.
 ``ONEBIT_CPU_SIMD=off``: never this path (A/B runs).
 Each function takes ``isa`` (2: AVX-512, 1: AVX2 + FMA, 0: portable C; None: the best this CPU
 has) so that the tests run every variant the machine supports against the plain path.
@@ -28,109 +29,15 @@ has) so that the tests run every variant the machine supports against the plain 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-from ._simd_source import SOURCE
 from ._warn import warn_user
+from .native import build
 
 _ENV = "ONEBIT_CPU_SIMD"
 _state: dict = {}
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for d in (os.path.join(base, "onebit"), os.path.join(tempfile.gettempdir(), f"onebit-{os.getuid()}")):
-        try:
-            os.makedirs(d, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    raise OSError("no writable cache folder")
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
-    key = hashlib.sha256((SOURCE + cc + " ".join(flags)).encode()).hexdigest()[:16]
-    d = _cache_dir()
-    path = os.path.join(d, f"simd-{key}.so")
-    if not os.path.exists(path):
-        fd, src = tempfile.mkstemp(suffix=".c", dir=d)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(SOURCE)
-        tmp = src[:-2] + ".so"
-        try:
-            run = subprocess.run([cc, *flags, src, "-o", tmp], capture_output=True, text=True, timeout=120)
-            if run.returncode != 0:
-                last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
-                raise RuntimeError(f"{cc} failed: {last}")
-            os.replace(tmp, path)  # atomic: ranks that build at once each install a whole file
-        finally:
-            for f in (src, tmp):
-                if os.path.exists(f):
-                    os.remove(f)
-    lib = ctypes.CDLL(path)
-    p = ctypes.c_void_p
-    i64, i32 = ctypes.c_int64, ctypes.c_int
-    lib.onebit_encode_total.argtypes = [p, p, p, i64, i32, i32]
-    lib.onebit_encode_total.restype = ctypes.c_double
-    lib.onebit_encode_blocks.argtypes = [p, p, p, p, i64, i64, i32, i32]
-    lib.onebit_encode_blocks.restype = None
-    lib.onebit_best_isa.restype = ctypes.c_int
-    lib.onebit_server_total.argtypes = [p, i64, i32, p, p, p, i64, i32, i32]
-    lib.onebit_server_reduce_one.argtypes = [p, i64, i32, p, i64, p, p, p, i64, i32, i32]
-    lib.onebit_server_reduce_one.restype = i32
-    lib.onebit_server_total.restype = ctypes.c_double
-    lib.onebit_server_blocks.argtypes = [p, i64, i32, p, p, p, p, i64, i64, i32, i32]
-    lib.onebit_server_blocks.restype = None
-    lib.onebit_decompress.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i32, i32]
-    lib.onebit_decompress.restype = None
-    lib.onebit_server_update.argtypes = [p, i64, i32, p, i64, p, p, i64, i64, i64, i32, i32]
-    lib.onebit_server_update.restype = None
-    lib.onebit_fold_encode.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, p, i32, i32, i32]
-    lib.onebit_fold_encode.restype = ctypes.c_double
-    lib.onebit_decompress_update.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p, i32, ctypes.c_float,
-                                             ctypes.c_float, i32, i32]
-    lib.onebit_decompress_update.restype = None
-    lib.onebit_fold_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, p, i32, i32, i32]
-    lib.onebit_fold_encode_all.restype = None
-    lib.onebit_decompress_update_all.argtypes = [p, i64, p, p, p, p, i64, i32, p, p, p, p, p, i32,
-                                                 ctypes.c_float, ctypes.c_float, i32, i32]
-    lib.onebit_decompress_update_all.restype = None
-    lib.onebit_zoa_encode_all.argtypes = [p, p, p, i64, i64, i32, p, p, p, p, p, p, p, p, p, i32, i32, i32,
-                                          i32]
-    lib.onebit_zoa_encode_all.restype = None
-    f32 = ctypes.c_float
-    lib.onebit_zoa_step_all.argtypes = [p, i64, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, f32, f32, i32,
-                                        i32, i32]
-    lib.onebit_zoa_step_all.restype = None
-    lib.onebit_zoa_step_range.argtypes = [p, i64, i64, p, p, p, p, p, p, p, i32, f32, f32, i32, i32]
-    lib.onebit_zoa_step_range.restype = None
-    lib.onebit_update.argtypes = [p, i64, i64, p, p, p, p, i32, ctypes.c_float, ctypes.c_float, i32]
-    lib.onebit_update.restype = None
-    lib.onebit_sumsq.argtypes = [p, i64, i32, i32]
-    lib.onebit_sumsq.restype = ctypes.c_double
-    lib.onebit_hook_pre.argtypes = [p, p, p, ctypes.c_float, i64, i32, i32]
-    lib.onebit_hook_pre.restype = ctypes.c_double
-    lib.onebit_hook_encode.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, p, p, i32, p, i32, i32]
-    lib.onebit_hook_encode.restype = ctypes.c_double
-    lib.onebit_hook_decompress.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i64, p, p, p, p, p, i32, i32,
-                                           i32]
-    lib.onebit_hook_decompress.restype = None
-    lib.onebit_hook_pre_range.argtypes = [p, i64, i64, p, p, p, p, p, i32, i32]
-    lib.onebit_hook_pre_range.restype = ctypes.c_double
-    lib.onebit_hook_post_range.argtypes = [p, i64, i64, p, p, p, p, p, i32, i32]
-    lib.onebit_hook_post_range.restype = None
-    return lib
 
 
 def library() -> ctypes.CDLL | None:
@@ -139,7 +46,7 @@ def library() -> ctypes.CDLL | None:
         return None
     if "lib" not in _state:
         try:
-            _state["lib"] = _build()
+            _state["lib"] = build.build()
         except Exception as exc:  # noqa: BLE001 - any failure to build means: not here
             _state["lib"] = None
             warn_user(f"onebit: the C sign-packing pass could not be built ({type(exc).__name__}: {exc}); "
@@ -160,8 +67,10 @@ def available() -> bool:
 
 
 def best_isa() -> int:
+    """The ISA level the passes use: this CPU's best (2: AVX-512, 1: AVX2 + FMA, 0: portable C), at
+    most ``ONEBIT_NATIVE_ISA``'s (:func:`onebit.kernels.native.build.isa_cap`)."""
     lib = library()
-    return 0 if lib is None else int(lib.onebit_best_isa())
+    return 0 if lib is None else min(int(lib.onebit_best_isa()), build.isa_cap())
 
 
 def _isa(isa: int | None) -> int:
@@ -226,19 +135,18 @@ def server_total(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torc
 
 def server_reduce_one(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor, out: torch.Tensor,
                       scale: torch.Tensor) -> bool:
-    """The server's whole call with one scale per chunk on AVX-512 (``cpu_compiled.server_reduce``'s
-    C path in one call): ``scales`` the W received scales (float32, any stride), the packed bits of
+    """The server's whole call with one scale per chunk (``cpu_compiled.server_reduce``'s C path in
+    one call): ``scales`` the W received scales (float32, any stride), the packed bits of
     ``m`` into ``out``, its scale into ``scale`` (one float32, NaN where a received scale or the
     sum is not finite), then the error pass where the scale is finite; returns whether it ran."""
     n = e.numel()
     if not (bits.dtype == torch.uint8 and bits.dim() == 2 and bits.stride(1) == 1 and bits.shape[1] == n // 8
             and scales.dtype == torch.float32 and scales.dim() == 1 and scales.numel() == bits.shape[0]
             and _f32(e) and n % 8 == 0 and out.dtype == torch.uint8 and out.is_contiguous()
-            and out.numel() == n // 8 and scale.dtype == torch.float32 and scale.numel() == 1
-            and best_isa() >= 2):
+            and out.numel() == n // 8 and scale.dtype == torch.float32 and scale.numel() == 1):
         raise ValueError("cpu_simd.server_reduce_one: expected bits uint8 [W, n/8] with contiguous rows, W "
-                         "float32 scales, e float32 [n] (a multiple of 8), out uint8 [n/8], one float32 "
-                         "scale, and an AVX-512 CPU")
+                         "float32 scales, e float32 [n] (a multiple of 8), out uint8 [n/8] and one float32 "
+                         "scale")
     return bool(library().onebit_server_reduce_one(bits.data_ptr(), bits.stride(0), bits.shape[0],
                                                    scales.data_ptr(), scales.stride(0), e.data_ptr(),
                                                    out.data_ptr(), scale.data_ptr(), n, _isa(None),
@@ -286,10 +194,9 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bloc
 
 
 def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: torch.Tensor,
-                  block: int | None, isa: int | None = None) -> bool:
+                  block: int | None, isa: int | None = None) -> None:
     """The server's error pass: ``m`` again as :func:`server_total` / :func:`server_blocks` sum
-    it, then ``e = m - copysign(s, m + 0)``. Returns False, having done nothing, where this CPU
-    has no AVX-512 and no ``isa`` is asked for (the compiled pass is the faster one there)."""
+    it, then ``e = m - copysign(s, m + 0)`` (every ISA level: AVX-512 16 elements, AVX2 8 at a time)."""
     n = e.numel()
     blocks = 1 if block is None else n // block
     if block is not None and (block % 8 or n % block):
@@ -297,13 +204,10 @@ def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: 
     _server_ok(bits, w, e, torch.empty(n // 8, dtype=torch.uint8), blocks)
     if not (_f32(scales) and scales.numel() == blocks):
         raise ValueError("cpu_simd.server_update: expected float32 scales, one or one per block")
-    if isa is None and best_isa() < 2:
-        return False
     step = 0 if block is None else 1
     library().onebit_server_update(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), step,
                                    e.data_ptr(), scales.data_ptr(), step, n, n if block is None else block,
                                    _isa(isa), _threads(n))
-    return True
 
 
 def sumsq(x: torch.Tensor, isa: int | None = None) -> float:

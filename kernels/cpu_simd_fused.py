@@ -1,8 +1,8 @@
-"""The bindings of the C passes with an optimizer's maths inside (onebit.kernels.cpu_simd's library,
-kernels/_simd_source.py): OnebitAdam's fold and update (optimizers/_fused_cpu.py), ZeroOneAdam's
-phase-1 step (optimizers/_fused_cpu_zoa.py) and the DDP hook's pre- and post-pass
-(collectives/_hook_fused.py, collectives/_frozen_adam.py), each over a table of the tensors a bucket
-covers. The codec's own passes are :mod:`onebit.kernels.cpu_simd`'s."""
+"""The bindings of the C passes with an optimizer's maths inside (onebit.kernels.cpu_simd's library;
+the C: kernels/fused/adam.c, zero_one.c, hook.c): OnebitAdam's fold and update
+(optimizers/_fused_cpu.py), ZeroOneAdam's phase-1 step (optimizers/_fused_cpu_zoa.py) and the DDP
+hook's pre- and post-pass (collectives/_hook_fused.py, collectives/_frozen_adam.py), each over a
+table of the tensors a bucket covers. The codec's own passes are :mod:`onebit.kernels.cpu_simd`'s."""
 
 from __future__ import annotations
 

@@ -1,0 +1,229 @@
+#include "../native/native.h"
+
+/* ---- OnebitAdam's compression stage with its element-wise maths inside the codec's passes (as
+   onebit.optimizers._fused does on a GPU). A bucket's table: tensor k covers flat elements
+   [start[k], start[k] + count[k]); its gradient (0: a zero gradient), frozen denominator and
+   parameter at the addresses g[k], d[k], p[k]; its group's float32 scalars sc[5k .. 5k + 4]:
+   b1, 1 - b1, decay (1 - lr * wd), -lr, bc1. The maths and its order are
+   onebit.kernels.cpu_fused's: u = u * b1 + (w * g) / d; p = p * decay + (-lr) * clamp(u / bc1). */
+#define FOLD_LOOP if (g) { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1 + (w * g[i]) / d[i]; } \
+                  else { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1; } /* no gradient: u.mul_(b1) only */
+#define UPDATE_LOOP for (int64_t i = 0; i < n; i++) { float v = u[i] / bc1; v = v < lo ? lo : v; v = v > hi ? hi : v; p[i] = p[i] * decay + nlr * v; }
+
+static void fold_c(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+static void update_c(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void fold_512(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+__attribute__((target("avx512f"))) static void update_512(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+__attribute__((target("avx2,fma"))) static void fold_256(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+__attribute__((target("avx2,fma"))) static void update_256(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+#endif
+
+
+static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    int64_t o = lo - t->start[kk];
+    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
+    const float* d = (const float*)t->d[kk] + o;
+    float b1 = t->sc[5 * kk], w = t->sc[5 * kk + 1];
+#ifdef ONEBIT_X86
+    if (isa >= 2) { fold_512(flat + lo, g, d, b1, w, hi - lo); continue; }
+    if (isa == 1) { fold_256(flat + lo, g, d, b1, w, hi - lo); continue; }
+#endif
+    fold_c(flat + lo, g, d, b1, w, hi - lo);
+  }
+}
+
+static void update_range(int isa, const float* flat, int64_t a, int64_t b, const table_t* t, float lo_c, float hi_c, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
+    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+    if (hi <= lo) continue;
+    float* p = (float*)t->p[kk] + (lo - t->start[kk]);
+    const float* sc = t->sc + 5 * kk;
+#ifdef ONEBIT_X86
+    if (isa >= 2) { update_512(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
+    if (isa == 1) { update_256(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
+#endif
+    update_c(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo);
+  }
+}
+
+/* The worker's pass of chunk elements [off, off + n_enc) of the flat bucket with the fold inside:
+   each run of 4096 elements folded, then encoded (bits of u + e, float64 sum of squares) while in
+   cache; the fold alone over [off + n_enc, off + n_fold) (the padded chunk's data tail). Returns
+   the sum, added as onebit_encode_total adds it. */
+double onebit_fold_encode(float* flat, const float* e, uint8_t* bits, int64_t off, int64_t n_enc, int64_t n_fold,
+                          const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
+                          const float* sc, int K, int isa, int threads) {
+  enum { RUN = 4096, MAXT = 256 };
+  table_t tab = {start, count, g, d, 0, sc, K};
+  double part[MAXT];
+  blocks_fn f = pick(isa);
+  if (threads > MAXT) threads = MAXT;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    int64_t units = n_enc / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
+    double s = 0.0, r;
+    for (int64_t i = lo; i < hi; i += RUN) {
+      int64_t len = hi - i < RUN ? hi - i : RUN;
+      fold_range(isa, flat, off + i, off + i + len, &tab, &k);
+      f(flat + off + i, e + off + i, bits + i / 8, &r, len, len);
+      s += r;
+    }
+    part[t] = s;
+    if (t == 0) used = T;
+  }
+  int k = 0;
+  if (n_fold > n_enc) fold_range(isa, flat, off + n_enc, off + n_fold, &tab, &k);
+  double total = 0.0;
+  for (int t = 0; t < used; t++) total += part[t];
+  return total;
+}
+
+/* Decompress of chunk elements [off, off + n) with the update inside: each run decoded (with the
+   deferred worker error where e is not NULL), then the parameters it covers updated. */
+void onebit_decompress_update(const uint8_t* bits, const float* s, float* flat, float* e, const float* ws, int64_t off,
+                              int64_t n, const int64_t* start, const int64_t* count, const int64_t* p, const float* sc,
+                              int K, float lo_c, float hi_c, int isa, int threads) {
+  enum { RUN = 4096 };
+  table_t tab = {start, count, 0, 0, p, sc, K};
+  decompress_fn f = pick_decompress(isa);
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    int64_t units = n / 16, lo = units * t / T * 16, hi = t == T - 1 ? n : units * (t + 1) / T * 16;
+    for (int64_t i = lo; i < hi; i += RUN) {
+      int64_t len = hi - i < RUN ? hi - i : RUN;
+      f(bits + i / 8, s, 0, flat + off + i, e ? e + off + i : 0, ws, 0, len, len);
+      update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+    }
+  }
+}
+
+#ifdef ONEBIT_X86
+/* A run of n elements (a multiple of 8) inside one tensor with a gradient: the fold and the encode
+   in one loop, the folded u stored and used from the register; bitwise fold_512 then
+   blocks_avx512 over the run (the same operations, the same float64 accumulation order). */
+__attribute__((target("avx512f")))
+static double fold_encode_run512(float* u, const float* g, const float* d, const float* e, uint8_t* bits, float b1,
+                                 float w, int64_t n) {
+  const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w);
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(u + i), vb),
+                             _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), _mm512_loadu_ps(d + i)));
+    _mm512_storeu_ps(u + i, x);
+    __m512 z = _mm512_add_ps(x, _mm512_loadu_ps(e + i));
+    __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
+    bits[i / 8] = REV[m & 255];
+    bits[i / 8 + 1] = REV[m >> 8];
+    sq512(z, &a0, &a1);
+  }
+  if (i < n) { /* the last 8 */
+    for (int64_t k = i; k < n; k++) u[k] = u[k] * b1 + (w * g[k]) / d[k];
+    __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, u + i), _mm512_maskz_loadu_ps(0xFF, e + i));
+    __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
+    bits[i / 8] = REV[m & 255];
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+}
+
+/* the table's tensor holding all of [a, b), with a gradient, or -1 (k: the cursor, as fold_range's) */
+static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  if (*k < t->K && t->start[*k] <= a && b <= t->start[*k] + t->count[*k] && t->g[*k]) return *k;
+  return -1;
+}
+#endif
+
+
+
+/* All W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py): chunk j covers flat
+   elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold up to j C + n_fold[j];
+   sums[j] its float64 total, with onebit_fold_encode's thread split and order within each chunk
+   (one thread below 65536 elements, as cpu_simd._threads): bitwise W calls of it. part: the
+   caller's W * threads doubles for the threads' partial sums. */
+void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+                            const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
+                            const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
+                            const float* sc, int K, int isa, int threads) {
+  enum { RUN = 4096 };
+  table_t tab = {start, count, g, d, 0, sc, K};
+  blocks_fn f = pick(isa);
+  const int P = threads;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    if (t == 0) used = T;
+    for (int j = 0; j < W; j++) {
+      int64_t off = j * C, lo, hi;
+      if (!chunk_part(n_enc[j], t, T, &lo, &hi)) continue;
+      double acc = 0.0, r;
+      k = 0;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+#ifdef ONEBIT_X86
+        int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
+        if (kk >= 0) { /* one loop (fold_encode_run512) */
+          int64_t o = off + i - tab.start[kk];
+          r = fold_encode_run512(flat + off + i, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, e + off + i,
+                                 bits + j * stride + i / 8, tab.sc[5 * kk], tab.sc[5 * kk + 1], len);
+          acc += r;
+          continue;
+        }
+#endif
+        fold_range(isa, flat, off + i, off + i + len, &tab, &k);
+        f(flat + off + i, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        acc += r;
+      }
+      part[(size_t)j * P + t] = acc;
+    }
+  }
+  for (int j = 0; j < W; j++) {
+    int k = 0;
+    if (n_fold[j] > n_enc[j]) fold_range(isa, flat, j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
+  }
+  chunk_sums(n_enc, W, part, P, used, sums);
+}
+
+/* onebit_decompress_update over all W chunks of a bucket in one parallel region: chunk j's elements
+   [j C, j C + n[j]) from bits + j stride, scale s[j], worker scale ws[j] (e NULL: no error). */
+void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const float* s, float* flat, float* e,
+                                  const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
+                                  const int64_t* count, const int64_t* p, const float* sc, int K, float lo_c,
+                                  float hi_c, int isa, int threads) {
+  enum { RUN = 4096 };
+  table_t tab = {start, count, 0, 0, p, sc, K};
+  decompress_fn f = pick_decompress(isa);
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    for (int j = 0; j < W; j++) {
+      int k = 0;
+      int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        f(bits + j * stride + i / 8, s + j, 0, flat + off + i, e ? e + off + i : 0, e ? ws + j : 0, 0, len, len);
+        update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+      }
+    }
+  }
+}
+
+/* The update alone over flat elements [a, b) (a chunk's tail, decoded by the caller). */
+void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count, const int64_t* p,
+                   const float* sc, int K, float lo_c, float hi_c, int isa) {
+  table_t tab = {start, count, 0, 0, p, sc, K};
+  int k = 0;
+  update_range(isa, flat, a, b, &tab, lo_c, hi_c, &k);
+}

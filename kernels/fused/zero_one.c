@@ -1,0 +1,208 @@
+#include "../native/native.h"
+
+/* ---- ZeroOneAdam's phase-1 compressed step with its element-wise maths inside the codec's passes
+   (optimizers/_fused_cpu_zoa.py). The table as OnebitAdam's, plus m[k] (the momentum's address) and
+   the scalars b1, 1 - b1, wd, -lr per tensor. The unfused step's order: x = g / d (0 without a
+   gradient) into the accumulator; its compressed mean; m = fma((1 - b1) * mean, d, m * b1) (torch's
+   addcmul_ on FMA CPUs); p = p + (-lr) * clamp(m / d) (+ wd * p inside the bracket with weight decay;
+   cpu_fused.stale_step). The worker pass writes nothing but the bits: x is computed again in the
+   decompress pass, for the deferred error z = x + e. */
+#define ZOA_DIV_LOOP for (int64_t i = 0; i < n; i++) x[i] = g ? g[i] / d[i] : 0.0f;
+#define ZOA_STEP_BODY(ERR, PNEW) \
+  for (int64_t i = 0; i < n; i++) { \
+    ERR \
+    float mm = fmaf(w * mean[i], d[i], m[i] * b1); \
+    m[i] = mm; \
+    float v = mm / d[i]; v = v < lo ? lo : v; v = v > hi ? hi : v; \
+    p[i] = PNEW; \
+  }
+#define ZOA_ERR(X) { float z = (X) + e[i]; e[i] = z - copysignf(ws, z + 0.0f); }
+#define ZOA_STEP_WD(PNEW) \
+  if (e && g) ZOA_STEP_BODY(ZOA_ERR(g[i] / d[i]), PNEW) \
+  else if (e) ZOA_STEP_BODY(ZOA_ERR(0.0f), PNEW) \
+  else ZOA_STEP_BODY(, PNEW)
+/* the branches outside the loops, which then vectorise */
+#define ZOA_STEP_LOOP if (wd != 0.0f) { ZOA_STEP_WD(p[i] + nlr * (v + wd * p[i])) } else { ZOA_STEP_WD(p[i] + nlr * v) }
+#define ZOA_DIV_ARGS float* restrict x, const float* restrict g, const float* restrict d, int64_t n
+#define ZOA_STEP_ARGS const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, \
+  float ws, float* restrict m, float* restrict p, float b1, float w, float wd, float nlr, float lo, float hi, int64_t n
+static void zoa_div_c(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+static void zoa_step_c(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+/* Phase 2's synchronisation (ZeroOneAdam._sync, preconditioned): x = p - s (s: the parameters of the
+   last synchronisation) is what the ranks average; then e from z = x + e, m = (mean * d) / nl (nl:
+   minus the group's learning rates summed since), s = s + mean and p = s. */
+#define ZOS_DIFF_ARGS float* restrict x, const float* restrict p, const float* restrict s, int64_t n
+#define ZOS_DIFF_LOOP for (int64_t i = 0; i < n; i++) x[i] = p[i] - s[i];
+#define ZOS_SYNC_ARGS const float* restrict mean, const float* restrict d, float* restrict e, float ws, \
+  float* restrict m, float* restrict s, float* restrict p, float nl, int64_t n
+#define ZOS_SYNC_BODY(ERR) \
+  for (int64_t i = 0; i < n; i++) { \
+    ERR \
+    m[i] = (mean[i] * d[i]) / nl; \
+    float sn = s[i] + mean[i]; \
+    s[i] = sn; \
+    p[i] = sn; \
+  }
+#define ZOS_SYNC_LOOP if (e) ZOS_SYNC_BODY(ZOA_ERR(p[i] - s[i])) else ZOS_SYNC_BODY()
+static void zos_diff_c(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+static void zos_sync_c(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void zos_diff_512(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+__attribute__((target("avx512f"))) static void zos_sync_512(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+__attribute__((target("avx2,fma"))) static void zos_diff_256(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+__attribute__((target("avx2,fma"))) static void zos_sync_256(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+#endif
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void zoa_div_512(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+__attribute__((target("avx512f"))) static void zoa_step_512(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+__attribute__((target("avx2,fma"))) static void zoa_div_256(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+__attribute__((target("avx2,fma"))) static void zoa_step_256(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+#endif
+
+/* sync: phase 2's synchronisation, g[k] then the address of tensor k's sync_params (sc[5 k + 4]: nl) */
+typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; int K, sync; } zoa_t;
+
+/* table tensor kk's part of flat elements [a, b): [lo, hi) (empty where hi <= lo), its offset o there
+   and its gradient g (0: none) and denominator d at that offset; 0 past [a, b) */
+typedef struct { int64_t lo, hi, o; const float *g, *d; } seg_t;
+static int zoa_seg(const zoa_t* t, int64_t a, int64_t b, int kk, seg_t* s) {
+  if (kk >= t->K || t->start[kk] >= b) return 0;
+  int64_t end = t->start[kk] + t->count[kk];
+  s->lo = a > t->start[kk] ? a : t->start[kk];
+  s->hi = b < end ? b : end;
+  s->o = s->lo - t->start[kk];
+  s->g = t->g[kk] ? (const float*)t->g[kk] + s->o : 0;
+  s->d = (const float*)t->d[kk] + s->o;
+  return 1;
+}
+
+/* the first tensor that can overlap [a, ...): the cursor k moved past those that end before a */
+static int zoa_first(const zoa_t* t, int64_t a, int* k) {
+  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  return *k;
+}
+
+/* x over flat elements [a, b) into x[0, b - a) */
+static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* t, int* k) {
+  seg_t s;
+  for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
+    if (s.hi <= s.lo) continue;
+    if (t->sync) { /* x = p - sync_params */
+      const float* p = (const float*)t->p[kk] + s.o;
+#ifdef ONEBIT_X86
+      if (isa >= 2) { zos_diff_512(x + (s.lo - a), p, s.g, s.hi - s.lo); continue; }
+      if (isa == 1) { zos_diff_256(x + (s.lo - a), p, s.g, s.hi - s.lo); continue; }
+#endif
+      zos_diff_c(x + (s.lo - a), p, s.g, s.hi - s.lo);
+      continue;
+    }
+#ifdef ONEBIT_X86
+    if (isa >= 2) { zoa_div_512(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
+    if (isa == 1) { zoa_div_256(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
+#endif
+    zoa_div_c(x + (s.lo - a), s.g, s.d, s.hi - s.lo);
+  }
+}
+
+/* the error, momentum and parameter updates over flat elements [a, b), mean[0, b - a) the decoded
+   mean (e: the whole worker error buffer, NULL: not updated) */
+static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64_t a, int64_t b, const zoa_t* t,
+                           float lo_c, float hi_c, int* k) {
+  seg_t s;
+  for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
+    if (s.hi <= s.lo) continue;
+    float *m = (float*)t->m[kk] + s.o, *p = (float*)t->p[kk] + s.o, *ee = e ? e + s.lo : 0;
+    const float *sc = t->sc + 5 * kk, *mv = mean + (s.lo - a);
+    int64_t n = s.hi - s.lo;
+    if (t->sync) {
+      float* sp = (float*)t->g[kk] + s.o;
+#ifdef ONEBIT_X86
+      if (isa >= 2) { zos_sync_512(mv, s.d, ee, ws, m, sp, p, sc[4], n); continue; }
+      if (isa == 1) { zos_sync_256(mv, s.d, ee, ws, m, sp, p, sc[4], n); continue; }
+#endif
+      zos_sync_c(mv, s.d, ee, ws, m, sp, p, sc[4], n);
+      continue;
+    }
+#ifdef ONEBIT_X86
+    if (isa >= 2) { zoa_step_512(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
+    if (isa == 1) { zoa_step_256(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
+#endif
+    zoa_step_c(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n);
+  }
+}
+
+/* The worker pass of every chunk of a bucket (as onebit_fold_encode_all, the same thread split and
+   sums): chunk j's [j C, j C + n_enc[j]) encoded from x + e run by run (x in a scratch run), and x
+   written into flat over [j C + n_enc[j], j C + n_fold[j]) (the padded rest's data, for the caller's
+   plain encode). */
+void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+                           const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
+                           const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
+                           const int64_t* p, int K, int sync, int isa, int threads) {
+  enum { RUN = 4096 };
+  zoa_t tab = {start, count, g, d, 0, p, 0, K, sync};
+  blocks_fn f = pick(isa);
+  const int P = threads;
+  int used = 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    float x[RUN] __attribute__((aligned(64)));
+    if (t == 0) used = T;
+    for (int j = 0; j < W; j++) {
+      int64_t off = j * C, lo, hi;
+      if (!chunk_part(n_enc[j], t, T, &lo, &hi)) continue;
+      double acc = 0.0, r;
+      k = 0;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        zoa_div_range(isa, x, off + i, off + i + len, &tab, &k);
+        f(x, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        acc += r;
+      }
+      part[(size_t)j * P + t] = acc;
+    }
+  }
+  for (int j = 0; j < W; j++) {
+    int k = 0;
+    if (n_fold[j] > n_enc[j]) zoa_div_range(isa, flat + j * C + n_enc[j], j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
+  }
+  chunk_sums(n_enc, W, part, P, used, sums);
+}
+
+/* The decompress pass of every chunk of a bucket: chunk j's [j C, j C + n[j]) decoded run by run
+   (scale s[j]) into a scratch run, then the error (ws[j]; e NULL: not updated), momentum and
+   parameter updates. */
+void onebit_zoa_step_all(const uint8_t* bits, int64_t stride, const float* s, float* e, const float* ws, int64_t C,
+                         int W, const int64_t* n, const int64_t* start, const int64_t* count, const int64_t* g,
+                         const int64_t* d, const int64_t* m, const int64_t* p, const float* sc, int K, float lo_c,
+                         float hi_c, int sync, int isa, int threads) {
+  enum { RUN = 4096 };
+  zoa_t tab = {start, count, g, d, m, p, sc, K, sync};
+  decompress_fn f = pick_decompress(isa);
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    float mean[RUN] __attribute__((aligned(64)));
+    for (int j = 0; j < W; j++) {
+      int k = 0;
+      int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
+      for (int64_t i = lo; i < hi; i += RUN) {
+        int64_t len = hi - i < RUN ? hi - i : RUN;
+        f(bits + j * stride + i / 8, s + j, 0, mean, 0, 0, 0, len, len);
+        zoa_step_range(isa, mean, e, e ? ws[j] : 0.0f, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+      }
+    }
+  }
+}
+
+/* The updates alone over flat elements [a, b), their decoded mean at mean[0, b - a) (a chunk's
+   padded rest, decoded by the caller; its error too: e not updated here). */
+void onebit_zoa_step_range(const float* mean, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
+                           const int64_t* g, const int64_t* d, const int64_t* m, const int64_t* p, const float* sc,
+                           int K, float lo_c, float hi_c, int sync, int isa) {
+  zoa_t tab = {start, count, g, d, m, p, sc, K, sync};
+  int k = 0;
+  zoa_step_range(isa, mean, 0, 0.0f, a, b, &tab, lo_c, hi_c, &k);
+}

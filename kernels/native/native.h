@@ -1,0 +1,122 @@
+/* onebit's native CPU passes: what every .c file of the library shares. The .c files (this folder's
+   codec.c, the .c files in ../fused) are compiled as ONE translation unit (onebit/kernels/native/build.py lists
+   them in order), so a static function defined in one of them is seen by those after it; this header
+   declares the ones the fused passes take from the codec. Lines up to 120 characters: the intrinsics'
+   names are long. Every float operation is written out (-ffp-contract=off): the roundings are the
+   plain torch path's, as docs/ALGORITHMS.md states them. */
+#ifndef ONEBIT_NATIVE_H
+#define ONEBIT_NATIVE_H
+
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ONEBIT_X86 1
+#endif
+
+/* bit i of b moved to bit 7 - i: a movemask puts element i in bit i, the wire wants it in 7 - i */
+static const uint8_t REV[256] = {
+  0, 128, 64, 192, 32, 160, 96, 224, 16, 144, 80, 208, 48, 176, 112, 240,
+  8, 136, 72, 200, 40, 168, 104, 232, 24, 152, 88, 216, 56, 184, 120, 248,
+  4, 132, 68, 196, 36, 164, 100, 228, 20, 148, 84, 212, 52, 180, 116, 244,
+  12, 140, 76, 204, 44, 172, 108, 236, 28, 156, 92, 220, 60, 188, 124, 252,
+  2, 130, 66, 194, 34, 162, 98, 226, 18, 146, 82, 210, 50, 178, 114, 242,
+  10, 138, 74, 202, 42, 170, 106, 234, 26, 154, 90, 218, 58, 186, 122, 250,
+  6, 134, 70, 198, 38, 166, 102, 230, 22, 150, 86, 214, 54, 182, 118, 246,
+  14, 142, 78, 206, 46, 174, 110, 238, 30, 158, 94, 222, 62, 190, 126, 254,
+  1, 129, 65, 193, 33, 161, 97, 225, 17, 145, 81, 209, 49, 177, 113, 241,
+  9, 137, 73, 201, 41, 169, 105, 233, 25, 153, 89, 217, 57, 185, 121, 249,
+  5, 133, 69, 197, 37, 165, 101, 229, 21, 149, 85, 213, 53, 181, 117, 245,
+  13, 141, 77, 205, 45, 173, 109, 237, 29, 157, 93, 221, 61, 189, 125, 253,
+  3, 131, 67, 195, 35, 163, 99, 227, 19, 147, 83, 211, 51, 179, 115, 243,
+  11, 139, 75, 203, 43, 171, 107, 235, 27, 155, 91, 219, 59, 187, 123, 251,
+  7, 135, 71, 199, 39, 167, 103, 231, 23, 151, 87, 215, 55, 183, 119, 247,
+  15, 143, 79, 207, 47, 175, 111, 239, 31, 159, 95, 223, 63, 191, 127, 255,
+};
+
+#ifdef ONEBIT_X86
+/* the squares of a vector's floats, as float64 (exact), added into two accumulators; their sum */
+__attribute__((target("avx2,fma")))
+static inline void sq256(__m256 z, __m256d* a0, __m256d* a1) {
+  __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
+  *a0 = _mm256_fmadd_pd(lo, lo, *a0);
+  *a1 = _mm256_fmadd_pd(hi, hi, *a1);
+}
+
+__attribute__((target("avx2,fma")))
+static inline double hsum256(__m256d a0, __m256d a1) {
+  __m256d a = _mm256_add_pd(a0, a1);
+  __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+
+__attribute__((target("avx512f")))
+static inline void sq512(__m512 z, __m512d* a0, __m512d* a1) {
+  __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
+  __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  *a0 = _mm512_fmadd_pd(lo, lo, *a0);
+  *a1 = _mm512_fmadd_pd(hi, hi, *a1);
+}
+#endif
+
+#ifdef ONEBIT_X86
+/* AVX-512 in wire order: element i of a run of 16 sits at bit 7 - i (bit 23 - i for the second 8) of
+   the two bytes read as a little-endian uint16. With the floats' lanes reversed within each 8 (one
+   permute, its own inverse) lane k meets mask bit k: the bytes are the mask as they are, no REV
+   lookups. The main loops take whole 16s unmasked (masked loads and stores in every iteration ran
+   3-4x slower on an AMD EPYC); a last 8 takes masks. */
+static inline uint16_t load16(const uint8_t* b) { uint16_t v; memcpy(&v, b, 2); return v; }
+static inline void store16(uint8_t* b, uint16_t v) { memcpy(b, &v, 2); }
+__attribute__((target("avx512f")))
+static inline __m512 wire(__m512 v) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8), v);
+}
+#endif
+
+
+/* Thread t of T's elements [*a, *b) of [0, n): whole units (a block, or 16 elements), the last
+   thread to n (n a multiple of 8; of the block, with blocks). */
+static inline void thread_range(int64_t n, int64_t unit, int t, int T, int64_t* a, int64_t* b) {
+  int64_t units = n / unit;
+  *a = units * t / T * unit;
+  *b = t == T - 1 ? n : units * (t + 1) / T * unit;
+}
+
+/* The worker passes over every chunk of a bucket: thread t of T's elements [*lo, *hi) of a chunk's n
+   to encode, as onebit_fold_encode splits them (one thread below 65536 elements, as
+   cpu_simd._threads); 0 where it has none. */
+static inline int chunk_part(int64_t n, int t, int T, int64_t* lo, int64_t* hi) {
+  int Tj = n < (1 << 16) ? 1 : T;
+  if (t >= Tj) return 0;
+  int64_t units = n / 8;
+  *lo = units * t / Tj * 8;
+  *hi = units * (t + 1) / Tj * 8;
+  return 1;
+}
+
+/* chunk j's sum: its threads' partial sums part[j P + t] in thread order (used: the region's threads) */
+static inline void chunk_sums(const int64_t* n_enc, int W, const double* part, int P, int used, double* sums) {
+  for (int j = 0; j < W; j++) {
+    int Tj = n_enc[j] < (1 << 16) ? 1 : used;
+    double total = 0.0;
+    for (int t = 0; t < Tj; t++) total += part[(size_t)j * P + t];
+    sums[j] = total;
+  }
+}
+
+/* A bucket's table for the fused passes: tensor k covers flat elements [start[k], start[k] + count[k]);
+   the addresses g[k], d[k], p[k] (their meaning is the pass's: see each fused file) and the group's
+   float32 scalars sc[5k .. 5k + 4]. */
+typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int K; } table_t;
+
+/* the codec's passes (codec.c), by ISA level: 2 AVX-512, 1 AVX2 + FMA, 0 portable C */
+typedef void (*blocks_fn)(const float*, const float*, uint8_t*, double*, int64_t, int64_t);
+typedef void (*decompress_fn)(const uint8_t*, const float*, int64_t, float*, float*, const float*, int64_t, int64_t,
+                              int64_t);
+static blocks_fn pick(int isa);
+static decompress_fn pick_decompress(int isa);
+static double sq_any(int isa, const float* x, int64_t n);
+
+#endif
