@@ -46,7 +46,7 @@ class HookPasses:
         self.fa = fa
 
     def worker(self, flat: torch.Tensor, worker_error: torch.Tensor, layout, msg: torch.Tensor) -> None:
-        """The pre-pass and ``worker_compress(update_error=False)``, as cpu_compiled computes it."""
+        """The pre-pass and ``worker_compress(update_error=False)``, as the native codec computes it."""
         bits, n, sq = message_bits(msg, layout), flat.numel(), [0.0]
 
         def piece(j: int, lo: int, mid: int, hi: int) -> list:

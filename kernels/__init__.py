@@ -1,9 +1,9 @@
 """Compression kernels: Triton for CUDA tensors (``triton_kernels``, ``triton_blocks``,
-``triton_fused``); for CPU tensors the codec compiled by torch.compile (``cpu_compiled``) with its
-sign-packing passes in C on x86 (``cpu_simd``), plain torch (``torch_kernels``, the reference the
-others are tested against), and compiled element-wise optimizer passes (``cpu_fused``); a float64
-reference (:mod:`onebit.kernels.reference`) that is the oracle for tests and benchmarks. ``api``
-checks arguments and picks the implementation."""
+``triton_fused``); for CPU tensors the native C codec (``native.codec``, its C in ``native/`` and
+the fused steps' in ``fused/``, bound by ``cpu_simd``, ``cpu_simd_fused`` and ``cpu_fused``), plain
+torch (``torch_kernels``, the reference the others are tested against); a float64 reference
+(:mod:`onebit.kernels.reference`) that is the oracle for tests and benchmarks. ``api`` checks
+arguments and picks the implementation."""
 
 if __name__ != "onebit.kernels":  # e.g. `import kernels` with the repository root on sys.path
     raise ImportError(f"{__name__}: this folder is the package onebit.kernels; import onebit.kernels "

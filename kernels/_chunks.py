@@ -1,7 +1,7 @@
-"""A chunk's pieces in the CPU codec (kernels/cpu_compiled.py) and the fused passes built on it
+"""A chunk's pieces in the fused passes built on the native codec
 (optimizers/_fused_cpu.py, collectives/_hook_fused.py): where chunk j splits into the part the
-compiled or C passes take and the padded rest, its scales for a piece, and the rest's encode and
-decode with the plain path's arithmetic (tests/test_cpu_compiled.py, tests/test_cpu_simd.py)."""
+C passes take and the padded rest, its scales for a piece, and the rest's encode and
+decode with the plain path's arithmetic (tests/test_fused_cpu.py, tests/test_cpu_simd.py)."""
 
 from __future__ import annotations
 

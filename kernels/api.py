@@ -1,34 +1,47 @@
 """Public kernel functions: check arguments, allocate outputs, pick the implementation.
 
-CUDA tensors go to the Triton kernels; CPU tensors to the compiled CPU codec
-(:mod:`onebit.kernels.cpu_compiled`) from its ``MIN_NUMEL`` elements on where torch.compile
-works, else to the plain-torch path. ``backend`` overrides the choice: "torch" (the plain path,
-the reference), "compiled" (CPU tensors only), "triton" (on CPU tensors it needs
-``TRITON_INTERPRET=1`` set before the first import of :mod:`onebit.kernels.triton_kernels`).
+CUDA tensors go to the Triton kernels; CPU tensors to the native C codec
+(:mod:`onebit.kernels.native.codec`) from its ``MIN_NUMEL`` elements on where its library builds,
+else to the plain-torch path. ``backend`` overrides the choice: "torch" (the plain path, the
+reference), "native" (CPU tensors only; "compiled" is its former name, deprecated), "triton" (on
+CPU tensors it needs ``TRITON_INTERPRET=1`` set before the first import of
+:mod:`onebit.kernels.triton_kernels`).
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
 
-from . import cpu_compiled, torch_kernels
+from . import torch_kernels
 from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
+from ._warn import warn_user
 from .layout import Layout, check_block, empty_message, pad_unit, padded_numel
+from .native import codec as native
 
-_BACKENDS = (None, "torch", "compiled", "triton")
+_BACKENDS = (None, "torch", "native", "compiled", "triton")
+MIN_NUMEL = 1 << 20  # elements (padded N) from which CPU calls take the native codec by default
+
+
+def _native_chosen(layout: Layout) -> bool:
+    return layout.N >= MIN_NUMEL and os.environ.get("ONEBIT_CPU_CODEC", "") != "torch" and native.usable()
 
 
 def _backend(device: torch.device, backend: str | None, block: int | None = None,
              layout: Layout | None = None) -> ModuleType:
     check_choice("backend", backend, _BACKENDS)
-    if backend == "compiled" or (backend is None and device.type == "cpu" and layout is not None
-                                 and cpu_compiled.chosen(layout)):
+    if backend == "compiled":
+        warn_user("onebit: backend='compiled' is now backend='native' (the C codec; the torch.compile "
+                  "codec is gone); 'compiled' will be removed in the next release", FutureWarning)
+        backend = "native"
+    if backend == "native" or (backend is None and device.type == "cpu" and layout is not None
+                               and _native_chosen(layout)):
         if device.type != "cpu":
-            raise ValueError(f"backend: 'compiled' is the CPU codec, got tensors on {device}; "
+            raise ValueError(f"backend: 'native' is the CPU codec, got tensors on {device}; "
                              "expected CPU tensors, or backend None/'triton'")
-        return cpu_compiled if cpu_compiled.usable() else torch_kernels
+        return native if native.usable() else torch_kernels
     if backend == "torch" or (backend is None and device.type != "cuda"):
         return torch_kernels
     if block is not None:

@@ -1,29 +1,26 @@
-"""The sign-packing pass of the CPU codec in C with SIMD intrinsics, built with the system's C
-compiler on first use and loaded with ctypes.
+"""The bindings of the native codec's C passes (``onebit/kernels/native/codec.c``), built with the
+system's C compiler on first use (:mod:`onebit.kernels.native.build`) and loaded with ctypes.
 
-torch's compiler vectorises the codec's element-wise passes but not the packing of 8 signs into a
-byte (element 8k+i in bit 7-i of byte k): its loop over the bytes stays scalar, and the worker's
-encode (``z = x + e``, the float64 sum of ``z * z``, the bits of ``not z < 0``) ran at 0.25-0.4 of
-copy bandwidth (bench/HISTORY.md, "A C encode"; no formulation in torch ops did better). Here one
-AVX-512 compare gives the 16 bits of 16 elements (AVX2: a movemask, 8), a table reverses the bit
-order within each byte, and the sum accumulates in float64 vectors: the pass runs at copy bandwidth.
+The worker's encode (``z = x + e``, the float64 sum of ``z * z``, the bits of ``not z < 0``), the
+server's two passes (the sum over the ranks' bits with its bits and sums; the error), decompress
+(the deferred worker error, then the decode), the worker's error update and a float64 sum of
+squares, each at copy bandwidth: one AVX-512 compare gives the 16 bits of 16 elements (AVX2: a
+movemask, 8), a table reverses the bit order within each byte, and sums accumulate in float64
+vectors. torch's own compiler left the packing loop scalar (0.25-0.4 of copy bandwidth:
+bench/HISTORY.md, "A C encode").
 
-Same contract and float32 arithmetic as :func:`onebit.kernels.cpu_compiled._encode`: the bits are
-bitwise the plain path's (NaN and -0.0 give 1); the sums are exact squares added in float64 in
-another order (a scale can differ in its last float32 bit, as the compiled path's can). Each block
-of ``block`` elements is summed on its own in a fixed order, so a block's sum does not depend on
-where a piece starts or on the thread count (the sliced calls of onebit.collectives._pipeline stay
-bitwise the unsliced ones); the whole-piece sum adds per-thread partial sums in thread order.
+The bits are bitwise the plain path's (NaN and -0.0 give 1); the sums are exact squares added in
+float64 in another order (a scale can differ in its last float32 bit). Each block of ``block``
+elements is summed on its own in a fixed order, so a block's sum does not depend on where a piece
+starts or on the thread count (the sliced calls of onebit.collectives._pipeline stay bitwise the
+unsliced ones); the whole-piece sum adds per-thread partial sums in thread order.
 
-Used by :mod:`onebit.kernels.cpu_compiled` (the worker's encode of float32 inputs, the server's
-passes, the decode) where :func:`available`; else its torch.compile'd passes run. The same library
-holds the passes with an optimizer's maths inside, bound in :mod:`onebit.kernels.cpu_simd_fused`.
-The C is the package's ``.c`` files (``onebit/kernels/native/``, ``onebit/kernels/fused/``), built and
-cached by :mod:`onebit.kernels.native.build`; a failed build warns once and leaves the compiled path
-in place.
-``ONEBIT_CPU_SIMD=off``: never this path (A/B runs).
-Each function takes ``isa`` (2: AVX-512, 1: AVX2 + FMA, 0: portable C; None: the best this CPU
-has) so that the tests run every variant the machine supports against the plain path.
+Used by :mod:`onebit.kernels.native.codec` where :func:`available`; the same library holds the
+passes with an optimizer's maths inside, bound in :mod:`onebit.kernels.cpu_simd_fused`. A failed
+build warns once and leaves CPU tensors to the plain path. ``ONEBIT_CPU_SIMD=off``: never this
+path (A/B runs). Each function takes ``isa`` (2: AVX-512, 1: AVX2 + FMA, 0: portable C; None: the
+best this CPU has, at most ``ONEBIT_NATIVE_ISA``) so that the tests run every variant the machine
+supports against the plain path.
 """
 
 from __future__ import annotations
@@ -49,20 +46,20 @@ def library() -> ctypes.CDLL | None:
             _state["lib"] = build.build()
         except Exception as exc:  # noqa: BLE001 - any failure to build means: not here
             _state["lib"] = None
-            warn_user(f"onebit: the C sign-packing pass could not be built ({type(exc).__name__}: {exc}); "
-                      f"the compiled CPU codec packs signs with torch.compile's loops (slower, same bits). "
-                      f"{_ENV}=off silences this", RuntimeWarning)
+            warn_user(f"onebit: the native CPU passes (C) could not be built ({type(exc).__name__}: {exc}); "
+                      f"CPU tensors take the plain torch path (slower, the same bits). {_ENV}=off "
+                      f"silences this", RuntimeWarning)
     return _state["lib"]
 
 
 def available() -> bool:
-    """Whether the codec takes these passes: built, on a CPU with AVX2 or AVX-512 (the portable C
-    variant is a reference for the tests, slower than torch.compile's loops: not chosen), and not
-    ``ONEBIT_CPU_CODEC=torch`` (which keeps every CPU pass plain)."""
-    if os.environ.get("ONEBIT_CPU_CODEC", "") == "torch":  # every CPU pass plain (cpu_compiled's switch)
+    """Whether the native passes run here: the library built (on any CPU: AVX-512, AVX2 or its
+    portable C, compiled for this machine), and not ``ONEBIT_CPU_CODEC=torch`` (which keeps every
+    CPU pass plain)."""
+    if os.environ.get("ONEBIT_CPU_CODEC", "") == "torch":
         return False
     if "available" not in _state:
-        _state["available"] = library() is not None and best_isa() >= 1
+        _state["available"] = library() is not None
     return _state["available"]
 
 
@@ -135,8 +132,8 @@ def server_total(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torc
 
 def server_reduce_one(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor, out: torch.Tensor,
                       scale: torch.Tensor) -> bool:
-    """The server's whole call with one scale per chunk (``cpu_compiled.server_reduce``'s C path in
-    one call): ``scales`` the W received scales (float32, any stride), the packed bits of
+    """The server's whole call with one scale per chunk (:func:`onebit.kernels.native.codec.server_reduce`
+    in one call): ``scales`` the W received scales (float32, any stride), the packed bits of
     ``m`` into ``out``, its scale into ``scale`` (one float32, NaN where a received scale or the
     sum is not finite), then the error pass where the scale is finite; returns whether it ran."""
     n = e.numel()
@@ -191,6 +188,21 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bloc
     ws = None if worker_scales is None else worker_scales.data_ptr()
     library().onebit_decompress(bits.data_ptr(), scales.data_ptr(), step, out.data_ptr(), e, ws, step, n,
                                 n if block is None else block, _isa(isa), _threads(n))
+
+
+def error_update(x: torch.Tensor, e: torch.Tensor, scales: torch.Tensor, block: int | None,
+                 isa: int | None = None) -> None:
+    """The worker's error update ``e = z - copysign(s, z + 0)``, ``z = x + e``, in one pass over n
+    elements (a multiple of 8): ``scales`` one scale (``block`` None) or one per ``block``."""
+    n = x.numel()
+    per = 1 if block is None else n // (block or 1)
+    if not (_f32(x) and _f32(e) and e.numel() == n and _f32(scales) and scales.numel() == per and n % 8 == 0
+            and (block is None or (block % 8 == 0 and n % block == 0))):
+        raise ValueError("cpu_simd.error_update: expected contiguous float32 x and e of n elements (a "
+                         "multiple of 8 and of block) and float32 scales, one or one per block, on the CPU")
+    step = 0 if block is None else 1
+    library().onebit_error_update(x.data_ptr(), e.data_ptr(), scales.data_ptr(), step, n,
+                                  n if block is None else block, _isa(isa), _threads(n))
 
 
 def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: torch.Tensor,

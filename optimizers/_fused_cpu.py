@@ -11,7 +11,7 @@ parameter on each side. The all-to-all, the server and the all-gather are the co
 unfused step and the parameters too where the unfused step runs the compiled update (tensors from
 its ``MIN_NUMEL`` elements; below, the plain ops round ``p + (-lr) * step`` once: one float32
 ulp) (tests/test_cpu_fused.py). The chunks' padded tails (fewer than 8 W elements) are encoded
-and decoded as :mod:`onebit.kernels.cpu_compiled` does, with plain torch.
+and decoded as :mod:`onebit.kernels.native.codec` does, with plain torch.
 
 Used where :func:`onebit.optimizers._fused.applies` holds on CPU parameters and
 :func:`onebit.kernels.cpu_simd.available` (an x86 CPU with AVX2 or AVX-512 and a C compiler).
@@ -172,7 +172,7 @@ class _Passes:
 
     def worker(self, flat, worker_error, layout, msg) -> None:
         """worker_compress(update_error=False) of the folded momentum, no block scales: as
-        :func:`onebit.kernels.cpu_compiled.worker_compress` computes it, the fold inside (every
+        :func:`onebit.kernels.native.codec.worker_compress` computes it, the fold inside (every
         chunk in one C call)."""
         n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
         sums = self.ENCODE(flat, worker_error, message_bits(msg, layout), layout.C,

@@ -9,7 +9,7 @@ worker pass reads g, d and the worker error and writes only the bits (``x = g / 
 scratch run), and the decompress pass reads g, d, e, m and p once, recomputes ``x`` for the
 deferred error and writes e, m and p: 44 B per element and the server's, against about 150 with
 the C codec. The accumulator stays zero (the chunks' padded rests, a few elements, go through it
-with the plain path's arithmetic, as in :mod:`onebit.kernels.cpu_compiled`).
+with the plain path's arithmetic, as in :mod:`onebit.kernels.native.codec`).
 
 Since the worker pass changes no state, the non-finite agreement reads its verdict from the
 messages' scales (as OnebitAdam's fused step does) and a skip has nothing to restore but those

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: set-up (first run only), ruff, the ahead-of-time compile of every
-# Triton kernel variant for sm_80, sm_90, gfx942 and gfx90a (no GPU needed), the compiled CPU
-# passes built into torch.compile's cache, pytest (the timing tests alone, then two processes).
+# Triton kernel variant for sm_80, sm_90, gfx942 and gfx90a (no GPU needed), pytest (the timing
+# tests alone, then two processes).
 # Extra arguments go to pytest. `scripts/test.sh --quick`: ruff and the single-process tests
 # only (under 2 minutes).
 set -euo pipefail
@@ -15,17 +15,14 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   exec .venv/bin/pytest -m "not slow and not cuda" -p no:cacheprovider "$@"
 fi
-# onebit's compiled CPU passes into torch.compile's cache once (a fresh machine's ranks would
-# each build them, ~25 s of a core apiece, when the first tests start together), while the
-# compile check runs (the two share the cores: about 20 s sooner than one after the other). Not
-# in the background of the tests: on these 2 cores even a niced check slowed pytest by more than
-# its own 60 s (bench/HISTORY.md, "CI time")
-.venv/bin/python scripts/warm_compile_cache.py & warm_pid=$!
+# every Triton kernel variant compiled for four GPU targets, without a GPU; beside it, the native C
+# library built once (a few seconds; cached under ~/.cache/onebit) before the test processes load it
+.venv/bin/python -c "from onebit.kernels import cpu_simd; cpu_simd.available()" & built_pid=$!
 checked=0
 .venv/bin/python scripts/compile_check.py || checked=$?
-warmed=0
-wait "$warm_pid" || warmed=$?
-[ "$checked" -eq 0 ] && [ "$warmed" -eq 0 ] || { echo "compile check: exit $checked, warm-up: exit $warmed" >&2; exit 1; }
+built=0
+wait "$built_pid" || built=$?
+[ "$checked" -eq 0 ] && [ "$built" -eq 0 ] || { echo "compile check: exit $checked, C build: exit $built" >&2; exit 1; }
 # the tests that compare timings alone, then two test processes (pytest-xdist; every multi-rank
 # test rendezvouses through its own file or a free port); ONEBIT_TEST_WORKERS=0: one process
 serial=0

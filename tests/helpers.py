@@ -52,7 +52,7 @@ def simulate_allreduce(xs, worker_errors, server_errors, backend=None):
 def compiled_local(tensor, worker_error, server_error, group=None):
     """An optimizer reducer's collective as a one-rank group's whole compute with the compiled
     codec (the fused passes run theirs too: ``local_compute``)."""
-    return local_compressed_allreduce([tensor], [worker_error], [server_error], backend="compiled")[0]
+    return local_compressed_allreduce([tensor], [worker_error], [server_error], backend="native")[0]
 
 
 compiled_local.local_compute = True

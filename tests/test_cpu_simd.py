@@ -286,7 +286,7 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
 @pytest.mark.parametrize("W, n", [(1, 4096), (3, 70008), (4, 200000), (5, 40), (70, 560)])
 def test_the_one_call_server_is_the_two_passes_bitwise(W, n, case):
     # server_reduce_one (weights, first pass, scale, error pass in C) against the Python sequence
-    # cpu_compiled.server_reduce ran before: bits, scale and error bitwise; a non-finite received
+    # the native codec ran before: bits, scale and error bitwise; a non-finite received
     # scale or sum: a NaN scale and the error unchanged
     gen = torch.Generator().manual_seed(W * n)
     bits = torch.randint(0, 256, (W, n // 8 + 3), dtype=torch.uint8, generator=gen)[:, 3:]  # strided rows

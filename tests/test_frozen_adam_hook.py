@@ -169,11 +169,13 @@ def _wide_body(steps, fused, c_pass=False, in_codec=False):
     pre-pass (onebit.kernels.cpu_simd_fused.hook_pre, the local norm inside) only with ``c_pass``; the
     pre- and post-pass inside the codec's C passes (collectives/_hook_fused.py) only with
     ``in_codec`` (and ``c_pass``)."""
-    from onebit.collectives import _hook_fused
+    from types import SimpleNamespace
+
+    from onebit.collectives import _frozen_adam, _hook_fused
     from onebit.kernels import cpu_fused, cpu_simd, cpu_simd_fused
 
     saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
-    saved_c = (cpu_simd._state.get("available"), cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode,
+    saved_c = (_frozen_adam.cpu_simd, cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode,
                _hook_fused.ENABLED)
     cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
     cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
@@ -197,17 +199,17 @@ def _wide_body(steps, fused, c_pass=False, in_codec=False):
         calls["in_codec"] += 1
         return saved_c[2](*a)
 
-    cpu_simd._state["available"] = bool(c_pass and cpu_simd.library() and cpu_simd.best_isa() >= 1)
+    # the hook's route with the norm inside its C pre-pass only with c_pass (the per-parameter C
+    # passes of cpu_fused stay available either way)
+    with_c = bool(c_pass and cpu_simd.available())
+    _frozen_adam.cpu_simd = SimpleNamespace(available=lambda: with_c, sumsq=cpu_simd.sumsq)
     cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode = c_counted, encode_counted
     try:  # the rank processes serve later tests: the modules are put back as they were
         return _wide_run(steps), calls
     finally:
         cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
         cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.ENABLED = saved_c[1:]
-        if saved_c[0] is None:
-            cpu_simd._state.pop("available", None)
-        else:
-            cpu_simd._state["available"] = saved_c[0]
+        _frozen_adam.cpu_simd = saved_c[0]
 
 
 def _wide_run(steps):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from onebit.collectives import _pipeline, compressed_allreduce, padded_numel, traffic
-from onebit.kernels import Layout, cpu_compiled
+from onebit.kernels import Layout, api
 
 
 def _inputs(n: int, call: int, rank: int, kind: str) -> torch.Tensor:
@@ -25,13 +25,13 @@ def _inputs(n: int, call: int, rank: int, kind: str) -> torch.Tensor:
 
 
 def _body_sliced(n, block, kind, calls, min_piece, compiled):
-    saved = _pipeline.MIN_PIECE, _pipeline.MAX_SLICES, cpu_compiled.MIN_NUMEL
+    saved = _pipeline.MIN_PIECE, _pipeline.MAX_SLICES, api.MIN_NUMEL
     r, W = dist.get_rank(), dist.get_world_size()
     N = padded_numel(n, W, block)
     bufs = {K: (torch.zeros(N), torch.zeros(N // W)) for K in ("sliced", "whole")}
     outs, sent = {"sliced": [], "whole": []}, {}
     try:
-        cpu_compiled.MIN_NUMEL = 0 if compiled else 1 << 62
+        api.MIN_NUMEL = 0 if compiled else 1 << 62
         for name, max_slices in (("whole", 1), ("sliced", 4)):
             _pipeline.MIN_PIECE, _pipeline.MAX_SLICES = min_piece, max_slices
             traffic.reset()
@@ -41,7 +41,7 @@ def _body_sliced(n, block, kind, calls, min_piece, compiled):
             sent[name] = traffic.compressed
         K = _pipeline.slices(Layout(N, W, block))
     finally:
-        _pipeline.MIN_PIECE, _pipeline.MAX_SLICES, cpu_compiled.MIN_NUMEL = saved
+        _pipeline.MIN_PIECE, _pipeline.MAX_SLICES, api.MIN_NUMEL = saved
     return K, outs, bufs, sent
 
 

@@ -32,12 +32,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# What every launched script imports anyway (ImportError: an optional package not installed).
-# torch.compile's modules too (2.5 s a rank): onebit's compiled CPU codec, from 2^20 elements,
-# imports them on first use (importing starts no thread, so the forks stay safe)
+# What every launched script imports anyway (ImportError: an optional package not installed);
+# importing starts no thread, so the forks stay safe
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "numpy", "onebit",
            "onebit.integrations.transformers", "transformers", "accelerate", "pytorch_lightning",
-           "onebit.integrations.lightning", "torch._dynamo", "torch._inductor.compile_fx")
+           "onebit.integrations.lightning")
 # Read by the packages at import time: the zygote imports them under the values every test uses.
 IMPORT_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
@@ -235,10 +234,10 @@ def _serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    try:  # torch.compile's probe of the CPU's vector ISA (a compile and a child process), once here
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
+    try:  # the native C library, built (or found in its cache) once here, loaded by every fork
+        from onebit.kernels import cpu_simd
 
-        pick_vec_isa()
+        cpu_simd.available()
     except Exception:  # noqa: BLE001 - no compiler: each rank finds out as it would alone
         pass
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1

@@ -227,3 +227,26 @@ void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start
   int k = 0;
   update_range(isa, flat, a, b, &tab, lo_c, hi_c, &k);
 }
+
+/* ---- The per-tensor passes of OnebitAdam's unfused compression step (where the fused passes above
+   decline: masks, block scales, a mesh, overlap; onebit.kernels.cpu_fused binds them): the fold
+   u = u * b1 + (w * g) / d (fold_c's loop) and the update p = p * decay + (-lr) clamp(u / bc1)
+   (update_c's loop), each one pass over a tensor. */
+void onebit_fold(float* u, const float* g, const float* d, float b1, float w, int64_t n, int isa, int threads) {
+  void (*f)(float*, const float*, const float*, float, float, int64_t) = fold_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = fold_512;
+  else if (isa == 1) f = fold_256;
+#endif
+  ONEBIT_PARALLEL(n, threads, f(u + a, g + a, d + a, b1, w, len))
+}
+
+void onebit_stale_update(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n,
+                         int isa, int threads) {
+  void (*f)(float*, const float*, float, float, float, float, float, int64_t) = update_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = update_512;
+  else if (isa == 1) f = update_256;
+#endif
+  ONEBIT_PARALLEL(n, threads, f(p + a, u + a, decay, nlr, bc1, lo, hi, len))
+}

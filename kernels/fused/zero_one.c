@@ -206,3 +206,32 @@ void onebit_zoa_step_range(const float* mean, int64_t a, int64_t b, const int64_
   int k = 0;
   zoa_step_range(isa, mean, 0, 0.0f, a, b, &tab, lo_c, hi_c, &k);
 }
+
+/* ---- The per-tensor passes of ZeroOneAdam's unfused steps (onebit.kernels.cpu_fused binds them): the
+   step on a stale variance p = p + (-lr) (clamp(m / d) [+ wd p]), and phase 2's local step, which
+   first folds m = m * b1 + w * g. Each op rounded, in this order (the plain ops' order; their
+   p.add_(x, alpha) may fuse its multiply-add: tests/test_cpu_fused.py bounds the difference). */
+#define STALE_V float v = m[i] / d[i]; v = v < lo ? lo : v; v = v > hi ? hi : v;
+#define STALE_ARGS (float* restrict p, const float* restrict m, const float* restrict d, float lo, float hi, float wd, \
+                    float nlr, int64_t n)
+#define LOCAL_ARGS (float* restrict p, float* restrict m, const float* restrict g, const float* restrict d, float b1, \
+                    float w, float lo, float hi, float wd, float nlr, int64_t n)
+ONEBIT_VARIANTS(stale, STALE_ARGS, for (int64_t i = 0; i < n; i++) { STALE_V p[i] = p[i] + nlr * v; })
+ONEBIT_VARIANTS(stale_wd, STALE_ARGS, for (int64_t i = 0; i < n; i++) { STALE_V p[i] = p[i] + nlr * (v + wd * p[i]); })
+ONEBIT_VARIANTS(local, LOCAL_ARGS,
+                for (int64_t i = 0; i < n; i++) { m[i] = m[i] * b1 + w * g[i]; STALE_V p[i] = p[i] + nlr * v; })
+ONEBIT_VARIANTS(local_wd, LOCAL_ARGS,
+                for (int64_t i = 0; i < n; i++) { m[i] = m[i] * b1 + w * g[i]; STALE_V p[i] = p[i] + nlr * (v + wd * p[i]); })
+
+/* wd 0: the step without its term (the plain ops add nothing: 0 * inf would be NaN) */
+void onebit_stale_step(float* p, const float* m, const float* d, float lo, float hi, float wd, float nlr, int64_t n,
+                       int isa, int threads) {
+  void (*f) STALE_ARGS = wd != 0.0f ? ONEBIT_PICK(stale_wd, isa) : ONEBIT_PICK(stale, isa);
+  ONEBIT_PARALLEL(n, threads, f(p + a, m + a, d + a, lo, hi, wd, nlr, len))
+}
+
+void onebit_local_step(float* p, float* m, const float* g, const float* d, float b1, float w, float lo, float hi,
+                       float wd, float nlr, int64_t n, int isa, int threads) {
+  void (*f) LOCAL_ARGS = wd != 0.0f ? ONEBIT_PICK(local_wd, isa) : ONEBIT_PICK(local, isa);
+  ONEBIT_PARALLEL(n, threads, f(p + a, m + a, g + a, d + a, b1, w, lo, hi, wd, nlr, len))
+}

@@ -365,6 +365,35 @@ void onebit_decompress(const uint8_t* bits, const float* s, int64_t sstep, float
   }
 }
 
+/* ---- the worker's error update alone (worker_compress with update_error; the collective defers it
+   into decompress): e = z - copysign(s, z + 0), z = x + e, the scale s[(i / block) * sstep]. */
+#define ERROR_LOOP for (int64_t i = 0; i < n; i++) { float z = x[i] + e[i]; e[i] = z - copysignf(sc, z + 0.0f); }
+#define ERROR_ARGS const float* restrict x, float* restrict e, float sc, int64_t n
+static void error_c(ERROR_ARGS) { ERROR_LOOP }
+#ifdef ONEBIT_X86
+__attribute__((target("avx512f"))) static void error_512(ERROR_ARGS) { ERROR_LOOP }
+__attribute__((target("avx2,fma"))) static void error_256(ERROR_ARGS) { ERROR_LOOP }
+#endif
+
+void onebit_error_update(const float* x, float* e, const float* s, int64_t sstep, int64_t n, int64_t block, int isa,
+                         int threads) {
+  void (*f)(ERROR_ARGS) = error_c;
+#ifdef ONEBIT_X86
+  if (isa >= 2) f = error_512;
+  else if (isa == 1) f = error_256;
+#endif
+  #pragma omp parallel num_threads(threads)
+  {
+    int64_t a, b;
+    thread_range(n, sstep ? block : 16, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
+    for (int64_t i = a; i < b;) { /* a run of one scale: to the end of its block (or of the range) */
+      int64_t j = sstep ? i / block : 0, end = sstep ? (j + 1) * block : b;
+      f(x + i, e + i, s[j * sstep], (end < b ? end : b) - i);
+      i = end < b ? end : b;
+    }
+  }
+}
+
 /* ---- the server's error pass: m again from the bits and e (as its first pass), then
    e = m - copysign(scale, m + 0), the scale s[(i / block) * sstep]. */
 static void server_update_c(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,

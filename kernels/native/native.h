@@ -111,6 +111,31 @@ static inline void chunk_sums(const int64_t* n_enc, int W, const double* part, i
    float32 scalars sc[5k .. 5k + 4]. */
 typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int K; } table_t;
 
+/* A per-tensor element-wise pass in three variants from one loop (LOOP: over i in [0, n) of the
+   arguments ARGS): NAME_c (portable C), NAME_256 (AVX2 + FMA), NAME_512 (AVX-512); ONEBIT_PICK(NAME,
+   isa) the one for an ISA level. The arithmetic is the loop's, operation for operation, in every
+   variant (no contraction, no reassociation: the compiler vectorises across i only). */
+#ifdef ONEBIT_X86
+#define ONEBIT_VARIANTS(NAME, ARGS, LOOP) \
+  static void NAME##_c ARGS { LOOP } \
+  __attribute__((target("avx512f"))) static void NAME##_512 ARGS { LOOP } \
+  __attribute__((target("avx2,fma"))) static void NAME##_256 ARGS { LOOP }
+#define ONEBIT_PICK(NAME, isa) ((isa) >= 2 ? NAME##_512 : (isa) == 1 ? NAME##_256 : NAME##_c)
+#else
+#define ONEBIT_VARIANTS(NAME, ARGS, LOOP) static void NAME##_c ARGS { LOOP }
+#define ONEBIT_PICK(NAME, isa) NAME##_c
+#endif
+
+/* Thread t of T's part [a, a + len) of [0, n) for a per-tensor pass: runs of 16 elements. */
+#define ONEBIT_PARALLEL(n, threads, BODY) \
+  _Pragma("omp parallel num_threads(threads)") \
+  { \
+    int64_t a, b_; \
+    thread_range(n, 16, omp_get_thread_num(), omp_get_num_threads(), &a, &b_); \
+    int64_t len = b_ - a; \
+    if (len > 0) { BODY; } \
+  }
+
 /* the codec's passes (codec.c), by ISA level: 2 AVX-512, 1 AVX2 + FMA, 0 portable C */
 typedef void (*blocks_fn)(const float*, const float*, uint8_t*, double*, int64_t, int64_t);
 typedef void (*decompress_fn)(const uint8_t*, const float*, int64_t, float*, float*, const float*, int64_t, int64_t,

@@ -1,19 +1,16 @@
-"""The compiled CPU codec (onebit.kernels.cpu_compiled) against the plain-torch path, its
-reference: packed bits and server sums bitwise; scales to their last float32 bit (float64
+"""The native CPU codec (onebit.kernels.native.codec, the C passes) against the plain-torch path,
+its reference: packed bits and server sums bitwise; scales to their last float32 bit (float64
 sums in another order); errors bitwise wherever the scale is, else to two ulps of it. Odd
 world sizes, n not a multiple of 16, bfloat16, block sizes that are odd multiples of 8, and
-the non-finite cases. Slow tier: each new variant compiles (seconds) on first use."""
+the non-finite cases; every ISA level this CPU has (ONEBIT_NATIVE_ISA)."""
 
 from __future__ import annotations
-
-import collections
 
 import pytest
 import torch
 
 from onebit.collectives import local_compressed_allreduce
 from onebit.kernels import (
-    cpu_compiled,
     cpu_simd,
     decompress,
     message_bits,
@@ -23,10 +20,9 @@ from onebit.kernels import (
 )
 from onebit.kernels.layout import Layout, padded_numel
 
-pytestmark = pytest.mark.slow
-# evaluated when a test runs (a compile: seconds), not at collection
-compiles = pytest.mark.skipif("not cpu_compiled.usable()",
-                              reason="torch.compile cannot build here (no C++ compiler): the plain path runs")
+# evaluated when a test runs (the C library's build), not at collection
+compiles = pytest.mark.skipif("not cpu_simd.available()",
+                              reason="no C library here (no C compiler): the plain path runs")
 
 CASES = [  # (W, block, n, dtype)
     (1, None, 203, torch.float32),
@@ -36,19 +32,18 @@ CASES = [  # (W, block, n, dtype)
     (5, 64, 7 * 640 + 13, torch.float32),
     (4, None, 1 << 14, torch.float32),
     (3, None, 1003, torch.bfloat16),
-    (3, 64, 3 * 64 * 5 + 7, torch.float32),  # block % 32 == 0: the compiled block-scale passes
+    (3, 64, 3 * 64 * 5 + 7, torch.float32),
     (2, 96, 2 * 96 * 4, torch.bfloat16),
 ]
 
 
-@pytest.fixture(params=["c", "inductor"])
+@pytest.fixture(params=["avx512", "avx2", "c"])
 def encode(request, monkeypatch):
-    """Which encode passes the compiled codec runs: the C ones (onebit.kernels.cpu_simd, where this
-    CPU has them) or torch.compile's (their fallback)."""
-    if request.param == "c" and not cpu_simd.available():
-        pytest.skip("no C sign-packing passes here")
-    if request.param == "inductor":
-        monkeypatch.setitem(cpu_simd._state, "available", False)
+    """The ISA level the C passes run at (ONEBIT_NATIVE_ISA), where this CPU has it."""
+    levels = {"avx512": 2, "avx2": 1, "c": 0}
+    if not cpu_simd.available() or levels[request.param] > cpu_simd.best_isa():
+        pytest.skip(f"no {request.param} here")
+    monkeypatch.setenv("ONEBIT_NATIVE_ISA", request.param)
     return request.param
 
 
@@ -94,7 +89,7 @@ def test_worker_matches_plain(W, block, n, dtype, update_error, poison, encode):
     x, e, layout = _inputs(W, block, n, dtype, seed=W + n)
     e_ref, e_got = e.clone(), e.clone()
     ref = worker_compress(x, e_ref, W, block=block, update_error=update_error, backend="torch")
-    got = worker_compress(x, e_got, W, block=block, update_error=update_error, backend="compiled")
+    got = worker_compress(x, e_got, W, block=block, update_error=update_error, backend="native")
     assert torch.equal(message_bits(ref, layout), message_bits(got, layout))
     _check_scales(message_scales(ref, layout), message_scales(got, layout))
     if update_error:
@@ -116,7 +111,7 @@ def test_server_matches_plain(W, block, n, dtype, encode):
     se = torch.randn(layout.C, generator=g)
     se_ref, se_got = se.clone(), se.clone()
     ref = server_reduce(received, se_ref, W, block=block, backend="torch")
-    got = server_reduce(received, se_got, W, block=block, backend="compiled")
+    got = server_reduce(received, se_got, W, block=block, backend="native")
     one = Layout(layout.C, 1, block)
     assert torch.equal(message_bits(ref, one), message_bits(got, one))
     rs, gs = message_scales(ref, one), message_scales(got, one)
@@ -127,7 +122,7 @@ def test_server_matches_plain(W, block, n, dtype, encode):
 @compiles
 @pytest.mark.parametrize("W, block, n, dtype", CASES)
 @pytest.mark.parametrize("with_update", [True, False])
-def test_decompress_matches_plain(W, block, n, dtype, with_update):
+def test_decompress_matches_plain(W, block, n, dtype, with_update, encode):
     x, e, layout = _inputs(W, block, n, dtype, seed=11 * W + n)
     msg = worker_compress(x, e.clone(), W, block=block, update_error=False, backend="torch")
     gathered = msg.clone()
@@ -135,13 +130,13 @@ def test_decompress_matches_plain(W, block, n, dtype, with_update):
     sc = message_scales(gathered, layout)
     sc.copy_(torch.rand(sc.shape, generator=g) + 0.1)
     outs = {}
-    for backend in ("torch", "compiled"):
+    for backend in ("torch", "native"):
         out, err = x.clone(), e.clone()
         kw = {"worker_error": err, "worker_message": msg} if with_update else {}
         decompress(gathered, out, W, block=block, backend=backend, **kw)
         outs[backend] = out, err
-    assert torch.equal(outs["torch"][0], outs["compiled"][0])
-    assert torch.equal(outs["torch"][1], outs["compiled"][1])  # same scales in: bitwise
+    assert torch.equal(outs["torch"][0], outs["native"][0])
+    assert torch.equal(outs["torch"][1], outs["native"][1])  # same scales in: bitwise
 
 
 @compiles
@@ -152,20 +147,20 @@ def test_nonfinite_as_plain(block, encode):
     W, n = 3, 3 * 16 * 20
     x, e, layout = _inputs(W, block, n, torch.float32, seed=5)
     x[17] = float("nan")
-    for backend in ("torch", "compiled"):
+    for backend in ("torch", "native"):
         ee = e.clone()
         msg = worker_compress(x, ee, W, block=block, backend=backend)
         assert torch.equal(ee, e) and bool(message_scales(msg, layout).isnan().all())
     received = worker_compress(x.nan_to_num(), e.clone(), W, block=block, backend="torch")
     message_scales(received, layout)[1 if block is None else (1, 0)] = float("inf")
-    for backend in ("torch", "compiled"):
+    for backend in ("torch", "native"):
         se = torch.randn(layout.C)
         keep = se.clone()
         seg = server_reduce(received, se, W, block=block, backend=backend)
         assert torch.equal(se, keep) and bool(message_scales(seg, Layout(layout.C, 1, block)).isnan().all())
     gathered = received.clone()
     message_scales(gathered, layout)[0 if block is None else (0, 1)] = float("nan")
-    for backend in ("torch", "compiled"):
+    for backend in ("torch", "native"):
         out, ee = x.nan_to_num(), e.clone()
         decompress(gathered, out, W, block=block, backend=backend, worker_error=ee, worker_message=received)
         assert torch.equal(ee, e)
@@ -181,7 +176,7 @@ def test_allreduce_matches_plain(block, encode):
     N = padded_numel(n, W, block)
     xs = [torch.randn(n, generator=g) for _ in range(W)]
     runs = {}
-    for backend in ("torch", "compiled"):
+    for backend in ("torch", "native"):
         flats = [x.clone() for x in xs]
         we = [torch.zeros(N) for _ in range(W)]
         se = [torch.zeros(N // W) for _ in range(W)]
@@ -190,46 +185,46 @@ def test_allreduce_matches_plain(block, encode):
             local_compressed_allreduce(flats, we, se, block=block, backend=backend)
         runs[backend] = flats, we, se
     for r in range(1, W):
-        assert torch.equal(runs["compiled"][0][r], runs["compiled"][0][0])
-    ref, got = runs["torch"][0][0], runs["compiled"][0][0]
+        assert torch.equal(runs["native"][0][r], runs["native"][0][0])
+    ref, got = runs["torch"][0][0], runs["native"][0][0]
     assert float(_eps_ulps(ref, got).max()) <= 2.0
-    errors = [runs[k][1] + runs[k][2] for k in ("torch", "compiled")]
+    errors = [runs[k][1] + runs[k][2] for k in ("torch", "native")]
     for a, b in zip(*errors, strict=True):
         assert float((a - b).abs().max()) <= 4 * torch.finfo(torch.float32).eps * float(ref.abs().max())
 
 
 @compiles
 def test_default_choice(monkeypatch):
-    """CPU calls from MIN_NUMEL elements on take the compiled path; ONEBIT_CPU_CODEC=torch and
-    smaller calls take the plain one."""
+    """CPU calls from MIN_NUMEL elements on take the native codec; ONEBIT_CPU_CODEC=torch and
+    smaller calls take the plain one; 'compiled' (its former name) warns and takes it."""
     from onebit.kernels import api
+    from onebit.kernels.native import codec as native
 
-    big, small = Layout(cpu_compiled.MIN_NUMEL, 4), Layout(8 * 4 * 100, 4)
+    big, small = Layout(api.MIN_NUMEL, 4), Layout(8 * 4 * 100, 4)
     cpu = torch.device("cpu")
-    assert api._backend(cpu, None, None, big) is cpu_compiled
+    assert api._backend(cpu, None, None, big) is native
     assert api._backend(cpu, None, None, small).__name__.endswith("torch_kernels")
+    with pytest.warns(FutureWarning, match="backend='compiled' is now backend='native'"):
+        assert api._backend(cpu, "compiled", None, small) is native
     monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
     assert api._backend(cpu, None, None, big).__name__.endswith("torch_kernels")
     with pytest.raises(ValueError, match="backend"):
         api._backend(cpu, "fast", None, big)
 
 
-def test_no_compiler_falls_back_with_one_warning(monkeypatch):
-    """A compile that fails (no C++ compiler): one RuntimeWarning naming the cause, then every
-    call takes the plain path with its results."""
-    def broken(*args, **kwargs):
-        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
-
-    every = collections.defaultdict(lambda: broken)  # every compiled pass fails to build
-    monkeypatch.setattr(cpu_compiled, "_fns", lambda: every)
-    monkeypatch.setattr(cpu_compiled, "_state", {})
+def test_without_a_c_compiler_the_plain_path_runs_with_one_warning(monkeypatch, tmp_path):
+    """A library that cannot be built (no C compiler): one RuntimeWarning naming the cause, then
+    every call takes the plain path with its results."""
+    monkeypatch.setattr(cpu_simd, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached library to fall back on
     x, e, layout = _inputs(3, None, 1000, torch.float32, seed=1)
-    with pytest.warns(RuntimeWarning, match="compiled CPU codec is not available.*InvalidCxxCompiler"):
-        got = worker_compress(x, e.clone(), 3, backend="compiled")
+    with pytest.warns(RuntimeWarning, match="could not be built.*no-such-compiler"):
+        got = worker_compress(x, e.clone(), 3, backend="native")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = worker_compress(x, e.clone(), 3, backend="compiled")
+        again = worker_compress(x, e.clone(), 3, backend="native")
     ref = worker_compress(x, e.clone(), 3, backend="torch")
     assert torch.equal(got, ref) and torch.equal(again, ref)
