@@ -4,7 +4,7 @@ OnebitAdam's compression-stage fold (``u = b1 u + (1-b1) g / d``) and update
 (``p = p (1 - lr wd) - lr clip(u / bc1)``), ZeroOneAdam's stale step (``p -= lr (clip(m / d) +
 wd p)``) and its phase-2 local step (the fold ``m = b1 m + (1-b1) g`` then that step) on one
 float32 tensor of 2^k elements: median
-milliseconds of --repeats calls after two warm-up calls (the first compiles), each path's
+milliseconds of --repeats calls after two warm-up calls, each path's
 bytes read and written per element (bench/TRAFFIC.md), and a copy of the same size for scale.
 
   python bench/bench_fused.py                 # 2^22 elements
@@ -52,7 +52,7 @@ def main() -> None:
 
     def fused_update():
         if not cpu_fused.stale_update_(param, u, lr=lr, weight_decay=wd, clip=clip, bc1=bc1):
-            raise SystemExit("the fused update does not run here (no C++ compiler or ONEBIT_CPU_CODEC=torch)")
+            raise SystemExit("the fused update does not run here (no C library, or ONEBIT_BACKEND=plain)")
 
     def plain_fold():
         fold_preconditioned_(u, grad, d, b1)

@@ -18,6 +18,7 @@ and the ratio; appends a CSV row per optimizer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -25,8 +26,11 @@ import sys
 import torch
 
 from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
+from onebit.kernels.backends import use_backend
 from onebit.kernels.layout import padded_numel
-from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused
+from onebit.optimizers import OnebitAdam, ZeroOneAdam
+
+FUSED_STEPS = ("adam", "zoa", "local")  # the optimizers' fused steps (onebit.kernels.backends.STEPS)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, wall_ms, write_csv  # noqa: E402
@@ -96,8 +100,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=4, help="the emulated group size W (rank 0's compute)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam's bucket size")
     p.add_argument("--unfused", action="store_true",
-                   help="OnebitAdam without its fused passes (onebit.optimizers._fused.ENABLED = False: "
-                        "Triton's on a GPU, the C ones on an x86 CPU)")
+                   help="OnebitAdam without its fused passes (use_backend('plain', steps=the fused steps): "
+                        "Triton's on a GPU, the C ones on a CPU)")
     p.add_argument("--interleave", action="store_true",
                    help="time fused AdamW, OnebitAdam unfused and fused (on CPU also fused with the "
                         "non-finite agreement's own pass over the gradients) in turn, step by step, in one "
@@ -109,7 +113,8 @@ def main() -> None:
     args = p.parse_args()
     kind = "zero_one_adam" if args.zero_one else "onebit_adam"
     device = torch.device(args.device)
-    _fused.ENABLED = not args.unfused
+    if args.unfused:
+        use_backend("plain", steps=FUSED_STEPS).__enter__()  # for the whole process
     results, n = {}, 0
     if args.interleave:
         runs = {"adamw_fused": (build("adamw_fused", args, device), True),
@@ -123,8 +128,8 @@ def main() -> None:
         times = {name: [] for name in runs}
         for i in range(args.repeats + 2):
             for name, (opt, fused) in runs.items():
-                _fused.ENABLED = fused
-                ms = wall_ms(opt.step, device)
+                with contextlib.nullcontext() if fused else use_backend("plain", steps=FUSED_STEPS):
+                    ms = wall_ms(opt.step, device)
                 if i >= 2:
                     times[name].append(ms)
         results = {name: statistics.median(t) for name, t in times.items()}

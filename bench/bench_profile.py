@@ -29,7 +29,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused, _multi
+from onebit.kernels.backends import use_backend
+from onebit.optimizers import OnebitAdam, ZeroOneAdam, _multi
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, provenance, wall_ms, write_csv  # noqa: E402
@@ -96,7 +97,7 @@ def run(name: str, args, device) -> dict:
         print(f"{name}: the top ops over {args.steps} steps", file=sys.stderr)
         table = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60)
         print(table, file=sys.stderr)
-    fused = cuda and _fused.ENABLED and name in FUSED_BYTES
+    fused = cuda and not (args.unfused or args.per_tensor) and name in FUSED_BYTES
     b = FUSED_BYTES[name] if fused else MODEL_BYTES[name]
     label = name + ("_per_tensor" if args.per_tensor else "")
     if args.unfused and cuda and name in FUSED_BYTES:
@@ -119,16 +120,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--paths", nargs="+", default=list(MODEL_BYTES))
     p.add_argument("--per-tensor", action="store_true",
-                   help="per-tensor ops on GPU too (onebit.optimizers._multi.ENABLED = False): the baseline")
+                   help="per-tensor ops on GPU too (no multi-tensor forms, no fused passes): the baseline")
     p.add_argument("--unfused", action="store_true",
-                   help="GPU: OnebitAdam's compression stage without its fused passes (_fused.ENABLED False)")
+                   help="GPU: OnebitAdam's compression stage without its fused passes (use_backend('plain', "
+                        "steps=the fused steps))")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the 1-bit optimizers' bucket size")
     p.add_argument("--top", nargs="*", default=[], help="paths whose top ops to print")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "profile.csv"))
     args = p.parse_args()
     device = torch.device(args.device)
-    _multi.ENABLED = not args.per_tensor
-    _fused.ENABLED = not (args.unfused or args.per_tensor)
+    if args.per_tensor:
+        _multi.applies = lambda tensors: False
+    if args.unfused or args.per_tensor:
+        use_backend("plain", steps=("adam", "zoa", "local")).__enter__()  # for the whole process
     rows = []
     for name in args.paths:
         rows.append(run(name, args, device))

@@ -27,6 +27,8 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 
 import torch  # noqa: E402
 
+from onebit.kernels.backends import use_backend  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, wall_ms, write_csv  # noqa: E402
 
@@ -40,7 +42,6 @@ def sizes(n: int, k: int) -> list[int]:
 
 
 def hook(n: int, k: int, device, triton: bool):
-    from onebit.collectives import _hook_triton
     from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
 
     g = torch.Generator().manual_seed(0)
@@ -54,19 +55,15 @@ def hook(n: int, k: int, device, triton: bool):
 
     @torch.no_grad()
     def run():
-        saved = _hook_triton.ENABLED, _hook_triton.ON_CPU
-        _hook_triton.ENABLED, _hook_triton.ON_CPU = triton, device.type == "cpu"
-        try:
+        with use_backend("triton" if triton else "plain", steps=["hook", "tensor"]):
             frozen_pre_(buffer, d, parts, fa)(buffer)
-        finally:
-            _hook_triton.ENABLED, _hook_triton.ON_CPU = saved
         fa.local_sq = None
 
     return run
 
 
 def zoa_local(n: int, k: int, device, triton: bool):
-    from onebit.optimizers import ZeroOneAdam, _fused, _fused_zoa
+    from onebit.optimizers import ZeroOneAdam, _fused_zoa
 
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in sizes(n, k)]
@@ -82,13 +79,9 @@ def zoa_local(n: int, k: int, device, triton: bool):
     @torch.no_grad()
     def run():
         if triton:
-            saved = _fused.ON_CPU
-            _fused.ON_CPU = device.type == "cpu"
-            try:
+            with use_backend("triton", steps=["local"]):
                 assert _fused_zoa.local_applies(opt, pairs, masks)
                 plan.step(opt, pairs)
-            finally:
-                _fused.ON_CPU = saved
         elif not opt._local_step_all(pairs, masks):  # the multi-tensor ops on a GPU; per tensor on CPU
             opt._local_step_each(pairs, masks)
 

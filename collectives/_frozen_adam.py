@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import cpu_fused, cpu_simd, cpu_simd_fused
+from ..kernels import backends, cpu_fused, cpu_simd, cpu_simd_fused
 from ..kernels._checks import check_number
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from . import _hook_triton
@@ -189,7 +189,7 @@ class FrozenAdam:
             sq = sq.to(torch.float64)
         elif sq is not None:
             sq = torch.tensor(sq, dtype=torch.float64)
-        elif cpu and cpu_simd.available():
+        elif cpu and backends.select("cpu", "hook").name == "native":
             sq = torch.tensor(cpu_simd.sumsq(b), dtype=torch.float64)  # one read, no float64 copy
         else:  # (on CPU this makes a float64 copy: 31 ms per 6.5M elements on one core)
             sq = torch.linalg.vector_norm(b, dtype=torch.float64).square()
@@ -265,7 +265,8 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
         return _hook_triton.pre_(buffer, d, parts, fa)
     fused, rest = [], []
     simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32
-            and buffer.is_contiguous() and d.is_contiguous() and cpu_simd.available())
+            and buffer.is_contiguous() and d.is_contiguous()
+            and backends.select("cpu", "hook").name == "native")
     if simd:
         done = [part for part in parts if part[2].dtype == torch.float32 and part[2].is_contiguous()
                 and part[2].device.type == "cpu"]

@@ -12,18 +12,17 @@ buffers are bitwise the unfused hook's; the local norm's float64 sum of exact sq
 another order (tests/test_hook_fused.py). The all-to-all, the server and the all-gather are the
 collective's (:func:`onebit.collectives.allreduce.compressed_allreduce_passes`, ``async_op``).
 
-Used on x86 CPUs where :func:`onebit.kernels.cpu_simd.available` holds, for float32 buckets whose
-momenta are contiguous float32 CPU tensors; ``ENABLED = False`` (tests, A/B) keeps the unfused passes.
+Used where the ``hook`` step's backend on CPU is native (:func:`onebit.kernels.backends.select`), for
+float32 buckets whose momenta are contiguous float32 CPU tensors; ``use_backend("plain",
+steps=["hook"])`` (tests, A/B) keeps the unfused passes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import _chunks, cpu_simd, cpu_simd_fused
+from ..kernels import _chunks, backends, cpu_simd_fused
 from ..kernels.layout import message_bits, message_scales
-
-ENABLED = True
 
 
 def applies(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> bool:
@@ -31,8 +30,9 @@ def applies(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> bool:
     def f32(t: torch.Tensor) -> bool:
         return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
-    return (ENABLED and bool(parts) and f32(buffer) and f32(d) and d.numel() == buffer.numel()
-            and all(f32(m) and m.numel() == hi - lo for lo, hi, m, _ in parts) and cpu_simd.available())
+    return (bool(parts) and f32(buffer) and f32(d) and d.numel() == buffer.numel()
+            and all(f32(m) and m.numel() == hi - lo for lo, hi, m, _ in parts)
+            and backends.select(buffer.device, "hook").name == "native")
 
 
 class HookPasses:

@@ -5,7 +5,8 @@ to float64 rounding: tests/test_triton_hook.py). The codec between them is untou
 size). x86 CPUs take the passes inside the C codec instead (collectives/_hook_fused.py).
 
 Used by :func:`onebit.collectives._frozen_adam.frozen_pre_` where :func:`applies`: a float32
-contiguous CUDA bucket (or a CPU one with ``ON_CPU``, for the tests under ``TRITON_INTERPRET=1``)
+contiguous bucket whose ``hook`` step's backend is ``triton`` (CUDA; a CPU one when forced, for
+the tests under ``TRITON_INTERPRET=1``)
 whose momenta are float32 contiguous on its device, and Triton importable.
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-ENABLED = True
-ON_CPU = False  # tests: run the kernels on CPU tensors (needs TRITON_INTERPRET=1)
+from ..kernels import backends
+
 _CACHE_LIMIT = 256  # tables kept (one per bucket and set of momenta; addresses rarely change)
 
 
@@ -24,7 +25,7 @@ def _plain(t: torch.Tensor, device: torch.device) -> bool:
 
 def applies(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> bool:
     device = buffer.device
-    if not (ENABLED and parts and (device.type == "cuda" or (ON_CPU and device.type == "cpu"))):
+    if not (parts and backends.select(device, "hook").name == "triton"):
         return False
     if not (_plain(buffer, device) and _plain(d, device) and d.numel() == buffer.numel()
             and buffer.numel() < 2**31):

@@ -1,21 +1,21 @@
 """Public kernel functions: check arguments, allocate outputs, pick the implementation.
 
-CUDA tensors go to the Triton kernels; CPU tensors to the native C codec
-(:mod:`onebit.kernels.native.codec`) from its ``MIN_NUMEL`` elements on where its library builds,
-else to the plain-torch path. ``backend`` overrides the choice: "torch" (the plain path, the
-reference), "native" (CPU tensors only; "compiled" is its former name, deprecated), "triton" (on
-CPU tensors it needs ``TRITON_INTERPRET=1`` set before the first import of
-:mod:`onebit.kernels.triton_kernels`).
+The backend comes from :func:`onebit.kernels.backends.select` (the ``codec`` step): CUDA tensors go
+to the Triton kernels; CPU tensors to the native C codec (:mod:`onebit.kernels.native.codec`) from
+``MIN_NUMEL`` elements on where its library builds, else to the plain-torch path; ``use_backend``
+and ``ONEBIT_BACKEND`` force one. ``backend`` overrides the choice for one call: "torch" (the
+plain path, the reference), "native" (CPU tensors only; "compiled" is its former name,
+deprecated), "triton" (on CPU tensors it needs ``TRITON_INTERPRET=1`` set before the first import
+of :mod:`onebit.kernels.triton_kernels`).
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
-from . import torch_kernels
+from . import backends, torch_kernels
 from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
 from ._warn import warn_user
 from .layout import Layout, check_block, empty_message, pad_unit, padded_numel
@@ -25,31 +25,35 @@ _BACKENDS = (None, "torch", "native", "compiled", "triton")
 MIN_NUMEL = 1 << 20  # elements (padded N) from which CPU calls take the native codec by default
 
 
-def _native_chosen(layout: Layout) -> bool:
-    return layout.N >= MIN_NUMEL and os.environ.get("ONEBIT_CPU_CODEC", "") != "torch" and native.usable()
-
-
 def _backend(device: torch.device, backend: str | None, block: int | None = None,
              layout: Layout | None = None) -> ModuleType:
+    """The codec module for a call: ``backend`` where given, else :func:`backends.select`'s choice
+    for the ``codec`` step (by default native from ``MIN_NUMEL`` elements on; forced, any size)."""
     check_choice("backend", backend, _BACKENDS)
     if backend == "compiled":
         warn_user("onebit: backend='compiled' is now backend='native' (the C codec; the torch.compile "
                   "codec is gone); 'compiled' will be removed in the next release", FutureWarning)
         backend = "native"
-    if backend == "native" or (backend is None and device.type == "cpu" and layout is not None
-                               and _native_chosen(layout)):
+    explicit = backend is not None
+    if not explicit:
+        chosen = backends.select(device, "codec").name
+        small = layout is not None and layout.N < MIN_NUMEL
+        if chosen == "native" and small and not backends.forced("codec"):
+            chosen = "plain"  # small calls: the plain ops cost less than a native call's set-up
+        backend = "torch" if chosen == "plain" else chosen
+    if backend == "native":
         if device.type != "cpu":
             raise ValueError(f"backend: 'native' is the CPU codec, got tensors on {device}; "
                              "expected CPU tensors, or backend None/'triton'")
         return native if native.usable() else torch_kernels
-    if backend == "torch" or (backend is None and device.type != "cuda"):
+    if backend == "torch":
         return torch_kernels
     if block is not None:
         from . import triton_blocks  # imported on first use: CPU-only users never need triton
 
         if triton_blocks.supported(block):
             return triton_blocks
-        if backend == "triton":
+        if explicit:
             raise ValueError(f"backend: the Triton kernels take block sizes that are powers of two from 8 "
                              f"to 4096, got block={block}; expected None or 'torch'")
         return torch_kernels  # any other multiple of 8: plain torch, on CUDA tensors too

@@ -26,14 +26,14 @@ import math
 
 import torch
 
-from . import cpu_simd
+from . import backends, cpu_simd
 
 MIN_NUMEL = 1 << 16
 
 
 def usable() -> bool:
-    """Whether the passes run here (the native library is built and not switched off)."""
-    return cpu_simd.available()
+    """Whether the passes run here: the ``tensor`` step's backend on CPU is native."""
+    return backends.select("cpu", "tensor").name == "native"
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
@@ -41,7 +41,7 @@ def _applies(*tensors: torch.Tensor) -> bool:
     return (first.numel() >= MIN_NUMEL
             and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                     and t.numel() == first.numel() for t in tensors)
-            and cpu_simd.available())
+            and usable())
 
 
 def _run(name: str, tensors, *scalars: float) -> None:

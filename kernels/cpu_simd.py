@@ -47,17 +47,14 @@ def library() -> ctypes.CDLL | None:
         except Exception as exc:  # noqa: BLE001 - any failure to build means: not here
             _state["lib"] = None
             warn_user(f"onebit: the native CPU passes (C) could not be built ({type(exc).__name__}: {exc}); "
-                      f"CPU tensors take the plain torch path (slower, the same bits). {_ENV}=off "
-                      f"silences this", RuntimeWarning)
+                      f"CPU tensors take the plain torch path (slower, the same bits). "
+                      f"ONEBIT_BACKEND=plain silences this", RuntimeWarning)
     return _state["lib"]
 
 
 def available() -> bool:
-    """Whether the native passes run here: the library built (on any CPU: AVX-512, AVX2 or its
-    portable C, compiled for this machine), and not ``ONEBIT_CPU_CODEC=torch`` (which keeps every
-    CPU pass plain)."""
-    if os.environ.get("ONEBIT_CPU_CODEC", "") == "torch":
-        return False
+    """Whether the native passes can run here: the library built (on any CPU: AVX-512, AVX2 or its
+    portable C). Whether they do is :func:`onebit.kernels.backends.select`'s answer."""
     if "available" not in _state:
         _state["available"] = library() is not None
     return _state["available"]

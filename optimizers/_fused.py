@@ -7,11 +7,12 @@ TRAFFIC.md section 3d). The all-to-all, the server and the all-gather are the co
 (:func:`onebit.collectives.allreduce.compressed_allreduce_passes`). The maths is the plain
 path's, element by element (tests/test_triton_fused.py).
 
-Used by :class:`onebit.optimizers.OnebitAdam` where :func:`applies`: CUDA parameters (or CPU ones
-with ``ON_CPU`` set, for the tests under ``TRITON_INTERPRET=1``; other CPU parameters take the C
-passes of :mod:`onebit.optimizers._fused_cpu` where this CPU has them), ``ENABLED``, the default
-``compression="preconditioned"``, no block scales, no mesh, no ``overlap``, no masks, float32
-contiguous parameters and gradients, more than one rank (or the benchmarks' local collective).
+Used by :class:`onebit.optimizers.OnebitAdam` where :func:`applies`: the backend selected for the
+``adam`` step (:func:`onebit.kernels.backends.select`) is ``triton`` (CUDA parameters; CPU ones when
+forced, for the tests under ``TRITON_INTERPRET=1``) or ``native`` (CPU parameters: the C passes of
+:mod:`onebit.optimizers._fused_cpu`), the default ``compression="preconditioned"``, no block
+scales, no mesh, no ``overlap``, no masks, float32 contiguous parameters and gradients, more than
+one rank (or the benchmarks' local collective).
 Elsewhere the optimizer takes its unfused path, with the same results.
 """
 
@@ -23,10 +24,7 @@ import torch
 
 from ..collectives.allreduce import compressed_allreduce, compressed_allreduce_passes
 from ..collectives.telemetry import counting
-from ..kernels import cpu_simd
-
-ENABLED = True
-ON_CPU = False  # tests: run the Triton passes on CPU tensors (needs TRITON_INTERPRET=1)
+from ..kernels import backends
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -35,7 +33,7 @@ def _plain(t: torch.Tensor) -> bool:
 
 def applies(opt, reducer, pairs) -> bool:
     """Whether ``opt`` (an OnebitAdam) can take this compression-stage step fused."""
-    if not (ENABLED and pairs and opt.compressing and opt.preconditioned):
+    if not (pairs and opt.compressing and opt.preconditioned):
         return False
     if opt.block is not None or reducer.mesh is not None:
         return False
@@ -46,11 +44,10 @@ def applies(opt, reducer, pairs) -> bool:
     if not local and (reducer.allreduce is not compressed_allreduce or reducer.world_size < 2):
         return False
     device = pairs[0][0].device
-    cpu = device.type == "cpu" and not ON_CPU  # the C passes (optimizers/_fused_cpu.py)
-    if cpu and not cpu_simd.available():
+    name = backends.select(device, "adam").name
+    if name == "plain":
         return False
-    if not (cpu or device.type == "cuda" or (ON_CPU and device.type == "cpu")):
-        return False
+    cpu = name == "native"  # the C passes (optimizers/_fused_cpu.py); else the Triton ones
     for k, (p, g) in enumerate(pairs):
         if not _plain(p) or p.device != device:
             return False
@@ -77,10 +74,10 @@ def int32_indexable(reducer) -> bool:
 
 
 def plan(reducer):
-    """The fused step's tables for ``reducer``'s buckets: the C passes' on CPU tensors (unless
-    ``ON_CPU``), the Triton passes' elsewhere."""
+    """The fused step's tables for ``reducer``'s buckets: the C passes' where the ``adam`` step's
+    backend is native, the Triton passes' elsewhere."""
     device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
-    if device.type == "cpu" and not ON_CPU:
+    if backends.select(device, "adam").name == "native":
         from ._fused_cpu import CpuFusedCompression
 
         return CpuFusedCompression(reducer)

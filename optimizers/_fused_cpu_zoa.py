@@ -30,7 +30,7 @@ from functools import partial
 import torch
 
 from ..collectives.allreduce import compressed_allreduce
-from ..kernels import cpu_simd, cpu_simd_fused
+from ..kernels import backends, cpu_simd_fused
 from . import _fused
 from ._fused_cpu import CpuFusedCompression, _Passes
 
@@ -38,7 +38,7 @@ from ._fused_cpu import CpuFusedCompression, _Passes
 def applies(opt, reducer, pairs, phase: int = 1) -> bool:
     """Whether ``opt`` (a ZeroOneAdam in ``phase``) can take this compressed step (phase 1) or
     synchronisation (phase 2) fused."""
-    return (bool(pairs) and pairs[0][0].device.type == "cpu" and not _fused.ON_CPU and cpu_simd.available()
+    return (bool(pairs) and backends.select(pairs[0][0].device, "zoa").name == "native"
             and eligible(opt, reducer, pairs, phase))
 
 
@@ -46,7 +46,7 @@ def eligible(opt, reducer, pairs, phase: int = 1) -> bool:
     """:func:`applies` but for the device: the optimizer's settings, the tensors' kinds (float32,
     contiguous, on the parameters' device) and the collective (also the GPU passes',
     optimizers/_fused_zoa.py)."""
-    if not (_fused.ENABLED and pairs and opt.preconditioned and opt.phase == phase):
+    if not (pairs and opt.preconditioned and opt.phase == phase):
         return False
     if opt.block is not None or reducer.mesh is not None or opt._overlap is not None:
         return False

@@ -5,8 +5,8 @@ decompress pass updates the error, the momenta and the parameters. 12 + 28 B per
 server's instead of about 104 at W = 4, and two launches per bucket instead of about nine per
 parameter. The accumulator is not touched (zero in phase 1).
 
-Used by :class:`onebit.optimizers.ZeroOneAdam` where :func:`applies`: CUDA parameters (or CPU ones
-with ``_fused.ON_CPU``, for the tests under ``TRITON_INTERPRET=1``) and what
+Used by :class:`onebit.optimizers.ZeroOneAdam` where :func:`applies`: the ``zoa`` step's backend is
+``triton`` (CUDA parameters; CPU ones when forced, for the tests under ``TRITON_INTERPRET=1``) and what
 :func:`onebit.optimizers._fused_cpu_zoa.eligible` asks of the optimizer and its tensors.
 """
 
@@ -18,6 +18,7 @@ import torch
 
 from ..collectives.allreduce import compressed_allreduce_passes
 from ..collectives.telemetry import counting
+from ..kernels import backends
 from . import _fused
 from ._fused_cpu_zoa import eligible
 
@@ -28,7 +29,7 @@ def applies(opt, reducer, pairs, phase: int = 1) -> bool:
     if not pairs:
         return False
     device = pairs[0][0].device
-    if not (device.type == "cuda" or (_fused.ON_CPU and device.type == "cpu")):
+    if backends.select(device, "zoa").name != "triton":
         return False
     if not (eligible(opt, reducer, pairs, phase) and _fused.int32_indexable(reducer)):
         return False
@@ -119,13 +120,13 @@ class _Passes:
 
 def local_applies(opt, pairs, masks) -> bool:
     """Whether ``opt``'s phase-2 local step can run as one Triton launch (kernels/triton_fused_zoa.py
-    ``local_step``): CUDA parameters (or CPU ones with ``_fused.ON_CPU``), ``_fused.ENABLED``, the
+    ``local_step``): the ``local`` step's backend is ``triton`` (CUDA parameters, or forced), the
     default maths, no dead-coordinate masks, float32 contiguous parameters, momenta, gradients and
     denominators on one device, fewer than 2^31 elements in all."""
-    if not (_fused.ENABLED and pairs) or opt._reference_maths() or any(d is not None for d in masks):
+    if not pairs or opt._reference_maths() or any(d is not None for d in masks):
         return False
     device = pairs[0][0].device
-    if not (device.type == "cuda" or (_fused.ON_CPU and device.type == "cpu")):
+    if backends.select(device, "local").name != "triton":
         return False
 
     def plain(t) -> bool:

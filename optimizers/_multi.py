@@ -8,7 +8,7 @@ the whole list), with the same formulas in the same order as the per-tensor func
 the results are those of :mod:`._functional` (tests/test_cuda.py compares them).
 
 The optimizers use these forms when :func:`applies` says so: every tensor on a CUDA device
-and ``ENABLED`` true (tests set it false to run the per-tensor path on the same device).
+(tests/test_multi.py replaces it to run either form on either device).
 On CPU the per-tensor functions and the fused CPU passes (:mod:`onebit.kernels.cpu_fused`)
 stay: torch's CPU ``_foreach`` ops are loops over the same per-tensor ops.
 """
@@ -20,18 +20,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ENABLED", "adam_update_", "applies", "by_group", "fold_", "fold_preconditioned_", "fold_scaled_",
+__all__ = ["adam_update_", "applies", "by_group", "fold_", "fold_preconditioned_", "fold_scaled_",
            "moments_",
            "stale_step_", "stale_update_"]
-
-ENABLED = True
 
 Tensors = Sequence[torch.Tensor]
 
 
 def applies(tensors: Tensors) -> bool:
-    """Whether the multi-tensor forms should run on ``tensors`` (all on CUDA, ENABLED)."""
-    return ENABLED and bool(tensors) and all(t.is_cuda for t in tensors)
+    """Whether the multi-tensor forms should run on ``tensors`` (all on CUDA)."""
+    return bool(tensors) and all(t.is_cuda for t in tensors)
 
 
 def by_group(rows):

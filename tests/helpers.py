@@ -3,6 +3,7 @@ parameters, gradients and rank bodies of the optimizer tests."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 from pathlib import Path
@@ -11,7 +12,17 @@ import torch
 import torch.distributed as dist
 
 from onebit.collectives import local_compressed_allreduce
+from onebit.kernels.backends import use_backend
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+FUSED_STEPS = ("adam", "zoa", "local")  # the optimizers' fused steps (onebit.kernels.backends.STEPS)
+
+
+def fused_steps(backend: str | None):
+    """The optimizers' fused steps on ``backend`` inside the block: "plain" (their unfused path,
+    the codec's choice unchanged), "triton" (the Triton passes, on CPU tensors under the
+    interpreter), None (the default choice)."""
+    return contextlib.nullcontext() if backend is None else use_backend(backend, steps=FUSED_STEPS)
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor, norm: float | None = None) -> float:

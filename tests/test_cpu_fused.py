@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import fused_steps
 
 from onebit.kernels import cpu_fused
+from onebit.kernels.backends import use_backend
 from onebit.optimizers._functional import fold_, fold_preconditioned_, stale_direction
 
 pytestmark = [pytest.mark.slow,
@@ -113,7 +115,7 @@ def test_zero_one_adam_steps_are_the_plain_ops_to_one_ulp(fold, lr, wd, clip):
     assert bool(torch.isnan(got_p[50])) and (got_p != p).float().mean() > 0.99  # it moved every coordinate
 
 
-def test_it_leaves_to_the_caller_what_it_does_not_fuse(monkeypatch):
+def test_it_leaves_to_the_caller_what_it_does_not_fuse():
     u, grad, d = _inputs(0)
     small = cpu_fused.MIN_NUMEL - 1
     cases = [
@@ -127,27 +129,24 @@ def test_it_leaves_to_the_caller_what_it_does_not_fuse(monkeypatch):
         assert not cpu_fused.fold_preconditioned_(uu, gg, dd, 0.9)
         assert torch.equal(uu, before)
     assert not cpu_fused.fold_preconditioned_(u, None, d, 0.9)
-    monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
     before = u.clone()
-    assert not cpu_fused.fold_preconditioned_(u, grad, d, 0.9)
-    assert not cpu_fused.stale_update_(u, d, lr=1e-3, weight_decay=0.0, clip=1.0, bc1=1.0)
-    assert not cpu_fused.stale_step_(u, grad, d, lr=1e-3, weight_decay=0.0, clip=1.0)
-    assert not cpu_fused.local_step_(u, grad.clone(), grad, d, beta1=0.9, lr=1e-3, weight_decay=0.0, clip=1.0)
+    with use_backend("plain"):
+        assert not cpu_fused.fold_preconditioned_(u, grad, d, 0.9)
+        assert not cpu_fused.stale_update_(u, d, lr=1e-3, weight_decay=0.0, clip=1.0, bc1=1.0)
+        assert not cpu_fused.stale_step_(u, grad, d, lr=1e-3, weight_decay=0.0, clip=1.0)
+        assert not cpu_fused.local_step_(u, grad.clone(), grad, d, beta1=0.9, lr=1e-3, weight_decay=0.0,
+                                         clip=1.0)
     assert torch.equal(u, before)
-    monkeypatch.delenv("ONEBIT_CPU_CODEC")
     assert not cpu_fused.local_step_(u, grad.clone(), None, d, beta1=0.9, lr=1e-3, weight_decay=0.0, clip=1.0)
     assert not cpu_fused.stale_step_(u[:small], grad[:small], d[:small], lr=1e-3, weight_decay=0.0, clip=1.0)
     assert torch.equal(u, before)
 
 
 def _body_adam(plain: bool, optimizer: str = "onebit_adam"):
-    import os
+    from onebit.optimizers import OnebitAdam, ZeroOneAdam
 
-    from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused
-
-    if plain:
-        os.environ["ONEBIT_CPU_CODEC"] = "torch"
-    _fused.ENABLED = False  # the per-parameter passes (the C passes': tests/test_fused_cpu.py)
+    # the per-parameter passes (the bucket's fused passes: tests/test_fused_cpu.py); plain: none
+    scope = use_backend("plain") if plain else fused_steps("plain")
     fused = ({"fold_preconditioned_": 0, "stale_update_": 0} if optimizer == "onebit_adam"  # calls that ran
              else {"stale_step_": 0, "local_step_": 0})  # the fused pass
     originals = {name: getattr(cpu_fused, name) for name in fused}
@@ -162,6 +161,7 @@ def _body_adam(plain: bool, optimizer: str = "onebit_adam"):
     for name in fused:
         setattr(cpu_fused, name, counted(name))
     try:
+        scope.__enter__()
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 320), torch.nn.Tanh(), torch.nn.Linear(320, 8))
         if optimizer == "onebit_adam":
@@ -178,8 +178,7 @@ def _body_adam(plain: bool, optimizer: str = "onebit_adam"):
             opt.zero_grad()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), fused
     finally:
-        os.environ.pop("ONEBIT_CPU_CODEC", None)
-        _fused.ENABLED = True
+        scope.__exit__(None, None, None)
         for name, fn in originals.items():
             setattr(cpu_fused, name, fn)
 
@@ -188,7 +187,7 @@ def test_onebit_adam_compression_stage_with_and_without_the_fused_passes(ranks):
     assert 256 * 320 >= cpu_fused.MIN_NUMEL  # the first layer takes the fused passes
     fused, plain = ranks(2).run(_body_adam, False), ranks(2).run(_body_adam, True)
     # the first layer's weight in each of the 9 compressed steps (its bias and the second layer
-    # are below MIN_NUMEL); none with ONEBIT_CPU_CODEC=torch
+    # are below MIN_NUMEL); none with every step plain
     assert fused[0][1] == {"fold_preconditioned_": 9, "stale_update_": 9}, fused[0][1]
     assert plain[0][1] == {"fold_preconditioned_": 0, "stale_update_": 0}, plain[0][1]
     assert torch.equal(fused[0][0], fused[1][0])  # the ranks agree bitwise

@@ -4,6 +4,7 @@ with the compressed average momentum and the frozen denominator."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -169,17 +170,16 @@ def _wide_body(steps, fused, c_pass=False, in_codec=False):
     pre-pass (onebit.kernels.cpu_simd_fused.hook_pre, the local norm inside) only with ``c_pass``; the
     pre- and post-pass inside the codec's C passes (collectives/_hook_fused.py) only with
     ``in_codec`` (and ``c_pass``)."""
-    from types import SimpleNamespace
-
-    from onebit.collectives import _frozen_adam, _hook_fused
-    from onebit.kernels import cpu_fused, cpu_simd, cpu_simd_fused
+    from onebit.collectives import _hook_fused
+    from onebit.kernels import cpu_fused, cpu_simd_fused
+    from onebit.kernels.backends import use_backend
 
     saved = cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
-    saved_c = (_frozen_adam.cpu_simd, cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode,
-               _hook_fused.ENABLED)
+    saved_c = (None, cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.applies)
     cpu_fused.MIN_NUMEL = (1 << 16) if fused else (1 << 60)
     cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
-    _hook_fused.ENABLED = in_codec
+    if not in_codec:  # the native route beside the codec's passes
+        _hook_fused.applies = lambda *a: False
     calls = {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 0}
     for name in ("pre", "post"):
         fn = getattr(cpu_fused, f"hook_{name}_")
@@ -199,17 +199,15 @@ def _wide_body(steps, fused, c_pass=False, in_codec=False):
         calls["in_codec"] += 1
         return saved_c[2](*a)
 
-    # the hook's route with the norm inside its C pre-pass only with c_pass (the per-parameter C
-    # passes of cpu_fused stay available either way)
-    with_c = bool(c_pass and cpu_simd.available())
-    _frozen_adam.cpu_simd = SimpleNamespace(available=lambda: with_c, sumsq=cpu_simd.sumsq)
+    # the hook's native passes (its C pre-pass with the norm inside, or inside the codec) only
+    # with c_pass; the per-parameter passes of cpu_fused (the "tensor" step) either way
     cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode = c_counted, encode_counted
     try:  # the rank processes serve later tests: the modules are put back as they were
-        return _wide_run(steps), calls
+        with contextlib.nullcontext() if c_pass else use_backend("plain", steps=["hook"]):
+            return _wide_run(steps), calls
     finally:
         cpu_fused.MIN_NUMEL, cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
-        cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.ENABLED = saved_c[1:]
-        _frozen_adam.cpu_simd = saved_c[0]
+        cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.applies = saved_c[1:]
 
 
 def _wide_run(steps):

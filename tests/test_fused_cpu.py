@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import compiled_local, count_gradient_reads
+from helpers import compiled_local, count_gradient_reads, fused_steps
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.optimizers import OnebitAdam, _fused
@@ -35,17 +35,14 @@ def _train(fused: bool, rank: int, local: bool = False, backend: str | None = No
 
         forced.local_compute = True
         opt.reducer().allreduce = forced
-    _fused.ENABLED = fused
     used = []
-    try:
+    with fused_steps(None if fused else "plain"):
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(steps):
             for i, p in enumerate(params):
                 p.grad = None if (step == 3 and i == 2) else torch.randn(p.shape, generator=g)
             used.append(_fused.applies(opt, opt.reducer(), opt.compressed_params()))
             opt.step()
-    finally:
-        _fused.ENABLED = True
     red = opt.reducer()
     return ([p.detach().clone() for p in params], [b.flat.clone() for b in red.buckets],
             [e.clone() for pair in red.errors() for e in pair], used)
@@ -131,9 +128,8 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
     if local:
         red.allreduce = compiled_local
     reads = count_gradient_reads(opt)
-    _fused.ENABLED = fused
     states = []
-    try:
+    with fused_steps(None if fused else "plain"):
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(6):
             for p in params:
@@ -153,8 +149,6 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
                 states.append(state)
                 states.append([t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]
                                + [e for pair in red.errors() for e in pair]])
-    finally:
-        _fused.ENABLED = True
     final = [t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]]
     return states, final, len(reads), opt.skipped_steps
 
@@ -240,12 +234,9 @@ def test_an_unfused_step_in_between_is_not_undone_from_an_older_message():
     p, opt, _ = _one_tensor()
     flats = []
     for fused in (True, True, False, True, False):  # the last: an unfused step after a fused one
-        _fused.ENABLED = fused
-        try:
+        with fused_steps(None if fused else "plain"):
             p.grad = torch.randn(70001)
             opt.step()
-        finally:
-            _fused.ENABLED = True
         flats.append(opt.reducer().buckets[0].flat.clone())
     before, middle = flats[-2:]
     assert not torch.equal(middle, before)

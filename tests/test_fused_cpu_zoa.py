@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compiled_local, count_gradient_reads
+from helpers import compiled_local, count_gradient_reads, fused_steps
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
-from onebit.optimizers import ZeroOneAdam, _fused, _fused_cpu_zoa
+from onebit.optimizers import ZeroOneAdam, _fused_cpu_zoa
 
 pytestmark = pytest.mark.skipif("not cpu_simd.available()", reason="no C passes on this CPU")
 
@@ -34,14 +34,13 @@ def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
     if local:
         red.allreduce = compiled_local
     reads = count_gradient_reads(opt)
-    _fused.ENABLED = fused
     used, around = [], []
 
     def state():
         return [t.detach().clone() for t in params + [opt.state[p]["exp_avg"] for p in params]
                 + [b.flat for b in red.buckets] + [e for pair in red.errors() for e in pair]]
 
-    try:
+    with fused_steps(None if fused else "plain"):
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(STEPS):
             for i, p in enumerate(params):
@@ -58,8 +57,6 @@ def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
                 opt.step()
             if bad is not None and step == bad[0]:
                 around.append(state())
-    finally:
-        _fused.ENABLED = True
     return state(), used, around, len(reads), opt.skipped_steps
 
 
@@ -183,12 +180,11 @@ def _phase_two(fused: bool, rank: int = 0, local: bool = True):
         _fused_cpu_zoa.CpuFusedZeroOneSync.step = lambda self, *a: synced.append(1) or step(self, *a)
         g = torch.Generator().manual_seed(1000 + rank)
         for _ in range(16):
-            _fused.ENABLED = fused or opt.phase == 1  # phase 1 the same in both runs
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
+            with fused_steps(None if fused or opt.phase == 1 else "plain"):  # phase 1 the same in both runs
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
     finally:
-        _fused.ENABLED = True
         _fused_cpu_zoa.CpuFusedZeroOneSync.step = step
     state = [t.detach().clone() for t in params + [opt.state[p][k] for k in ("exp_avg", "sync_params")
                                                    for p in params]

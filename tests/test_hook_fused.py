@@ -49,11 +49,9 @@ def _run(n, spans, block, seed, special, fused: bool):
         passes = _hook_fused.HookPasses(d, parts, fa)
         compressed_allreduce_passes(buffer, we, se, None, passes, local=True, block=block)
     else:
-        saved = _hook_fused.ENABLED
         post = frozen_pre_(buffer, d, parts, fa)
         _compressed_allreduce(buffer, we, se, None, 1, block, _LOCAL)
         post(buffer)
-        _hook_fused.ENABLED = saved
     return buffer, we, se, float(fa.local_sq)
 
 
@@ -112,8 +110,9 @@ def _ddp_body(steps: int, in_codec: bool, block):
     state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=block)
     model.register_comm_hook(state, onebit_compress_hook)
     calls = [0]
-    saved = _hook_fused.ENABLED, _hook_fused.HookPasses.worker
-    _hook_fused.ENABLED = in_codec
+    saved = _hook_fused.applies, _hook_fused.HookPasses.worker
+    if not in_codec:  # the native route beside the codec (frozen_pre_'s C passes per parameter)
+        _hook_fused.applies = lambda *a: False
 
     def counted(self, *a):
         calls[0] += 1
@@ -131,7 +130,7 @@ def _ddp_body(steps: int, in_codec: bool, block):
             opt.step()
             opt.zero_grad()
     finally:
-        _hook_fused.ENABLED, _hook_fused.HookPasses.worker = saved
+        _hook_fused.applies, _hook_fused.HookPasses.worker = saved
     return [p.detach().clone() for p in model.parameters()], calls[0], norms, state.stats()["buckets"]
 
 

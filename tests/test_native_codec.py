@@ -195,19 +195,33 @@ def test_allreduce_matches_plain(block, encode):
 
 @compiles
 def test_default_choice(monkeypatch):
-    """CPU calls from MIN_NUMEL elements on take the native codec; ONEBIT_CPU_CODEC=torch and
-    smaller calls take the plain one; 'compiled' (its former name) warns and takes it."""
-    from onebit.kernels import api
+    """CPU calls from MIN_NUMEL elements on take the native codec, smaller ones the plain one;
+    use_backend and ONEBIT_BACKEND force one at any size; the former switch ONEBIT_CPU_CODEC=torch
+    still keeps CPU tensors plain, with a FutureWarning; 'compiled' (native's former name) warns."""
+    from onebit.kernels import api, backends
     from onebit.kernels.native import codec as native
 
     big, small = Layout(api.MIN_NUMEL, 4), Layout(8 * 4 * 100, 4)
     cpu = torch.device("cpu")
     assert api._backend(cpu, None, None, big) is native
     assert api._backend(cpu, None, None, small).__name__.endswith("torch_kernels")
+    with backends.use_backend("native"):
+        assert api._backend(cpu, None, None, small) is native
+    with backends.use_backend("plain"):
+        assert api._backend(cpu, None, None, big).__name__.endswith("torch_kernels")
+        assert api._backend(cpu, "native", None, small) is native  # the call's own choice wins
+    monkeypatch.setenv("ONEBIT_BACKEND", "plain")
+    assert api._backend(cpu, None, None, big).__name__.endswith("torch_kernels")
+    monkeypatch.setenv("ONEBIT_BACKEND", "fast")
+    with pytest.raises(ValueError, match="ONEBIT_BACKEND: expected one of plain, native, triton, got 'fast'"):
+        api._backend(cpu, None, None, big)
+    monkeypatch.delenv("ONEBIT_BACKEND")
     with pytest.warns(FutureWarning, match="backend='compiled' is now backend='native'"):
         assert api._backend(cpu, "compiled", None, small) is native
+    monkeypatch.setattr(backends, "_warned", set())
     monkeypatch.setenv("ONEBIT_CPU_CODEC", "torch")
-    assert api._backend(cpu, None, None, big).__name__.endswith("torch_kernels")
+    with pytest.warns(FutureWarning, match="ONEBIT_CPU_CODEC=torch is deprecated: set ONEBIT_BACKEND=plain"):
+        assert api._backend(cpu, None, None, big).__name__.endswith("torch_kernels")
     with pytest.raises(ValueError, match="backend"):
         api._backend(cpu, "fast", None, big)
 

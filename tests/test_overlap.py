@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import fused_steps
 
 from onebit.optimizers import GradScaler, OnebitAdam, ZeroOneAdam
 
@@ -50,19 +51,14 @@ FROM_BACKWARD = {"onebit_adam": lambda s: s >= 3, "zero_one_adam": lambda s: s +
 
 def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int, kind: str = "onebit_adam",
           block: int | None = None):
-    from onebit.optimizers import _fused
-
     r = dist.get_rank()
     model = _model()
     opt = _optimizer(kind, model, overlap, block)
     # overlap=True runs the step's maths as separate passes; the synchronous step compared with it
     # does too (its fused passes, C on an x86 CPU, agree with them to float32 rounding:
     # tests/test_fused_cpu.py)
-    _fused.ENABLED = overlap
-    try:
+    with fused_steps(None if overlap else "plain"):
         return _run(model, opt, overlap, steps, nan_at, micro, r)
-    finally:
-        _fused.ENABLED = True
 
 
 def _run(model, opt, overlap, steps, nan_at, micro, r):

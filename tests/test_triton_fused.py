@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from helpers import torch_local
+from helpers import fused_steps, torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels import triton_fused as tf
@@ -158,17 +158,14 @@ def _train(fused: bool, rank: int, world: int, steps: int = 6, local: bool = Fal
     opt = OnebitAdam(groups, lr=1e-2, freeze_step=2, bucket_cap_mb=0.03, bias_correction=True)
     if local:
         opt.reducer().allreduce = torch_local
-    _fused.ON_CPU, _fused.ENABLED = True, fused
     used = []
-    try:
+    with fused_steps("triton" if fused else "plain"):
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(steps):
             for i, p in enumerate(params):
                 p.grad = None if (step == 3 and i == 2) else torch.randn(p.shape, generator=g).to(device)
             used.append(_fused.applies(opt, opt.reducer(), opt.compressed_params()))
             opt.step()
-    finally:
-        _fused.ON_CPU, _fused.ENABLED = False, True
     red = opt.reducer()
     return ([p.detach().cpu() for p in params], [b.flat.cpu() for b in red.buckets],
             [e.cpu() for pair in red.errors() for e in pair], used)
@@ -214,8 +211,7 @@ def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = OnebitAdam(params, lr=1e-2, freeze_step=1, bucket_cap_mb=0.03)
     opt.reducer().allreduce = torch_local
-    _fused.ON_CPU = True
-    try:
+    with fused_steps("triton"):
         for _ in range(2):
             for p in params:
                 p.grad = torch.randn(p.shape)
@@ -230,5 +226,3 @@ def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
             assert _fused.applies(opt, red, pairs)
         finally:
             bucket.worker_error = kept
-    finally:
-        _fused.ON_CPU = False

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import torch_local
+from helpers import fused_steps, torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels import triton_fused as tf
 from onebit.kernels import triton_fused_zoa as tz
 from onebit.kernels.layout import empty_message
-from onebit.optimizers import ZeroOneAdam, _fused, _fused_zoa
+from onebit.optimizers import ZeroOneAdam, _fused_zoa
 
 SIZES = [185, 1000, 3, 9000, 1088, 16, 5000]  # 9000 spans several 1024-element programs
 ROWS = [(0.9, 0.1, 0.01, -1e-2)] * 3 + [(0.8, 0.2, 0.0, -3e-3)] * 4  # b1, 1 - b1, wd, -lr
@@ -120,9 +120,8 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: 
     opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
     if local:
         opt.reducer().allreduce = torch_local
-    _fused.ON_CPU, _fused.ENABLED = True, fused
     used = []
-    try:
+    with fused_steps("triton" if fused else "plain"):
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(steps):
             for i, p in enumerate(params):
@@ -131,8 +130,6 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: 
             compressed = t % opt.var_interval != 0
             used.append(compressed and _fused_zoa.applies(opt, opt.reducer(), opt.compressed_params()))
             opt.step()
-    finally:
-        _fused.ON_CPU, _fused.ENABLED = False, True
     red = opt.reducer()
     return ([p.detach().cpu() for p in params], [opt.state[p]["exp_avg"].cpu() for p in params],
             [b.flat.cpu() for b in red.buckets], [e.cpu() for pair in red.errors() for e in pair], used)
@@ -249,10 +246,11 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
                       bucket_cap_mb=0.01)
     if local:
         opt.reducer().allreduce = torch_local
-    _fused.ON_CPU, _fused.ENABLED = True, fused
     used, syncs, real = [], [], _fused_zoa.FusedZeroOneSync.step
     _fused_zoa.FusedZeroOneSync.step = lambda self, *a: syncs.append(1) or real(self, *a)
+    scope = fused_steps("triton" if fused else "plain")
     try:
+        scope.__enter__()
         g = torch.Generator().manual_seed(2000 + rank)
         for step in range(steps):
             for i, p in enumerate(params):
@@ -261,7 +259,7 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
             used.append(phase2 and _fused_zoa.local_applies(opt, opt.compressed_params(), opt.auto_masks()))
             opt.step()
     finally:
-        _fused.ON_CPU, _fused.ENABLED = False, True
+        scope.__exit__(None, None, None)
         _fused_zoa.FusedZeroOneSync.step = real
     return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params], used,
             len(syncs))
@@ -295,8 +293,7 @@ def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = ZeroOneAdam(params, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
     opt.reducer().allreduce = torch_local
-    _fused.ON_CPU = True
-    try:
+    with fused_steps("triton"):
         for p in params:
             p.grad = torch.randn(p.shape)
         opt.step()
@@ -308,5 +305,3 @@ def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
             assert not _fused_zoa.applies(opt, red, pairs)
         finally:
             bucket.worker_error = kept
-    finally:
-        _fused.ON_CPU = False

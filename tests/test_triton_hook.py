@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onebit.collectives import _frozen_adam, _hook_fused, _hook_triton
+from onebit.collectives import _hook_triton
 from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
+from onebit.kernels.backends import use_backend
 
 pytest.importorskip("triton")
 from onebit.kernels import triton_hook  # noqa: E402  (decorated now, under the interpreter conftest sets)
@@ -41,32 +42,20 @@ def _bucket(n: int, spans: list[tuple[int, int]], seed: int, special: str | None
     return buffer, d, parts, out
 
 
-class _Without:
-    """A module with some of its functions replaced."""
-
-    def __init__(self, module, **replaced) -> None:
-        self._module, self._replaced = module, replaced
-
-    def __getattr__(self, name: str):
-        return self._replaced[name] if name in self._replaced else getattr(self._module, name)
+def _route(triton: bool):
+    """The hook's passes on Triton, or frozen_pre_'s route as a GPU runs it without Triton: the
+    plain ops (neither the native C passes nor the per-parameter ones)."""
+    return use_backend("triton" if triton else "plain", steps=["hook", "tensor"])
 
 
-# frozen_pre_'s route on a GPU: neither the C pass (cpu_simd) nor the compiled one (cpu_fused)
-GPU_ROUTE = {"cpu_simd": _Without(_frozen_adam.cpu_simd, available=lambda: False),
-             "cpu_fused": _Without(_frozen_adam.cpu_fused, hook_pre_=lambda *a: False)}
-
-
-def _passes(n, spans, seed, special, triton: bool, monkeypatch):
+def _passes(n, spans, seed, special, triton: bool):
     buffer, d, parts, out = _bucket(n, spans, seed, special)
-    monkeypatch.setattr(_hook_triton, "ON_CPU", triton)
-    monkeypatch.setattr(_hook_triton, "ENABLED", triton)
-    for name, shim in GPU_ROUTE.items():
-        monkeypatch.setattr(_frozen_adam, name, shim)
-    fa = FrozenAdam(1, 0.1)
-    post = frozen_pre_(buffer, d, parts, fa)
-    x = buffer.clone()
-    buffer.copy_(out)
-    post(buffer)
+    with _route(triton):
+        fa = FrozenAdam(1, 0.1)
+        post = frozen_pre_(buffer, d, parts, fa)
+        x = buffer.clone()
+        buffer.copy_(out)
+        post(buffer)
     return x, buffer, float(fa.local_sq)
 
 
@@ -80,10 +69,10 @@ CASES = [  # n, parameter spans (gaps between and after)
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("special", [None, "zero", "nan", "inf"])
-def test_the_triton_passes_are_bitwise_the_plain_passes(case, special, monkeypatch):
+def test_the_triton_passes_are_bitwise_the_plain_passes(case, special):
     n, spans = CASES[case]
-    got = _passes(n, spans, case, special, True, monkeypatch)
-    want = _passes(n, spans, case, special, False, monkeypatch)
+    got = _passes(n, spans, case, special, True)
+    want = _passes(n, spans, case, special, False)
     for a, b in zip(got[:2], want[:2], strict=True):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.signbit(), b.signbit())
@@ -96,20 +85,19 @@ def test_the_triton_passes_are_bitwise_the_plain_passes(case, special, monkeypat
 
 def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):
     buffer, d, parts, _ = _bucket(1000, [(0, 640), (700, 990)], 0)
-    monkeypatch.setattr(_hook_triton, "ON_CPU", True)
-    assert _hook_triton.applies(buffer, d, parts)
-    assert not _hook_triton.applies(buffer.double(), d, parts)  # not float32
-    assert not _hook_triton.applies(buffer, d, [(0, 640, parts[0][2][::2].clone(), 1.0)])  # a wrong size
-    assert not _hook_triton.applies(buffer, d, [(0, 320, torch.zeros(640)[::2], 1.0)])  # not contiguous
-    monkeypatch.setattr(_hook_triton, "ON_CPU", False)
-    assert not _hook_triton.applies(buffer, d, parts)  # a CPU bucket: the C or torch passes
+    with _route(True):
+        assert _hook_triton.applies(buffer, d, parts)
+        assert not _hook_triton.applies(buffer.double(), d, parts)  # not float32
+        assert not _hook_triton.applies(buffer, d, [(0, 640, parts[0][2][::2].clone(), 1.0)])  # a wrong size
+        assert not _hook_triton.applies(buffer, d, [(0, 320, torch.zeros(640)[::2], 1.0)])  # not contiguous
+    assert not _hook_triton.applies(buffer, d, parts)  # a CPU bucket by default: the C or torch passes
     calls = []
     real = triton_hook.pre
     monkeypatch.setattr(triton_hook, "pre", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(_hook_triton, "ON_CPU", True)
-    fa = FrozenAdam(1, 0.1)
-    frozen_pre_(buffer, d, parts, fa)(buffer)
-    frozen_pre_(buffer, d, parts, fa)(buffer)
+    with _route(True):
+        fa = FrozenAdam(1, 0.1)
+        frozen_pre_(buffer, d, parts, fa)(buffer)
+        frozen_pre_(buffer, d, parts, fa)(buffer)
     assert calls == [1, 1] and len(fa.tables) == 1  # the table built once
 
 
@@ -128,18 +116,18 @@ def _ddp_body(steps: int, triton: bool, block):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=block)
     model.register_comm_hook(state, onebit_compress_hook)
-    saved = (_hook_fused.ENABLED, _hook_triton.ON_CPU, triton_hook.post, _frozen_adam.cpu_simd,
-             _frozen_adam.cpu_fused)
+    real = triton_hook.post
     calls = [0]
 
     def counted(*a):
         calls[0] += 1
-        return saved[2](*a)
+        return real(*a)
 
-    _hook_fused.ENABLED, _hook_triton.ON_CPU, triton_hook.post = False, triton, counted
-    _frozen_adam.cpu_simd, _frozen_adam.cpu_fused = GPU_ROUTE["cpu_simd"], GPU_ROUTE["cpu_fused"]
+    triton_hook.post = counted
     norms = []
+    scope = _route(triton)
     try:
+        scope.__enter__()
         for t in range(steps):
             g = torch.Generator().manual_seed(100 * t + r)
             x = torch.randn(16, 61, generator=g)
@@ -149,8 +137,8 @@ def _ddp_body(steps: int, triton: bool, block):
             opt.step()
             opt.zero_grad()
     finally:
-        (_hook_fused.ENABLED, _hook_triton.ON_CPU, triton_hook.post, _frozen_adam.cpu_simd,
-         _frozen_adam.cpu_fused) = saved
+        scope.__exit__(None, None, None)
+        triton_hook.post = real
     return [p.detach().clone() for p in model.parameters()], calls[0], norms
 
 
@@ -169,19 +157,19 @@ def test_ddp_hook_on_three_ranks_is_bitwise_the_plain_hook(ranks, block):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_on_cuda_the_triton_passes_are_bitwise_the_plain_gpu_passes(case, monkeypatch):
+def test_on_cuda_the_triton_passes_are_bitwise_the_plain_gpu_passes(case):
     n, spans = CASES[case]
     runs = []
     for triton in (True, False):
         buffer, d, parts, out = _bucket(n, spans, case, "zero")
         buffer, d, out = buffer.cuda(), d.cuda(), out.cuda()
         parts = [(lo, hi, m.cuda(), f) for lo, hi, m, f in parts]
-        monkeypatch.setattr(_hook_triton, "ENABLED", triton)
-        fa = FrozenAdam(1, 0.1)
-        post = frozen_pre_(buffer, d, parts, fa)
-        x = buffer.clone()
-        buffer.copy_(out)
-        post(buffer)
+        with _route(triton):
+            fa = FrozenAdam(1, 0.1)
+            post = frozen_pre_(buffer, d, parts, fa)
+            x = buffer.clone()
+            buffer.copy_(out)
+            post(buffer)
         runs.append((x.cpu(), buffer.cpu(), float(fa.local_sq)))
     (x1, o1, s1), (x0, o0, s0) = runs
     assert torch.equal(x1, x0) and torch.equal(x1.signbit(), x0.signbit()) and torch.equal(o1, o0)

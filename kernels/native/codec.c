@@ -125,25 +125,42 @@ double onebit_encode_total(const float* x, const float* e, uint8_t* bits, int64_
    Row r of the bits starts at bits + r * stride; rank r's weight for block j is w[r * wr + j * wj]. */
 static inline float weight(const float* w, int64_t wr, int64_t wj, int r, int64_t j) { return w[r * wr + j * wj]; }
 
+/* The portable variants run 8 elements at a time through SGN, the +-1.0 of each bit of a byte (bit 7 - k
+   at k): loops of 8 floats that the compiler vectorises (SSE2, NEON). +-1 * w is exact: the plain path's
+   unpack (a table of +-1 times the scale) computes the same products. */
+static float SGN[256][8] __attribute__((aligned(32)));
+__attribute__((constructor)) static void sgn_init(void) {
+  for (int b = 0; b < 256; b++)
+    for (int k = 0; k < 8; k++) SGN[b][k] = (b >> (7 - k)) & 1 ? 1.0f : -1.0f;
+}
+
+/* m over 8 elements at i: sum_r SGN * w_r in rank order, then + e */
+static inline void server8(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
+                           int64_t j, const float* e, float* m) {
+  const float* t = SGN[bits[0]];
+  float w0 = weight(w, wr, wj, 0, j);
+  for (int k = 0; k < 8; k++) m[k] = t[k] * w0;
+  for (int r = 1; r < W; r++) {
+    const float* tr = SGN[bits[r * stride]];
+    float wv = weight(w, wr, wj, r, j);
+    for (int k = 0; k < 8; k++) m[k] = m[k] + tr[k] * wv;
+  }
+  for (int k = 0; k < 8; k++) m[k] = m[k] + e[k];
+}
+
 static void server_c(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                      const float* e, uint8_t* out, double* sums, int64_t n, int64_t block) {
   for (int64_t j = 0; j < n / block; j++) {
-    double s = 0.0;
+    double s8[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
     for (int64_t i = j * block; i < (j + 1) * block; i += 8) {
+      float m[8];
+      server8(bits + i / 8, stride, W, w, wr, wj, j, e + i, m);
       int b = 0;
-      for (int k = 0; k < 8; k++) {
-        float m = 0.0f;
-        for (int r = 0; r < W; r++) {
-          float wv = weight(w, wr, wj, r, j), v = (bits[r * stride + i / 8] >> (7 - k)) & 1 ? wv : -wv;
-          m = r == 0 ? v : m + v;
-        }
-        m = m + e[i + k];
-        b |= (!(m < 0.0f)) << (7 - k);
-        s += (double)m * (double)m;
-      }
+      for (int k = 0; k < 8; k++) b |= (!(m[k] < 0.0f)) << (7 - k);
+      for (int k = 0; k < 8; k++) s8[k] += (double)m[k] * (double)m[k];
       out[i / 8] = (uint8_t)b;
     }
-    sums[j] = s;
+    sums[j] = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
   }
 }
 
@@ -261,11 +278,6 @@ double onebit_server_total(const uint8_t* bits, int64_t stride, int W, const flo
 
 /* ---- decompress: the deferred worker error (e = z - copysign(ws, z + 0), z = out + e), then the
    decode (out = +-1 * s); one pass. Scales by runs of 8: s[(i / block) * sstep] for element i. */
-static inline float bitcopysign(float mag, float sgn) {
-  union { float f; uint32_t u; } a = {mag}, b = {sgn};
-  a.u = (a.u & 0x7FFFFFFFu) | (b.u & 0x80000000u);
-  return a.f;
-}
 
 static void decompress_c(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
                          int64_t wstep, int64_t n, int64_t block) {
@@ -275,11 +287,12 @@ static void decompress_c(const uint8_t* bits, const float* s, int64_t sstep, flo
       float w = ws[j * wstep];
       for (int k = 0; k < 8; k++) {
         float z = out[i + k] + e[i + k];
-        e[i + k] = z - bitcopysign(w, z + 0.0f);
+        e[i + k] = z - copysignf(w, z + 0.0f);
       }
     }
     float sc = s[j * sstep];
-    for (int k = 0; k < 8; k++) out[i + k] = ((bits[i / 8] >> (7 - k)) & 1 ? 1.0f : -1.0f) * sc;
+    const float* t = SGN[bits[i / 8]];
+    for (int k = 0; k < 8; k++) out[i + k] = t[k] * sc;
   }
 }
 
@@ -400,15 +413,9 @@ static void server_update_c(const uint8_t* bits, int64_t stride, int W, const fl
                             float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
   for (int64_t i = 0, j = 0, rem = 0; i < n; i += 8, rem += 8) {
     if (rem == block) { rem = 0; j++; }
-    for (int k = 0; k < 8; k++) {
-      float m = 0.0f;
-      for (int r = 0; r < W; r++) {
-        float wv = w[r * wr + j * wj], v = (bits[r * stride + i / 8] >> (7 - k)) & 1 ? wv : -wv;
-        m = r == 0 ? v : m + v;
-      }
-      m = m + e[i + k];
-      e[i + k] = m - bitcopysign(s[j * sstep], m + 0.0f);
-    }
+    float m[8], sc = s[j * sstep];
+    server8(bits + i / 8, stride, W, w, wr, wj, j, e + i, m);
+    for (int k = 0; k < 8; k++) e[i + k] = m[k] - copysignf(sc, m[k] + 0.0f);
   }
 }
 

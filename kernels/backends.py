@@ -1,0 +1,170 @@
+"""Which backend runs a call: one table of backends and one selection function.
+
+Three backends:
+
+- ``plain``: torch ops, on any device; the reference every other backend is tested against.
+- ``native``: the C library (``onebit/kernels/native``, ``onebit/kernels/fused``) on CPU tensors;
+  AVX-512, AVX2 + FMA or portable C, chosen inside C at run time.
+- ``triton``: the Triton kernels on CUDA (and ROCm) tensors; on CPU tensors only when forced and
+  ``TRITON_INTERPRET=1`` (the tests run the kernels so).
+
+Each layer asks :func:`select` once per call, for its device and the step it is about to run,
+and runs that backend's implementation of the whole step, or its plain path where the answer is
+``plain``. The steps (what a backend implements beyond the codec):
+
+========== ==============================================================================
+``codec``  worker compress, server reduce, decompress (``onebit.kernels.api``)
+``adam``   OnebitAdam's compression step in the codec's passes (``optimizers/_fused*.py``)
+``zoa``    ZeroOneAdam's phase-1 step and phase-2 synchronisation in the codec's passes
+``local``  ZeroOneAdam's phase-2 local step over every parameter at once
+``hook``   the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective
+``tensor`` the optimizers' per-tensor element-wise passes (``onebit.kernels.cpu_fused``)
+========== ==============================================================================
+
+Forcing one: ``with use_backend("plain"):`` (this thread, inside the block), or the environment
+variable ``ONEBIT_BACKEND=plain|native|triton`` (the process). ``use_backend(name, steps=...)``
+forces it for those steps alone (the tests' "unfused step, default codec"). A forced backend must
+be usable on the call's device (else :class:`RuntimeError` naming what forced it), and a step it
+does not implement runs plain. ``ONEBIT_CPU_CODEC=torch`` and ``ONEBIT_CPU_SIMD=off``, the former
+switches, still keep CPU tensors off the native backend, with a ``FutureWarning``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ._warn import warn_user
+
+__all__ = ["BACKENDS", "ENV", "STEPS", "Backend", "forced", "select", "use_backend"]
+
+ENV = "ONEBIT_BACKEND"
+STEPS = ("codec", "adam", "zoa", "local", "hook", "tensor")
+_OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
+
+
+def _native_available(device: torch.device) -> bool:
+    if device.type != "cpu" or _switched_off():
+        return False
+    from . import cpu_simd
+
+    return cpu_simd.available()
+
+
+def _triton_available(device: torch.device) -> bool:
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if device.type not in ("cpu", "cuda"):
+        return False
+    try:
+        import triton  # noqa: F401  (may be missing on a CPU machine)
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: its name, the devices it takes by default (in :data:`ORDER`), the steps it
+    implements, and whether it is usable for a device here."""
+
+    name: str
+    steps: frozenset[str]
+    usable: Callable[[torch.device], bool]
+    what: str
+
+    def implements(self, step: str) -> bool:
+        return step in self.steps
+
+
+BACKENDS: dict[str, Backend] = {
+    "plain": Backend("plain", frozenset(STEPS), lambda device: True,
+                     "torch ops on any device (the reference; every step unfused)"),
+    "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor")), _native_available,
+                      "the C library on CPU tensors (AVX-512, AVX2 + FMA or portable C)"),
+    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "hook")), _triton_available,
+                      "the Triton kernels on CUDA tensors (CPU tensors: forced, under TRITON_INTERPRET=1)"),
+}
+ORDER = {"cpu": ("native", "plain"), "cuda": ("triton", "plain")}  # the default, best first
+
+_local = threading.local()
+_warned: set[str] = set()
+
+
+def _switched_off() -> bool:
+    """The former switches that kept CPU tensors on the plain path (warned once each)."""
+    off = False
+    for name, value in _OLD_ENV:
+        if os.environ.get(name, "") == value:
+            off = True
+            if name not in _warned:
+                _warned.add(name)
+                warn_user(f"onebit: {name}={value} is deprecated: set {ENV}=plain (every step plain) "
+                          f"instead; it still keeps CPU tensors off the native backend", FutureWarning)
+    return off
+
+
+def _check(name: object, what: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{what}: expected one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+def forced(step: str = "codec") -> tuple[str, str] | None:
+    """``(name, what forced it)`` for ``step``: the innermost ``use_backend`` covering it, else
+    ``ONEBIT_BACKEND``, else None."""
+    for name, steps in reversed(getattr(_local, "stack", [])):
+        if steps is None or step in steps:
+            return name, f"use_backend({name!r})"
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        return _check(env, ENV), f"{ENV}={env}"
+    return None
+
+
+@contextlib.contextmanager
+def use_backend(name: str, steps: Iterable[str] | None = None) -> Iterator[None]:
+    """Force backend ``name`` in this thread inside the block: for every step, or for ``steps``
+    alone (names from :data:`STEPS`)."""
+    _check(name, "name")
+    chosen = None if steps is None else frozenset(steps)
+    for step in chosen or ():
+        if step not in STEPS:
+            raise ValueError(f"steps: expected names from {', '.join(STEPS)}, got {step!r}")
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append((name, chosen))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def select(device: torch.device | str, step: str = "codec") -> Backend:
+    """The backend that runs ``step`` for tensors on ``device``: the forced one (raises where it
+    cannot run on that device; ``plain`` where it does not implement the step), else the first in
+    :data:`ORDER` that is usable and implements it, else ``plain``."""
+    device = torch.device(device)
+    if step not in STEPS:
+        raise ValueError(f"step: expected one of {', '.join(STEPS)}, got {step!r}")
+    force = forced(step)
+    if force is not None:
+        backend = BACKENDS[force[0]]
+        if not backend.usable(device):
+            raise RuntimeError(f"{force[1]}: the {backend.name} backend ({backend.what}) cannot run on "
+                               f"{device.type} tensors here")
+        return backend if backend.implements(step) else BACKENDS["plain"]
+    for name in ORDER.get(device.type, ()):
+        backend = BACKENDS[name]
+        if backend.implements(step) and backend.usable(device):
+            return backend
+    return BACKENDS["plain"]
+
+
+def is_(device: torch.device | str, step: str, name: str) -> bool:
+    """Whether :func:`select` gives backend ``name`` for ``step`` on ``device``."""
+    return select(device, step).name == name

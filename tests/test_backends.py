@@ -1,0 +1,112 @@
+"""The one selection of a backend (onebit.kernels.backends): the default order per device, forcing
+by context and by environment (per step too), what a forced backend cannot do, and that no module
+switch of the former kind is left for a test to set."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+from helpers import ROOT
+
+from onebit.kernels import backends, cpu_simd
+from onebit.kernels.backends import STEPS, select, use_backend
+
+needs_c = pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
+
+
+def test_every_backend_says_what_it_implements():
+    assert set(backends.BACKENDS) == {"plain", "native", "triton"}
+    assert backends.BACKENDS["plain"].steps == frozenset(STEPS)  # every step has a plain path
+    for b in backends.BACKENDS.values():
+        assert b.steps <= frozenset(STEPS) and "codec" in b.steps and b.what
+    assert not backends.BACKENDS["native"].implements("local")  # ZeroOneAdam's one-launch local step
+    assert not backends.BACKENDS["triton"].implements("tensor")
+
+
+@needs_c
+def test_the_default_on_cpu_is_native_for_what_it_implements():
+    for step in STEPS:
+        want = "native" if backends.BACKENDS["native"].implements(step) else "plain"
+        assert select("cpu", step).name == want, step
+    assert select("meta").name == "plain"  # a device no backend takes by default
+
+
+def test_use_backend_forces_nests_and_restores():
+    with use_backend("plain"):
+        assert all(select("cpu", step).name == "plain" for step in STEPS)
+        with use_backend("native", steps=["codec"]) if cpu_simd.available() else use_backend("plain"):
+            assert select("cpu", "codec").name == ("native" if cpu_simd.available() else "plain")
+            assert select("cpu", "adam").name == "plain"  # the outer block still covers it
+        assert select("cpu", "codec").name == "plain"
+    assert backends.forced() is None
+
+
+def test_a_forced_backend_runs_plain_where_it_does_not_implement_the_step():
+    with use_backend("triton"):  # the interpreter is on in the tests (conftest)
+        assert select("cpu", "adam").name == "triton"
+        assert select("cpu", "tensor").name == "plain"
+
+
+def test_a_forced_backend_that_cannot_run_on_the_device_says_who_forced_it(monkeypatch):
+    with use_backend("native"), pytest.raises(RuntimeError, match=r"use_backend\('native'\): the native "
+                                                                   r"backend .* cannot run on cuda tensors"):
+        select("cuda", "codec")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("ONEBIT_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="ONEBIT_BACKEND=triton: the triton backend .* cpu tensors"):
+        select("cpu", "codec")
+
+
+def test_forcing_is_per_thread():
+    seen = []
+    with use_backend("plain"):
+        t = threading.Thread(target=lambda: seen.append(backends.forced()))
+        t.start()
+        t.join()
+    assert seen == [None]
+
+
+def test_bad_names_name_the_argument():
+    with pytest.raises(ValueError, match="name: expected one of plain, native, triton, got 'gpu'"):
+        with use_backend("gpu"):
+            pass
+    with pytest.raises(ValueError, match="steps: expected names from codec, adam"):
+        with use_backend("plain", steps=["adamw"]):
+            pass
+    with pytest.raises(ValueError, match="step: expected one of codec"):
+        select("cpu", "sgd")
+
+
+def test_the_deprecated_switches_keep_cpu_tensors_plain_with_a_warning(monkeypatch):
+    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setenv("ONEBIT_CPU_SIMD", "off")
+    with pytest.warns(FutureWarning, match="ONEBIT_CPU_SIMD=off is deprecated: set ONEBIT_BACKEND=plain"):
+        assert select("cpu", "codec").name == "plain"
+
+
+def test_no_test_sets_a_module_switch():
+    """Tests choose a backend with use_backend (or ONEBIT_BACKEND), never by setting a module's
+    switch: the former switches are gone from the library and from the tests."""
+    gone = re.compile(r"\b(_fused|_hook_fused|_hook_triton)\.(ENABLED|ON_CPU)\b|^(ENABLED|ON_CPU) = ", re.M)
+    for folder in ("kernels", "collectives", "optimizers", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            if path.name == "test_backends.py":
+                continue
+            assert not gone.search(text), f"{path}: {gone.search(text).group(0)}"
+
+
+def test_the_codec_follows_the_selection():
+    from onebit.kernels import decompress, server_reduce, worker_compress  # noqa: F401
+    from onebit.kernels.layout import Layout
+
+    x = torch.randn(1000)
+    e = torch.zeros(1008)
+    with use_backend("plain"):
+        plain = worker_compress(x, e.clone(), 3)
+    ref = worker_compress(x, e.clone(), 3, backend="torch")
+    assert torch.equal(plain, ref)
+    assert Layout(1008, 3).message_bytes == plain.numel()
