@@ -23,27 +23,30 @@ and runs that backend's implementation of the whole step, or its plain path wher
 
 Forcing one: ``with use_backend("plain"):`` (this thread, inside the block), or the environment
 variable ``ONEBIT_BACKEND=plain|native|triton`` (the process). ``use_backend(name, steps=...)``
-forces it for those steps alone (the tests' "unfused step, default codec"). A forced backend must
-be usable on the call's device (else :class:`RuntimeError` naming what forced it), and a step it
-does not implement runs plain. ``ONEBIT_CPU_CODEC=torch`` and ``ONEBIT_CPU_SIMD=off``, the former
-switches, still keep CPU tensors off the native backend, with a ``FutureWarning``.
+forces it for those steps alone (the tests' "unfused step, default codec"). ``native:avx2`` (or
+``native:c``, ``native:avx512``) forces native and caps the instruction set its C uses below what the
+CPU has: what a CPU without AVX-512 (or without AVX2) runs, on one with it (:func:`native_isa`). A
+forced backend must be usable on the call's device (else :class:`RuntimeError` naming what forced
+it), and a step it does not implement runs plain. ``ONEBIT_CPU_CODEC=torch`` and
+``ONEBIT_CPU_SIMD=off``, the former switches, still keep CPU tensors off the native backend, with a
+``FutureWarning``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from ._forcing import ENV, ISA_LEVELS, check, env, native_isa, stack
 from ._warn import warn_user
 
-__all__ = ["BACKENDS", "ENV", "STEPS", "Backend", "forced", "select", "use_backend"]
+__all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "STEPS", "Backend", "forced", "native_isa", "select",
+           "use_backend"]
 
-ENV = "ONEBIT_BACKEND"
 STEPS = ("codec", "adam", "zoa", "local", "hook", "tensor")
 _OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
 
@@ -92,7 +95,6 @@ BACKENDS: dict[str, Backend] = {
 }
 ORDER = {"cpu": ("native", "plain"), "cuda": ("triton", "plain")}  # the default, best first
 
-_local = threading.local()
 _warned: set[str] = set()
 
 
@@ -109,39 +111,32 @@ def _switched_off() -> bool:
     return off
 
 
-def _check(name: object, what: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"{what}: expected one of {', '.join(BACKENDS)}, got {name!r}")
-    return name
-
-
 def forced(step: str = "codec") -> tuple[str, str] | None:
     """``(name, what forced it)`` for ``step``: the innermost ``use_backend`` covering it, else
-    ``ONEBIT_BACKEND``, else None."""
-    for name, steps in reversed(getattr(_local, "stack", [])):
+    ``ONEBIT_BACKEND``, else None (``name`` without its ``native:<isa>`` variant)."""
+    for name, steps in reversed(stack()):
         if steps is None or step in steps:
-            return name, f"use_backend({name!r})"
-    env = os.environ.get(ENV, "").strip()
-    if env:
-        return _check(env, ENV), f"{ENV}={env}"
-    return None
+            return name.partition(":")[0], f"use_backend({name!r})"
+    value = env()
+    return (value.partition(":")[0], f"{ENV}={value}") if value else None
 
 
 @contextlib.contextmanager
 def use_backend(name: str, steps: Iterable[str] | None = None) -> Iterator[None]:
     """Force backend ``name`` in this thread inside the block: for every step, or for ``steps``
-    alone (names from :data:`STEPS`)."""
-    _check(name, "name")
+    alone (names from :data:`STEPS`); ``native:avx2`` (``native:c``, ``native:avx512``) also caps
+    the native C's instruction set."""
+    check(name, "name")
     chosen = None if steps is None else frozenset(steps)
     for step in chosen or ():
         if step not in STEPS:
             raise ValueError(f"steps: expected names from {', '.join(STEPS)}, got {step!r}")
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append((name, chosen))
+    blocks = stack()
+    blocks.append((name, chosen))
     try:
         yield
     finally:
-        stack.pop()
+        blocks.pop()
 
 
 def select(device: torch.device | str, step: str = "codec") -> Backend:

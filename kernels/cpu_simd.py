@@ -19,7 +19,7 @@ Used by :mod:`onebit.kernels.native.codec` where :func:`available`; the same lib
 passes with an optimizer's maths inside, bound in :mod:`onebit.kernels.cpu_simd_fused`. A failed
 build warns once and leaves CPU tensors to the plain path. ``ONEBIT_CPU_SIMD=off``: never this
 path (A/B runs). Each function takes ``isa`` (2: AVX-512, 1: AVX2 + FMA, 0: portable C; None: the
-best this CPU has, at most ``ONEBIT_NATIVE_ISA``) so that the tests run every variant the machine
+best this CPU has, at most a forced ``native:<isa>``'s) so that the tests run every variant the machine
 supports against the plain path.
 """
 
@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from ._forcing import native_isa
 from ._warn import warn_user
 from .native import build
 
@@ -62,9 +63,9 @@ def available() -> bool:
 
 def best_isa() -> int:
     """The ISA level the passes use: this CPU's best (2: AVX-512, 1: AVX2 + FMA, 0: portable C), at
-    most ``ONEBIT_NATIVE_ISA``'s (:func:`onebit.kernels.native.build.isa_cap`)."""
+    most a forced ``native:<isa>``'s (:func:`onebit.kernels.backends.native_isa`)."""
     lib = library()
-    return 0 if lib is None else min(int(lib.onebit_best_isa()), build.isa_cap())
+    return 0 if lib is None else min(int(lib.onebit_best_isa()), native_isa())
 
 
 def _isa(isa: int | None) -> int:

@@ -135,12 +135,17 @@ def test_bad_buffers_are_refused_before_any_write():
 
 
 def test_the_isa_cap_lowers_the_level_and_names_itself_when_wrong(monkeypatch):
+    from onebit.kernels.backends import use_backend
+
     best = int(cpu_simd.library().onebit_best_isa())
-    for value, level in (("avx512", 2), ("AVX2", 1), ("c", 0), ("", 2)):
-        monkeypatch.setenv("ONEBIT_NATIVE_ISA", value)
+    for value, level in (("native:avx512", 2), ("native:avx2", 1), ("native:c", 0), ("native", 2), ("", 2)):
+        monkeypatch.setenv("ONEBIT_BACKEND", value)
         assert cpu_simd.best_isa() == min(best, level), value
-    monkeypatch.setenv("ONEBIT_NATIVE_ISA", "sse4")
-    with pytest.raises(ValueError, match="ONEBIT_NATIVE_ISA: expected one of c, avx2, avx512, got 'sse4'"):
+    with use_backend("native:c", steps=["codec"]):  # a block's cap wins over the environment's
+        assert cpu_simd.best_isa() == 0
+    monkeypatch.setenv("ONEBIT_BACKEND", "native:sse4")
+    with pytest.raises(ValueError, match=r"ONEBIT_BACKEND: expected one of plain, native, triton \(or "
+                                         r"native:c\|avx2\|avx512\), got 'native:sse4'"):
         cpu_simd.best_isa()
 
 

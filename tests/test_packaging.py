@@ -80,7 +80,7 @@ def test_an_installed_wheel_builds_its_c_and_runs_it_on_two_ranks(wheel, tmp_pat
     script.write_text(_RANK)
     env = dict(os.environ, PYTHONPATH=str(target), XDG_CACHE_HOME=str(tmp_path / "cache"),
                OMP_NUM_THREADS="1")
-    env.pop("ONEBIT_NATIVE_ISA", None)
+    env.pop("ONEBIT_BACKEND", None)
     args = [sys.executable, "-P", str(script)]
     ranks = [subprocess.Popen([*args, str(r), str(tmp_path / "store"), str(target)], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

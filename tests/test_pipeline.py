@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from onebit.collectives import _pipeline, compressed_allreduce, padded_numel, traffic
-from onebit.kernels import Layout, api
+from onebit.kernels import Layout
+from onebit.kernels.backends import use_backend
 
 
 def _inputs(n: int, call: int, rank: int, kind: str) -> torch.Tensor:
@@ -24,14 +25,15 @@ def _inputs(n: int, call: int, rank: int, kind: str) -> torch.Tensor:
     return x
 
 
-def _body_sliced(n, block, kind, calls, min_piece, compiled):
-    saved = _pipeline.MIN_PIECE, _pipeline.MAX_SLICES, api.MIN_NUMEL
+def _body_sliced(n, block, kind, calls, min_piece, native):
+    saved = _pipeline.MIN_PIECE, _pipeline.MAX_SLICES
     r, W = dist.get_rank(), dist.get_world_size()
     N = padded_numel(n, W, block)
     bufs = {K: (torch.zeros(N), torch.zeros(N // W)) for K in ("sliced", "whole")}
     outs, sent = {"sliced": [], "whole": []}, {}
     try:
-        api.MIN_NUMEL = 0 if compiled else 1 << 62
+        codec = use_backend("native" if native else "plain", steps=["codec"])
+        codec.__enter__()
         for name, max_slices in (("whole", 1), ("sliced", 4)):
             _pipeline.MIN_PIECE, _pipeline.MAX_SLICES = min_piece, max_slices
             traffic.reset()
@@ -41,19 +43,20 @@ def _body_sliced(n, block, kind, calls, min_piece, compiled):
             sent[name] = traffic.compressed
         K = _pipeline.slices(Layout(N, W, block))
     finally:
-        _pipeline.MIN_PIECE, _pipeline.MAX_SLICES, api.MIN_NUMEL = saved
+        codec.__exit__(None, None, None)
+        _pipeline.MIN_PIECE, _pipeline.MAX_SLICES = saved
     return K, outs, bufs, sent
 
 
-@pytest.mark.parametrize(("W", "block", "n", "kind", "compiled"), [
+@pytest.mark.parametrize(("W", "block", "n", "kind", "native"), [
     (3, 64, 3 * 64 * 40 + 17, "normal", False),
     (5, 24, 5 * 96 * 13 - 1, "heavy", False),
     (2, 8, 2 * 32 * 31 + 5, "sparse", False),
     (3, 64, 200, "normal", False),  # 2 slices; the last chunk all padding, the one before half
-    (3, 64, 3 * 64 * 64 + 1, "heavy", True),  # the compiled codec on every piece
+    (3, 64, 3 * 64 * 64 + 1, "heavy", True),  # the native codec on every piece
 ])
-def test_sliced_call_is_bitwise_the_unsliced_one(ranks, W, block, n, kind, compiled):
-    got = ranks(W).run(_body_sliced, n, block, kind, 3, 64, compiled)
+def test_sliced_call_is_bitwise_the_unsliced_one(ranks, W, block, n, kind, native):
+    got = ranks(W).run(_body_sliced, n, block, kind, 3, 64, native)
     assert all(K > 1 for K, *_ in got), "the call was not sliced"
     for _, outs, bufs, sent in got:
         for c in range(3):

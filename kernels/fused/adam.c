@@ -21,9 +21,9 @@ __attribute__((target("avx2,fma"))) static void update_256(float* p, const float
 
 
 static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
-    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+  int64_t lo, hi;
+  for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
+       kk++) {
     if (hi <= lo) continue;
     int64_t o = lo - t->start[kk];
     const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
@@ -38,9 +38,9 @@ static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t
 }
 
 static void update_range(int isa, const float* flat, int64_t a, int64_t b, const table_t* t, float lo_c, float hi_c, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
-    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+  int64_t lo, hi;
+  for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
+       kk++) {
     if (hi <= lo) continue;
     float* p = (float*)t->p[kk] + (lo - t->start[kk]);
     const float* sc = t->sc + 5 * kk;
@@ -139,7 +139,7 @@ static double fold_encode_run512(float* u, const float* g, const float* d, const
 
 /* the table's tensor holding all of [a, b), with a gradient, or -1 (k: the cursor, as fold_range's) */
 static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
+  table_first(t->start, t->count, t->K, a, k);
   if (*k < t->K && t->start[*k] <= a && b <= t->start[*k] + t->count[*k] && t->g[*k]) return *k;
   return -1;
 }

@@ -50,21 +50,8 @@ static double pre_any(int isa, float* g, const float* m, const float* d, float k
 }
 
 double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
-  enum { MAXT = 256 };
-  double part[MAXT];
-  if (threads > MAXT) threads = MAXT;
-  int used = 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo, hi;
-    thread_range(n, 16, t, T, &lo, &hi);
-    double s = hi > lo ? pre_any(isa, g + lo, m + lo, d + lo, k, hi - lo) : 0.0;
-    part[t] = s;
-    if (t == 0) used = T;
-  }
-  double total = 0.0;
-  for (int t = 0; t < used; t++) total += part[t];
+  double total;
+  ONEBIT_THREAD_SUM(total, n, 16, threads, { if (b > a) s = pre_any(isa, g + a, m + a, d + a, k, b - a); });
   return total;
 }
 
@@ -84,10 +71,9 @@ __attribute__((target("avx2,fma"))) static void post_256(float* out, const float
 /* flat elements [a, b): the pre-pass inside the table's entries, the sum of squares alone elsewhere */
 static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
   double s = 0.0;
-  int64_t pos = a;
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
-    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+  int64_t pos = a, lo, hi;
+  for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
+       kk++) {
     if (hi <= lo) continue;
     if (lo > pos) s += sq_any(isa, flat + pos, lo - pos);
     int64_t o = lo - t->start[kk];
@@ -101,9 +87,9 @@ static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_
 }
 
 static void post_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  for (int kk = *k; kk < t->K && t->start[kk] < b; kk++) {
-    int64_t lo = a > t->start[kk] ? a : t->start[kk], end = t->start[kk] + t->count[kk], hi = b < end ? b : end;
+  int64_t lo, hi;
+  for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
+       kk++) {
     if (hi <= lo) continue;
     int64_t o = lo - t->start[kk];
     const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;

@@ -67,10 +67,7 @@ typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; 
    and its gradient g (0: none) and denominator d at that offset; 0 past [a, b) */
 typedef struct { int64_t lo, hi, o; const float *g, *d; } seg_t;
 static int zoa_seg(const zoa_t* t, int64_t a, int64_t b, int kk, seg_t* s) {
-  if (kk >= t->K || t->start[kk] >= b) return 0;
-  int64_t end = t->start[kk] + t->count[kk];
-  s->lo = a > t->start[kk] ? a : t->start[kk];
-  s->hi = b < end ? b : end;
+  if (!table_part(t->start, t->count, t->K, a, b, kk, &s->lo, &s->hi)) return 0;
   s->o = s->lo - t->start[kk];
   s->g = t->g[kk] ? (const float*)t->g[kk] + s->o : 0;
   s->d = (const float*)t->d[kk] + s->o;
@@ -78,10 +75,7 @@ static int zoa_seg(const zoa_t* t, int64_t a, int64_t b, int kk, seg_t* s) {
 }
 
 /* the first tensor that can overlap [a, ...): the cursor k moved past those that end before a */
-static int zoa_first(const zoa_t* t, int64_t a, int* k) {
-  while (*k < t->K && t->start[*k] + t->count[*k] <= a) (*k)++;
-  return *k;
-}
+static int zoa_first(const zoa_t* t, int64_t a, int* k) { return table_first(t->start, t->count, t->K, a, k); }
 
 /* x over flat elements [a, b) into x[0, b - a) */
 static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* t, int* k) {

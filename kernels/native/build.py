@@ -7,8 +7,9 @@ cached under ``$XDG_CACHE_HOME/onebit`` (or ``~/.cache/onebit``, else the tempor
 the hash of every source's text, the compiler and its flags: an edit of any ``.c`` or ``.h`` builds a
 new one. Ranks that build at once each write a whole file and rename it into place.
 
-``ONEBIT_NATIVE_ISA`` (``avx512``, ``avx2`` or ``c``) caps the instruction set the passes use below
-what the CPU has: what a machine without AVX-512 (or without AVX2) runs, measured on one with it.
+``ONEBIT_BACKEND=native:avx2`` (or ``native:c``; :func:`onebit.kernels.backends.native_isa`) caps the
+instruction set the passes use below what the CPU has: what a machine without AVX-512 (or without
+AVX2) runs, measured on one with it.
 """
 
 from __future__ import annotations
@@ -27,20 +28,6 @@ SOURCES = (_HERE / "codec.c", _HERE.parent / "fused" / "adam.c", _HERE.parent / 
            _HERE.parent / "fused" / "hook.c")
 HEADERS = (_HERE / "native.h",)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
-ISA_ENV = "ONEBIT_NATIVE_ISA"
-_ISA_LEVELS = {"c": 0, "avx2": 1, "avx512": 2}
-
-
-def isa_cap() -> int:
-    """The highest ISA level ``ONEBIT_NATIVE_ISA`` allows (2 where it is unset)."""
-    value = os.environ.get(ISA_ENV, "").strip().lower()
-    if not value:
-        return 2
-    if value not in _ISA_LEVELS:
-        raise ValueError(f"{ISA_ENV}: expected one of {', '.join(_ISA_LEVELS)}, got {value!r}")
-    return _ISA_LEVELS[value]
-
-
 def _cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for d in (os.path.join(base, "onebit"), os.path.join(tempfile.gettempdir(), f"onebit-{os.getuid()}")):

@@ -97,26 +97,17 @@ void onebit_encode_blocks(const float* x, const float* e, uint8_t* bits, double*
 /* The sum over [0, n) (a multiple of 8): thread t sums a contiguous range in runs of `run`
    elements, the runs' sums added in order; the threads' sums added in thread order. */
 double onebit_encode_total(const float* x, const float* e, uint8_t* bits, int64_t n, int isa, int threads) {
-  enum { RUN = 4096, MAXT = 256 };
-  double part[MAXT];
+  enum { RUN = 4096 };
   blocks_fn f = pick(isa);
-  if (threads > MAXT) threads = MAXT;
-  int used = 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t units = n / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
-    double s = 0.0, r;
-    for (int64_t i = lo; i < hi; i += RUN) {
-      int64_t len = hi - i < RUN ? hi - i : RUN;
+  double total;
+  ONEBIT_THREAD_SUM(total, n, 8, threads, {
+    double r;
+    for (int64_t i = a; i < b; i += RUN) {
+      int64_t len = b - i < RUN ? b - i : RUN;
       f(x + i, e + i, bits + i / 8, &r, len, len);
       s += r;
     }
-    part[t] = s;
-    if (t == 0) used = T;
-  }
-  double total = 0.0;
-  for (int t = 0; t < used; t++) total += part[t];
+  });
   return total;
 }
 
@@ -253,26 +244,17 @@ void onebit_server_blocks(const uint8_t* bits, int64_t stride, int W, const floa
 /* One weight per rank (w[r]): the sum over [0, n), added as onebit_encode_total adds it. */
 double onebit_server_total(const uint8_t* bits, int64_t stride, int W, const float* w, const float* e, uint8_t* out,
                            int64_t n, int isa, int threads) {
-  enum { RUN = 4096, MAXT = 256 };
-  double part[MAXT];
+  enum { RUN = 4096 };
   server_fn f = pick_server(isa);
-  if (threads > MAXT) threads = MAXT;
-  int used = 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t units = n / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
-    double s = 0.0, r;
-    for (int64_t i = lo; i < hi; i += RUN) {
-      int64_t len = hi - i < RUN ? hi - i : RUN;
+  double total;
+  ONEBIT_THREAD_SUM(total, n, 8, threads, {
+    double r;
+    for (int64_t i = a; i < b; i += RUN) {
+      int64_t len = b - i < RUN ? b - i : RUN;
       f(bits + i / 8, stride, W, w, 1, 0, e + i, out + i / 8, &r, len, len);
       s += r;
     }
-    part[t] = s;
-    if (t == 0) used = T;
-  }
-  double total = 0.0;
-  for (int t = 0; t < used; t++) total += part[t];
+  });
   return total;
 }
 
@@ -562,21 +544,8 @@ static double sq_any(int isa, const float* x, int64_t n) {
 }
 
 double onebit_sumsq(const float* x, int64_t n, int isa, int threads) {
-  enum { MAXT = 256 };
-  double part[MAXT];
-  if (threads > MAXT) threads = MAXT;
-  int used = 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo, hi;
-    thread_range(n, 16, t, T, &lo, &hi);
-    double s = hi > lo ? sq_any(isa, x + lo, hi - lo) : 0.0;
-    part[t] = s;
-    if (t == 0) used = T;
-  }
-  double total = 0.0;
-  for (int t = 0; t < used; t++) total += part[t];
+  double total;
+  ONEBIT_THREAD_SUM(total, n, 16, threads, { if (b > a) s = sq_any(isa, x + a, b - a); });
   return total;
 }
 

@@ -126,6 +126,46 @@ typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int 
 #define ONEBIT_PICK(NAME, isa) NAME##_c
 #endif
 
+/* TOTAL = the float64 sum of what BODY adds into `s` on each thread's range [a, b) of [0, n) (whole
+   units of UNIT elements, the last thread to n): the threads' sums kept apart and added in thread
+   order after the region, so the total does not depend on how the threads were scheduled. */
+#define ONEBIT_THREAD_SUM(TOTAL, n, UNIT, threads, BODY) \
+  do { \
+    enum { MAXT_ = 256 }; \
+    double part_[MAXT_]; \
+    int used_ = 1, nt_ = (threads) < MAXT_ ? (threads) : MAXT_; \
+    _Pragma("omp parallel num_threads(nt_)") \
+    { \
+      int t_ = omp_get_thread_num(), T_ = omp_get_num_threads(); \
+      int64_t a, b; \
+      double s = 0.0; \
+      thread_range(n, UNIT, t_, T_, &a, &b); \
+      BODY; \
+      part_[t_] = s; \
+      if (t_ == 0) used_ = T_; \
+    } \
+    TOTAL = 0.0; \
+    for (int t_ = 0; t_ < used_; t_++) TOTAL += part_[t_]; \
+  } while (0)
+
+/* The table walk: table_first moves the cursor *k past the tensors that end before a and returns it;
+   table_part gives tensor kk's part [*lo, *hi) of flat elements [a, b) (empty where *hi <= *lo), 0
+   once kk is past [a, b). `for (kk = table_first(..); table_part(.., kk, ..); kk++)` visits in
+   order every tensor that meets [a, b). */
+static inline int table_first(const int64_t* start, const int64_t* count, int K, int64_t a, int* k) {
+  while (*k < K && start[*k] + count[*k] <= a) (*k)++;
+  return *k;
+}
+
+static inline int table_part(const int64_t* start, const int64_t* count, int K, int64_t a, int64_t b, int kk,
+                             int64_t* lo, int64_t* hi) {
+  if (kk >= K || start[kk] >= b) return 0;
+  int64_t end = start[kk] + count[kk];
+  *lo = a > start[kk] ? a : start[kk];
+  *hi = b < end ? b : end;
+  return 1;
+}
+
 /* Thread t of T's part [a, a + len) of [0, n) for a per-tensor pass: runs of 16 elements. */
 #define ONEBIT_PARALLEL(n, threads, BODY) \
   _Pragma("omp parallel num_threads(threads)") \
