@@ -31,42 +31,6 @@ class Table:
         self.key = None  # what the caller last filled in (optimizers/_fused_cpu.py)
 
 
-def fold_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n_enc: int, n_fold: int,
-                table: Table, isa: int | None = None) -> float:
-    """Fold the gradients into ``flat[off : off + n_fold]`` (``u = u * b1 + (w * g) / d``) and
-    encode ``flat + e`` over ``[off, off + n_enc)`` into ``bits`` (n_enc / 8 bytes) in the same
-    pass; returns the float64 sum of squares, as :func:`encode_total`."""
-    if not (_f32(flat) and _f32(e) and bits.dtype == torch.uint8 and bits.is_contiguous()
-            and bits.numel() >= n_enc // 8 and n_enc % 8 == 0 and 0 <= n_enc <= n_fold
-            and off + n_fold <= flat.numel() and off + n_enc <= e.numel()):
-        raise ValueError("cpu_simd_fused.fold_encode: expected contiguous float32 flat and e covering the "
-                         "range, n_enc a multiple of 8, and n_enc / 8 uint8 bits")
-    t = table
-    return float(library().onebit_fold_encode(
-        flat.data_ptr(), e.data_ptr(), bits.data_ptr(), off, n_enc, n_fold, t.start.data_ptr(),
-        t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.scalars.data_ptr(), t.K, _isa(isa),
-        _threads(n_enc)))
-
-
-def decompress_update(bits: torch.Tensor, scale: torch.Tensor, flat: torch.Tensor, e: torch.Tensor | None,
-                      worker_scale: torch.Tensor | None, off: int, n: int, table: Table, clip: float,
-                      isa: int | None = None) -> None:
-    """:func:`decompress` of ``flat[off : off + n]`` (one scale; ``e`` the whole worker error
-    buffer, or None: no error update), then in the same pass ``p = p * decay + (-lr) *
-    clamp(u / bc1, -clip, clip)`` for the parameters it covers."""
-    if not (_f32(flat) and _f32(scale) and scale.numel() == 1 and bits.dtype == torch.uint8
-            and bits.is_contiguous() and bits.numel() >= n // 8 and n % 8 == 0 and off + n <= flat.numel()
-            and (e is None or (_f32(e) and off + n <= e.numel() and _f32(worker_scale)
-                               and worker_scale.numel() == 1))):
-        raise ValueError("cpu_simd_fused.decompress_update: expected contiguous float32 flat covering the "
-                         "range, n a multiple of 8, n / 8 uint8 bits and one float32 scale")
-    t = table
-    library().onebit_decompress_update(
-        bits.data_ptr(), scale.data_ptr(), flat.data_ptr(), None if e is None else e.data_ptr(),
-        None if worker_scale is None else worker_scale.data_ptr(), off, n, t.start.data_ptr(),
-        t.count.data_ptr(), t.p.data_ptr(), t.scalars.data_ptr(), t.K, -clip, clip, _isa(isa), _threads(n))
-
-
 def _rows(bits: torch.Tensor, C: int, W: int) -> bool:
     return (bits.dtype == torch.uint8 and bits.dim() == 2 and bits.shape[0] == W and bits.shape[1] == C // 8
             and bits.stride(1) == 1)
@@ -97,9 +61,11 @@ def _encode_all(name: str, fn, flat: torch.Tensor, e: torch.Tensor, bits: torch.
 
 def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
                     n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
-    """:func:`fold_encode` of every chunk of a bucket in one call: chunk j (elements ``[j C, j C +
-    n_enc[j])``, its fold to ``j C + n_fold[j]``) into ``bits[j]`` (a message's ``[W, C / 8]``
-    rows); returns each chunk's sum, bitwise those of W calls."""
+    """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``) and encode ``flat + e`` into
+    the message rows in the same pass, for every chunk of a bucket in one call: chunk j's elements
+    ``[j C, j C + n_enc[j])`` encoded into ``bits[j]`` (a message's ``[W, C / 8]`` rows), its fold
+    to ``j C + n_fold[j]``; returns each chunk's float64 sum of squares, bitwise what W calls, each
+    with the other chunks empty, return."""
     t = table
     args = (t.start.data_ptr(), t.count.data_ptr(), t.g.data_ptr(), t.d.data_ptr(), t.scalars.data_ptr(), t.K)
     fn = library().onebit_fold_encode_all
@@ -109,9 +75,10 @@ def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: 
 def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor,
                           e: torch.Tensor | None, worker_scales: torch.Tensor | None, C: int, n: list[int],
                           table: Table, clip: float, isa: int | None = None) -> None:
-    """:func:`decompress_update` of every chunk of a bucket in one call: chunk j's elements ``[j C,
-    j C + n[j])`` from ``bits[j]`` with ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no
-    error update)."""
+    """Decompress (with the deferred worker error where ``e`` is given) then, in the same pass,
+    ``p = p * decay + (-lr) * clamp(u / bc1, -clip, clip)`` for the parameters covered, for every
+    chunk of a bucket in one call: chunk j's elements ``[j C, j C + n[j])`` from ``bits[j]`` with
+    ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no error update)."""
     W = len(n)
     if not (_f32(flat) and _rows(bits, C, W) and _f32(scales) and scales.numel() == W
             and all(a % 8 == 0 and 0 <= a <= C and (a == 0 or j * C + a <= flat.numel())
@@ -232,7 +199,8 @@ def hook_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: in
     """The DDP hook's pre-pass over ``flat[off : off + n]`` (:func:`hook_pre`'s, by the table) and
     the encode of ``flat + e`` there (n / 8 bytes of ``bits``), run by run in one pass. Returns the
     block sums (float64, as :func:`encode_blocks`) or, ``block`` None, the sum (as
-    :func:`fold_encode` adds it); and the float64 sum of squares of the gradient as it came."""
+    :func:`onebit.kernels.cpu_simd.encode_total` adds it); and the float64 sum of squares of the
+    gradient as it came."""
     unit = block or 8
     if not (_f32(flat) and _f32(e) and bits.dtype == torch.uint8 and bits.is_contiguous()
             and bits.numel() >= n // 8 and n % unit == 0 and off >= 0

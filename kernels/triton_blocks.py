@@ -75,22 +75,8 @@ def _poison(flag_ptr, ticket_ptr, words_ptr, segments, seg_words, scale_word, bl
 
 @triton.jit
 def _worker_tile(
-    x_ptr,
-    e_ptr,
-    msg_ptr,
-    words_ptr,
-    flag_ptr,
-    pid,
-    n,
-    total_bytes,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    blocks,
-    FULL: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
+    x_ptr, e_ptr, msg_ptr, words_ptr, flag_ptr, pid, n, total_bytes, chunk_bytes, seg_bytes, seg_words,
+    scale_word, blocks, FULL: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     g = pid * NB + tl.arange(0, NB)
     i = tl.arange(0, 8)
@@ -114,101 +100,30 @@ def _worker_tile(
 
 @triton.jit
 def _worker_blocks_kernel(
-    x_ptr,
-    e_ptr,
-    msg_ptr,
-    words_ptr,
-    flag_ptr,
-    ticket_ptr,
-    n,
-    total_bytes,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    blocks,
-    W,
-    NB: tl.constexpr,
-    B: tl.constexpr,
-    PATHS: tl.constexpr,
+    x_ptr, e_ptr, msg_ptr, words_ptr, flag_ptr, ticket_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words,
+    scale_word, blocks, W, NB: tl.constexpr, B: tl.constexpr, PATHS: tl.constexpr,
 ):
     # packed sgn(pad(x) + e) and one scale per block; any non-finite scale: all scales NaN
     pid = tl.program_id(0).to(tl.int64)
     if PATHS == _FULL_PATH:
         _worker_tile(
-            x_ptr,
-            e_ptr,
-            msg_ptr,
-            words_ptr,
-            flag_ptr,
-            pid,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            blocks,
-            True,
-            NB,
-            B,
+            x_ptr, e_ptr, msg_ptr, words_ptr, flag_ptr, pid, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, blocks, True, NB, B,
         )
     elif PATHS == _MASKED_PATH:
         _worker_tile(
-            x_ptr,
-            e_ptr,
-            msg_ptr,
-            words_ptr,
-            flag_ptr,
-            pid,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            blocks,
-            False,
-            NB,
-            B,
+            x_ptr, e_ptr, msg_ptr, words_ptr, flag_ptr, pid, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, blocks, False, NB, B,
         )
     elif (pid + 1) * (NB * 8) <= n:
         _worker_tile(
-            x_ptr,
-            e_ptr,
-            msg_ptr,
-            words_ptr,
-            flag_ptr,
-            pid,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            blocks,
-            True,
-            NB,
-            B,
+            x_ptr, e_ptr, msg_ptr, words_ptr, flag_ptr, pid, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, blocks, True, NB, B,
         )
     else:
         _worker_tile(
-            x_ptr,
-            e_ptr,
-            msg_ptr,
-            words_ptr,
-            flag_ptr,
-            pid,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            blocks,
-            False,
-            NB,
-            B,
+            x_ptr, e_ptr, msg_ptr, words_ptr, flag_ptr, pid, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, blocks, False, NB, B,
         )
     _poison(flag_ptr, ticket_ptr, words_ptr, W, seg_words, scale_word, blocks, 1024)
 
@@ -224,15 +139,7 @@ def _byte_scale(words_ptr, g, live, chunk_bytes, seg_words, scale_word, B: tl.co
 
 @triton.jit
 def _worker_error_kernel(
-    x_ptr,
-    e_ptr,
-    words_ptr,
-    n,
-    total_bytes,
-    chunk_bytes,
-    seg_words,
-    scale_word,
-    NB: tl.constexpr,
+    x_ptr, e_ptr, words_ptr, n, total_bytes, chunk_bytes, seg_words, scale_word, NB: tl.constexpr,
     B: tl.constexpr,
 ):
     # e <- pad(x) + e - s_b * sgn(pad(x) + e) where the block's scale s_b is finite
@@ -249,20 +156,8 @@ def _worker_error_kernel(
 
 @triton.jit
 def _server_sum(
-    recv_ptr,
-    recv_words_ptr,
-    e_ptr,
-    g,
-    live,
-    W,
-    inv_w,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    FULL: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
+    recv_ptr, recv_words_ptr, e_ptr, g, live, W, inv_w, chunk_bytes, seg_bytes, seg_words, scale_word,
+    FULL: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     # m = sum_r sgn_r * (s_{r,b} * (1/W)) + e over the tile's bytes g of this rank's chunk
     i = tl.arange(0, 8)
@@ -289,42 +184,15 @@ def _server_sum(
 
 @triton.jit
 def _server_tile(
-    recv_ptr,
-    recv_words_ptr,
-    e_ptr,
-    out_ptr,
-    out_words_ptr,
-    flag_ptr,
-    pid,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    W,
-    inv_w,
-    UPDATE: tl.constexpr,
-    FULL: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
+    recv_ptr, recv_words_ptr, e_ptr, out_ptr, out_words_ptr, flag_ptr, pid, chunk_bytes, seg_bytes, seg_words,
+    scale_word, W, inv_w, UPDATE: tl.constexpr, FULL: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     g = pid * NB + tl.arange(0, NB)
     i = tl.arange(0, 8)
     live = g < chunk_bytes
     m = _server_sum(
-        recv_ptr,
-        recv_words_ptr,
-        e_ptr,
-        g,
-        live,
-        W,
-        inv_w,
-        chunk_bytes,
-        seg_bytes,
-        seg_words,
-        scale_word,
-        FULL,
-        NB,
-        B,
+        recv_ptr, recv_words_ptr, e_ptr, g, live, W, inv_w, chunk_bytes, seg_bytes, seg_words, scale_word,
+        FULL, NB, B,
     )
     idx = g[:, None] * 8 + i[None, :]
     if UPDATE:  # e <- m - s_b * sgn(m) where the block's output scale is finite
@@ -342,22 +210,8 @@ def _server_tile(
 
 @triton.jit
 def _server_blocks_kernel(
-    recv_ptr,
-    recv_words_ptr,
-    e_ptr,
-    out_ptr,
-    out_words_ptr,
-    flag_ptr,
-    ticket_ptr,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    W,
-    inv_w,
-    UPDATE: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
+    recv_ptr, recv_words_ptr, e_ptr, out_ptr, out_words_ptr, flag_ptr, ticket_ptr, chunk_bytes, seg_bytes,
+    seg_words, scale_word, W, inv_w, UPDATE: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
     PATHS: tl.constexpr,
 ):
     # first launch: packed sgn(m) and one scale per block (a received NaN scale, or an overflow,
@@ -365,83 +219,23 @@ def _server_blocks_kernel(
     pid = tl.program_id(0).to(tl.int64)
     if PATHS == _FULL_PATH:
         _server_tile(
-            recv_ptr,
-            recv_words_ptr,
-            e_ptr,
-            out_ptr,
-            out_words_ptr,
-            flag_ptr,
-            pid,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            W,
-            inv_w,
-            UPDATE,
-            True,
-            NB,
-            B,
+            recv_ptr, recv_words_ptr, e_ptr, out_ptr, out_words_ptr, flag_ptr, pid, chunk_bytes, seg_bytes,
+            seg_words, scale_word, W, inv_w, UPDATE, True, NB, B,
         )
     elif PATHS == _MASKED_PATH:
         _server_tile(
-            recv_ptr,
-            recv_words_ptr,
-            e_ptr,
-            out_ptr,
-            out_words_ptr,
-            flag_ptr,
-            pid,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            W,
-            inv_w,
-            UPDATE,
-            False,
-            NB,
-            B,
+            recv_ptr, recv_words_ptr, e_ptr, out_ptr, out_words_ptr, flag_ptr, pid, chunk_bytes, seg_bytes,
+            seg_words, scale_word, W, inv_w, UPDATE, False, NB, B,
         )
     elif (pid + 1) * NB <= chunk_bytes:
         _server_tile(
-            recv_ptr,
-            recv_words_ptr,
-            e_ptr,
-            out_ptr,
-            out_words_ptr,
-            flag_ptr,
-            pid,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            W,
-            inv_w,
-            UPDATE,
-            True,
-            NB,
-            B,
+            recv_ptr, recv_words_ptr, e_ptr, out_ptr, out_words_ptr, flag_ptr, pid, chunk_bytes, seg_bytes,
+            seg_words, scale_word, W, inv_w, UPDATE, True, NB, B,
         )
     else:
         _server_tile(
-            recv_ptr,
-            recv_words_ptr,
-            e_ptr,
-            out_ptr,
-            out_words_ptr,
-            flag_ptr,
-            pid,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            W,
-            inv_w,
-            UPDATE,
-            False,
-            NB,
-            B,
+            recv_ptr, recv_words_ptr, e_ptr, out_ptr, out_words_ptr, flag_ptr, pid, chunk_bytes, seg_bytes,
+            seg_words, scale_word, W, inv_w, UPDATE, False, NB, B,
         )
     if not UPDATE:
         _poison(flag_ptr, ticket_ptr, out_words_ptr, 1, seg_words, scale_word, chunk_bytes * 8 // B, 1024)
@@ -449,23 +243,8 @@ def _server_blocks_kernel(
 
 @triton.jit
 def _decompress_tile(
-    g_ptr,
-    g_words_ptr,
-    out_ptr,
-    e_ptr,
-    w_words_ptr,
-    pid,
-    ok,
-    n,
-    total_bytes,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    HAS_ERROR: tl.constexpr,
-    FULL: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
+    g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, pid, ok, n, total_bytes, chunk_bytes, seg_bytes,
+    seg_words, scale_word, HAS_ERROR: tl.constexpr, FULL: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     g = pid * NB + tl.arange(0, NB)
     i = tl.arange(0, 8)
@@ -491,22 +270,8 @@ def _decompress_tile(
 
 @triton.jit
 def _decompress_blocks_kernel(
-    g_ptr,
-    g_words_ptr,
-    out_ptr,
-    e_ptr,
-    w_words_ptr,
-    n,
-    total_bytes,
-    chunk_bytes,
-    seg_bytes,
-    seg_words,
-    scale_word,
-    W,
-    HAS_ERROR: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
-    GATE_BLOCK: tl.constexpr,
+    g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words,
+    scale_word, W, HAS_ERROR: tl.constexpr, NB: tl.constexpr, B: tl.constexpr, GATE_BLOCK: tl.constexpr,
     PATHS: tl.constexpr,
 ):
     # out = s_{j,b} * sgn; with HAS_ERROR the deferred worker error update first, only if every
@@ -517,83 +282,23 @@ def _decompress_blocks_kernel(
         ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
     if PATHS == _FULL_PATH:
         _decompress_tile(
-            g_ptr,
-            g_words_ptr,
-            out_ptr,
-            e_ptr,
-            w_words_ptr,
-            pid,
-            ok,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            HAS_ERROR,
-            True,
-            NB,
-            B,
+            g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, pid, ok, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, HAS_ERROR, True, NB, B,
         )
     elif PATHS == _MASKED_PATH:
         _decompress_tile(
-            g_ptr,
-            g_words_ptr,
-            out_ptr,
-            e_ptr,
-            w_words_ptr,
-            pid,
-            ok,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            HAS_ERROR,
-            False,
-            NB,
-            B,
+            g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, pid, ok, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, HAS_ERROR, False, NB, B,
         )
     elif (pid + 1) * (NB * 8) <= n:
         _decompress_tile(
-            g_ptr,
-            g_words_ptr,
-            out_ptr,
-            e_ptr,
-            w_words_ptr,
-            pid,
-            ok,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            HAS_ERROR,
-            True,
-            NB,
-            B,
+            g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, pid, ok, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, HAS_ERROR, True, NB, B,
         )
     else:
         _decompress_tile(
-            g_ptr,
-            g_words_ptr,
-            out_ptr,
-            e_ptr,
-            w_words_ptr,
-            pid,
-            ok,
-            n,
-            total_bytes,
-            chunk_bytes,
-            seg_bytes,
-            seg_words,
-            scale_word,
-            HAS_ERROR,
-            False,
-            NB,
-            B,
+            g_ptr, g_words_ptr, out_ptr, e_ptr, w_words_ptr, pid, ok, n, total_bytes, chunk_bytes, seg_bytes,
+            seg_words, scale_word, HAS_ERROR, False, NB, B,
         )
 
 
@@ -607,20 +312,8 @@ def worker_compress_launches(x, e, msg, words, flag, ticket_, n: int, layout: La
             _worker_blocks_kernel,
             triton.cdiv(total, nb),
             (
-                x,
-                e,
-                msg,
-                words,
-                flag,
-                ticket_,
-                n,
-                total,
-                layout.chunk_bytes,
-                layout.segment_bytes,
-                seg_words,
-                scale_word,
-                layout.blocks,
-                layout.W,
+                x, e, msg, words, flag, ticket_, n, total, layout.chunk_bytes, layout.segment_bytes,
+                seg_words, scale_word, layout.blocks, layout.W,
             ),
             dict(NB=nb, B=layout.block, PATHS=BOTH_PATHS),
             warps,
@@ -644,19 +337,8 @@ def server_reduce_launches(received, recv_words, e, out, out_words, flag, ticket
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
     inv_w = float(torch.tensor(1.0 / layout.W, dtype=torch.float32))
     args = (
-        received,
-        recv_words,
-        e,
-        out,
-        out_words,
-        flag,
-        ticket_,
-        layout.chunk_bytes,
-        layout.segment_bytes,
-        seg_words,
-        scale_word,
-        layout.W,
-        inv_w,
+        received, recv_words, e, out, out_words, flag, ticket_, layout.chunk_bytes, layout.segment_bytes,
+        seg_words, scale_word, layout.W, inv_w,
     )
     return [
         Launch(
@@ -680,14 +362,7 @@ def decompress_launches(
             _decompress_blocks_kernel,
             triton.cdiv(total, nb),
             (
-                gathered,
-                g_words,
-                out,
-                worker_error,
-                w_words,
-                n,
-                total,
-                layout.chunk_bytes,
+                gathered, g_words, out, worker_error, w_words, n, total, layout.chunk_bytes,
                 layout.segment_bytes,
                 layout.segment_bytes // 4,
                 layout.scale_offset // 4,

@@ -237,8 +237,9 @@ def test_sum_of_squares_is_float64s(n):
 @pytest.mark.parametrize("W, n", [(1, 70001), (3, 200003), (5, 3 * 65536 + 13), (7, 1000), (4, 40)])
 def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
     # one C call per bucket (fold_encode_all, decompress_update_all; on AVX-512 a run inside one
-    # tensor in one loop) against one call per chunk (fold then encode): bits, sums, momentum,
-    # error and parameters bitwise, chunks above and below the one-thread size, every ISA
+    # tensor in one loop) against one call per chunk (the same calls with every other chunk empty):
+    # bits, sums, momentum, error and parameters bitwise, chunks above and below the one-thread
+    # size, every ISA
     from onebit.kernels import _chunks
 
     if isa > cpu_simd.best_isa():
@@ -265,19 +266,22 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
         bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
         enc = [mid - lo for lo, mid, _ in splits]
         fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
+        def only(values, j):
+            return [v if i == j else 0 for i, v in enumerate(values)]
+
         if merged:
             sums = cpu_simd_fused.fold_encode_all(u, e, bits, layout.C, enc, fold, t, isa=isa)
         else:
-            sums = [cpu_simd_fused.fold_encode(u, e, bits[j], lo, enc[j], fold[j], t, isa=isa) if fold[j]
-                    else 0.0 for j, (lo, _, _) in enumerate(splits)]
+            sums = [cpu_simd_fused.fold_encode_all(u, e, bits, layout.C, only(enc, j), only(fold, j), t,
+                                                   isa=isa)[j] if fold[j] else 0.0 for j in range(W)]
         folded = u.clone()
         if merged:
             cpu_simd_fused.decompress_update_all(bits, scales, u, e, wscales, layout.C, enc, t, 0.3, isa=isa)
         else:
             for j, (lo, mid, _) in enumerate(splits):
                 if mid > lo:
-                    cpu_simd_fused.decompress_update(bits[j], scales[j].view(1), u, e, wscales[j].view(1), lo,
-                                                     mid - lo, t, 0.3, isa=isa)
+                    cpu_simd_fused.decompress_update_all(bits, scales, u, e, wscales, layout.C, only(enc, j),
+                                                         t, 0.3, isa=isa)
         coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])  # the padded rests: not theirs
         out.append(([s for s, f in zip(sums, enc, strict=True) if f], coded, folded, u, e, ps))
     (s0, b0, f0, u0_, e0_, ps0), (s1, b1, f1, u1, e1, ps1) = out

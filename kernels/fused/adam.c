@@ -52,60 +52,6 @@ static void update_range(int isa, const float* flat, int64_t a, int64_t b, const
   }
 }
 
-/* The worker's pass of chunk elements [off, off + n_enc) of the flat bucket with the fold inside:
-   each run of 4096 elements folded, then encoded (bits of u + e, float64 sum of squares) while in
-   cache; the fold alone over [off + n_enc, off + n_fold) (the padded chunk's data tail). Returns
-   the sum, added as onebit_encode_total adds it. */
-double onebit_fold_encode(float* flat, const float* e, uint8_t* bits, int64_t off, int64_t n_enc, int64_t n_fold,
-                          const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
-                          const float* sc, int K, int isa, int threads) {
-  enum { RUN = 4096, MAXT = 256 };
-  table_t tab = {start, count, g, d, 0, sc, K};
-  double part[MAXT];
-  blocks_fn f = pick(isa);
-  if (threads > MAXT) threads = MAXT;
-  int used = 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
-    int64_t units = n_enc / 8, lo = units * t / T * 8, hi = units * (t + 1) / T * 8;
-    double s = 0.0, r;
-    for (int64_t i = lo; i < hi; i += RUN) {
-      int64_t len = hi - i < RUN ? hi - i : RUN;
-      fold_range(isa, flat, off + i, off + i + len, &tab, &k);
-      f(flat + off + i, e + off + i, bits + i / 8, &r, len, len);
-      s += r;
-    }
-    part[t] = s;
-    if (t == 0) used = T;
-  }
-  int k = 0;
-  if (n_fold > n_enc) fold_range(isa, flat, off + n_enc, off + n_fold, &tab, &k);
-  double total = 0.0;
-  for (int t = 0; t < used; t++) total += part[t];
-  return total;
-}
-
-/* Decompress of chunk elements [off, off + n) with the update inside: each run decoded (with the
-   deferred worker error where e is not NULL), then the parameters it covers updated. */
-void onebit_decompress_update(const uint8_t* bits, const float* s, float* flat, float* e, const float* ws, int64_t off,
-                              int64_t n, const int64_t* start, const int64_t* count, const int64_t* p, const float* sc,
-                              int K, float lo_c, float hi_c, int isa, int threads) {
-  enum { RUN = 4096 };
-  table_t tab = {start, count, 0, 0, p, sc, K};
-  decompress_fn f = pick_decompress(isa);
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
-    int64_t units = n / 16, lo = units * t / T * 16, hi = t == T - 1 ? n : units * (t + 1) / T * 16;
-    for (int64_t i = lo; i < hi; i += RUN) {
-      int64_t len = hi - i < RUN ? hi - i : RUN;
-      f(bits + i / 8, s, 0, flat + off + i, e ? e + off + i : 0, ws, 0, len, len);
-      update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
-    }
-  }
-}
-
 #ifdef ONEBIT_X86
 /* A run of n elements (a multiple of 8) inside one tensor with a gradient: the fold and the encode
    in one loop, the folded u stored and used from the register; bitwise fold_512 then
@@ -147,11 +93,13 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
 
 
 
-/* All W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py): chunk j covers flat
-   elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold up to j C + n_fold[j];
-   sums[j] its float64 total, with onebit_fold_encode's thread split and order within each chunk
-   (one thread below 65536 elements, as cpu_simd._threads): bitwise W calls of it. part: the
-   caller's W * threads doubles for the threads' partial sums. */
+/* The worker pass of all W chunks of a bucket in one parallel region (optimizers/_fused_cpu.py), the
+   fold inside: run by run of 4096 elements, the gradients folded into the momentum u = u * b1 +
+   (w * g) / d, then u + e encoded (bits, float64 sum of squares) while in cache. Chunk j covers flat
+   elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold (the chunk's padded data
+   tail) up to j C + n_fold[j]; sums[j] its float64 total: each thread's runs in order, the threads'
+   partial sums in thread order (chunk_part: one thread below 65536 elements, as cpu_simd._threads),
+   so a chunk's sum does not depend on the other chunks. part: the caller's W * threads doubles. */
 void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
                             const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                             const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
@@ -196,8 +144,10 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
   chunk_sums(n_enc, W, part, P, used, sums);
 }
 
-/* onebit_decompress_update over all W chunks of a bucket in one parallel region: chunk j's elements
-   [j C, j C + n[j]) from bits + j stride, scale s[j], worker scale ws[j] (e NULL: no error). */
+/* The decompress pass of all W chunks of a bucket in one parallel region, the update inside: run by
+   run, the decode (with the deferred worker error where e is not NULL), then the parameters the run
+   covers updated. Chunk j's elements [j C, j C + n[j]) from bits + j stride, scale s[j], worker
+   scale ws[j]. */
 void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const float* s, float* flat, float* e,
                                   const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
                                   const int64_t* count, const int64_t* p, const float* sc, int K, float lo_c,

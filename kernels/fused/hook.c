@@ -107,7 +107,7 @@ static int64_t run_of(int64_t block) { return block ? (block < 4096 ? 4096 / blo
 
 /* The worker's pass of chunk elements [off, off + n) with the pre-pass inside, run by run while in
    cache. block > 0: sums[j] for each block of the range (n a multiple of block), returns 0; block 0:
-   returns the sum of squares, added as onebit_fold_encode adds it. *sq: the sum of g^2 over the range. */
+   returns the sum of squares, added as onebit_encode_total adds it. *sq: the sum of g^2 over the range. */
 double onebit_hook_encode(float* flat, const float* e, uint8_t* bits, double* sums, int64_t off, int64_t n,
                           int64_t block, const int64_t* start, const int64_t* count, const int64_t* m,
                           const int64_t* d, const float* sc, int K, double* sq, int isa, int threads) {

@@ -85,8 +85,7 @@ static inline void thread_range(int64_t n, int64_t unit, int t, int T, int64_t* 
 }
 
 /* The worker passes over every chunk of a bucket: thread t of T's elements [*lo, *hi) of a chunk's n
-   to encode, as onebit_fold_encode splits them (one thread below 65536 elements, as
-   cpu_simd._threads); 0 where it has none. */
+   to encode (one thread below 65536 elements, as cpu_simd._threads); 0 where it has none. */
 static inline int chunk_part(int64_t n, int t, int T, int64_t* lo, int64_t* hi) {
   int Tj = n < (1 << 16) ? 1 : T;
   if (t >= Tj) return 0;
