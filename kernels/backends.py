@@ -73,8 +73,8 @@ def _triton_available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: its name, the devices it takes by default (in :data:`ORDER`), the steps it
-    implements, and whether it is usable for a device here."""
+    """One backend: its name, the steps it implements, whether it is usable for a device here, and
+    what it is (for messages). The devices it takes by default: :data:`ORDER`."""
 
     name: str
     steps: frozenset[str]
@@ -159,7 +159,3 @@ def select(device: torch.device | str, step: str = "codec") -> Backend:
             return backend
     return BACKENDS["plain"]
 
-
-def is_(device: torch.device | str, step: str, name: str) -> bool:
-    """Whether :func:`select` gives backend ``name`` for ``step`` on ``device``."""
-    return select(device, step).name == name

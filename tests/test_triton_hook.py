@@ -48,15 +48,17 @@ def _route(triton: bool):
     return use_backend("triton" if triton else "plain", steps=["hook", "tensor"])
 
 
-def _passes(n, spans, seed, special, triton: bool):
+def _passes(n, spans, seed, special, triton: bool, device: str = "cpu"):
     buffer, d, parts, out = _bucket(n, spans, seed, special)
+    buffer, d, out = buffer.to(device), d.to(device), out.to(device)
+    parts = [(lo, hi, m.to(device), f) for lo, hi, m, f in parts]
     with _route(triton):
         fa = FrozenAdam(1, 0.1)
         post = frozen_pre_(buffer, d, parts, fa)
         x = buffer.clone()
         buffer.copy_(out)
         post(buffer)
-    return x, buffer, float(fa.local_sq)
+    return x.cpu(), buffer.cpu(), float(fa.local_sq)
 
 
 CASES = [  # n, parameter spans (gaps between and after)
@@ -159,18 +161,6 @@ def test_ddp_hook_on_three_ranks_is_bitwise_the_plain_hook(ranks, block):
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_on_cuda_the_triton_passes_are_bitwise_the_plain_gpu_passes(case):
     n, spans = CASES[case]
-    runs = []
-    for triton in (True, False):
-        buffer, d, parts, out = _bucket(n, spans, case, "zero")
-        buffer, d, out = buffer.cuda(), d.cuda(), out.cuda()
-        parts = [(lo, hi, m.cuda(), f) for lo, hi, m, f in parts]
-        with _route(triton):
-            fa = FrozenAdam(1, 0.1)
-            post = frozen_pre_(buffer, d, parts, fa)
-            x = buffer.clone()
-            buffer.copy_(out)
-            post(buffer)
-        runs.append((x.cpu(), buffer.cpu(), float(fa.local_sq)))
-    (x1, o1, s1), (x0, o0, s0) = runs
+    (x1, o1, s1), (x0, o0, s0) = [_passes(n, spans, case, "zero", triton, "cuda") for triton in (True, False)]
     assert torch.equal(x1, x0) and torch.equal(x1.signbit(), x0.signbit()) and torch.equal(o1, o0)
     assert s1 == pytest.approx(s0, rel=1e-12)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_simd
+from .._chunks import piece_scales, split
 from ..layout import Layout, message_bits, message_scales
 
 
@@ -27,11 +28,10 @@ def usable() -> bool:
 
 
 def _pieces(layout: Layout, n: int, j: int) -> tuple[int, int, int, int]:
-    """(lo, mid, end, hi) of chunk j: ``x`` covers ``[lo, end)``; ``[lo, mid)`` whole units of it."""
-    unit = 8 if layout.block is None else layout.block
-    lo, hi = j * layout.C, (j + 1) * layout.C
-    end = max(lo, min(hi, n))
-    return lo, lo + (end - lo) // unit * unit, end, hi
+    """(lo, mid, end, hi) of chunk j (:func:`onebit.kernels._chunks.split`): ``x`` covers ``[lo, end)``;
+    ``[lo, mid)`` whole units of it."""
+    lo, mid, hi = split(layout, n, j)
+    return lo, mid, max(lo, min(hi, n)), hi
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -44,13 +44,6 @@ def _tail(src: torch.Tensor, mid: int, end: int, hi: int) -> torch.Tensor:
     if end > mid:
         t[: end - mid] = src[mid:end]
     return t
-
-
-def _scales_of(scales: torch.Tensor, layout: Layout, j: int, a: int, b: int) -> torch.Tensor:
-    """Chunk j's scales for its elements ``[a, b)`` (offsets in the chunk)."""
-    if layout.block is None:
-        return scales[j].view(1)
-    return scales[j, a // layout.block : b // layout.block]
 
 
 @torch.no_grad()
@@ -87,7 +80,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         return
     for j, lo, parts in pieces:
         for a, b, xs, es in parts:
-            cpu_simd.error_update(xs, es, _scales_of(scales, layout, j, a - lo, b - lo), B)
+            cpu_simd.error_update(xs, es, piece_scales(scales, layout, j, lo, a, b), B)
 
 
 @torch.no_grad()
@@ -125,12 +118,13 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
             if b <= a or (a >= n and not update):
                 continue
             row = bits[j, (a - lo) // 8 : (b - lo) // 8]
-            if b <= end:  # a piece of out: in place (a float32 copy for other dtypes)
-                values = out[a:b] if direct else out[a:b].to(torch.float32)
-            else:  # the padded rest: out's data, zero beyond it
-                values = _tail(out, a, end, b)
-            ws = _scales_of(s_w, layout, j, a - lo, b - lo) if update else None
-            cpu_simd.decompress(row, _scales_of(scales, layout, j, a - lo, b - lo), values, B,
+            in_place = b <= end and direct  # a piece of out, else a float32 copy (another dtype; the padding)
+            if in_place:
+                values = out[a:b]
+            else:
+                values = out[a:b].to(torch.float32) if b <= end else _tail(out, a, end, b)
+            ws = piece_scales(s_w, layout, j, lo, a, b) if update else None
+            cpu_simd.decompress(row, piece_scales(scales, layout, j, lo, a, b), values, B,
                                 worker_error[a:b] if update else None, ws)
-            if values.data_ptr() != out[a:].data_ptr() and min(b, n) > a:
+            if not in_place and min(b, n) > a:
                 out[a:min(b, n)] = values[: min(b, n) - a].to(out.dtype)
