@@ -108,7 +108,7 @@ def main() -> None:
                         "process (the host's speed drifts between runs by more than the difference)")
     p.add_argument("--zero-one", action="store_true",
                    help="ZeroOneAdam's phase-1 compressed steps instead of OnebitAdam's (CPU fused passes: "
-                        "optimizers/_fused_cpu_zoa.py; the medians skip its variance steps at t = 2^k)")
+                        "optimizers/_fused.py; the medians skip its variance steps at t = 2^k)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
     kind = "zero_one_adam" if args.zero_one else "onebit_adam"

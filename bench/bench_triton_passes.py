@@ -1,10 +1,10 @@
 """The GPU's fused Triton passes around the collectives against the plain torch ops they replace.
 
 - ``hook``: the DDP hook's ``freeze_step`` pre-pass (the local norm and ``(g + k m) / d``) and
-  post-pass (``out d - k m``) over one bucket of ``--params`` parameters (onebit.kernels.triton_hook)
+  post-pass (``out d - k m``) over one bucket of ``--params`` parameters (onebit.kernels.fused.hook)
   against ``frozen_pre_``'s GPU route (a bucket of ``k m``, ``add_``, ``div_``; ``mul_``, ``sub_``).
 - ``zoa_local``: ZeroOneAdam's phase-2 local step as one launch over every parameter
-  (triton_fused_zoa.local_step) against its multi-tensor ops (optimizers/_multi.py).
+  (onebit.kernels.fused.zero_one.local_step) against its multi-tensor ops (optimizers/_multi.py).
 
 2^--log2 elements in all; medians of --repeats calls (CUDA synchronised around each), the bytes per
 element each path moves (bench/TRAFFIC.md sections 4 and 5) and the rate. On a CPU it runs the
@@ -63,7 +63,7 @@ def hook(n: int, k: int, device, triton: bool):
 
 
 def zoa_local(n: int, k: int, device, triton: bool):
-    from onebit.optimizers import ZeroOneAdam, _fused_zoa
+    from onebit.optimizers import ZeroOneAdam, _fused
 
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in sizes(n, k)]
@@ -74,13 +74,13 @@ def zoa_local(n: int, k: int, device, triton: bool):
         opt.state[p]["exp_avg"] = torch.randn(p.shape, generator=g).to(device) * 0.1
         opt.state[p]["exp_avg_sq"] = torch.rand(p.shape, generator=g).to(device)
     masks = [None] * len(params)
-    plan = _fused_zoa.FusedLocalStep()
+    plan = _fused.LocalStep()
 
     @torch.no_grad()
     def run():
         if triton:
             with use_backend("triton", steps=["local"]):
-                assert _fused_zoa.local_applies(opt, pairs, masks)
+                assert _fused.local_applies(opt, pairs, masks)
                 plan.step(opt, pairs)
         elif not opt._local_step_all(pairs, masks):  # the multi-tensor ops on a GPU; per tensor on CPU
             opt._local_step_each(pairs, masks)

@@ -98,7 +98,7 @@ def rows():
         sync = 56 + 12 + c + 20 + 12 + 8 + 4
         r.append((f"ZeroOneAdam P2 sync step, {dev} W=4", sync))
         r.append((f"ZeroOneAdam P2 mean over 16 steps (15 local + 1 sync), {dev} W=4", (15 * 56 + sync) / 16))
-    # OnebitAdam's fused GPU passes (optimizers/_fused.py, kernels/triton_fused.py): pass A reads g, d,
+    # OnebitAdam's fused GPU passes (optimizers/_fused.py, kernels/fused/adam.py): pass A reads g, d,
     # u, e and writes u and the bits (20.125); the Triton server as above; pass B reads the bits, u, e
     # and p and writes e, u and p (24.125)
     for W, local in ((1, True), (4, False), (8, False)):
@@ -106,11 +106,11 @@ def rows():
         server = (2 * W * 0.125 + 12 + 0.125) / W
         xfer = 0.5 if local else 0.25 * 2 / W
         r.append((f"OnebitAdam compression, GPU fused passes, {tag}", fin + 20.125 + server + 24.125 + xfer))
-        # x86 CPU (optimizers/_fused_cpu.py), from the second fused step on: no gradient pass for the
+        # x86 CPU (kernels/fused/adam.py), from the second fused step on: no gradient pass for the
         # agreement (its verdict from the messages' scales)
         cpu = 20.125 + server + 24.125 + xfer
         r.append((f"OnebitAdam compression, CPU fused passes (prepared), {tag}", cpu))
-        # ZeroOneAdam's phase-1 compressed step on x86 (optimizers/_fused_cpu_zoa.py): the worker reads
+        # ZeroOneAdam's phase-1 compressed step on x86 (kernels/fused/zero_one.py): the worker reads
         # g, d, e (12.125 with the bits); the decompress pass reads bits, g, d, e, m, p, writes e, m, p
         zoa = 12.125 + server + 32.125 + xfer
         r.append((f"ZeroOneAdam P1 compressed step, CPU fused passes, {tag}", zoa))

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import backends, cpu_fused, cpu_simd, cpu_simd_fused
+from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
+from ..kernels.fused import hook
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
-from . import _hook_triton
+from . import _hook_fused
 from ._fsdp_replicas import to_local
 
 # torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
@@ -66,7 +67,7 @@ class FrozenAdam:
         # built once (frozen_terms); the entries of `denominators` then view it (no second copy).
         # Emptied whenever the denominators change
         self.flat: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.tables: dict = {}  # the GPU passes' tables (collectives/_hook_triton.py)
+        self.tables: dict = {}  # the Triton passes' tables (collectives/_hook_fused.py)
 
     @property
     def frozen(self) -> bool:
@@ -253,7 +254,7 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
     """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
     (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
     With ``fa``, the bucket also counts into ``fa``'s local gradient norm: on an x86 CPU inside the
-    pass (:func:`onebit.kernels.cpu_simd_fused.hook_pre`: the pass and the norm in one read of the
+    pass (:func:`onebit.kernels.fused.hook.hook_pre`: the pass and the norm in one read of the
     gradient, the same float32 operations; the elements outside those parameters read once more),
     else by ``fa.add_local`` first.
 
@@ -261,8 +262,8 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
     (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
     is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
     fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
-    if _hook_triton.applies(buffer, d, parts):  # a GPU: one Triton launch each way
-        return _hook_triton.pre_(buffer, d, parts, fa)
+    if _hook_fused.backend(buffer, d, parts) == "triton":  # one launch each way
+        return _hook_fused.pre_(buffer, d, parts, fa)
     fused, rest = [], []
     simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32
             and buffer.is_contiguous() and d.is_contiguous()
@@ -277,7 +278,7 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
         sq += cpu_simd.sumsq(buffer[pos:]) if pos < buffer.numel() else 0.0
         for part in done:
             lo, hi, m, factor = part
-            sq += cpu_simd_fused.hook_pre(buffer[lo:hi], m.view(-1), d[lo:hi], factor)
+            sq += hook.hook_pre(buffer[lo:hi], m.view(-1), d[lo:hi], factor)
             fused.append(part)
         fa.add_local(buffer, sq)
         parts = [part for part in parts if not any(part is f for f in done)]

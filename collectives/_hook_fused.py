@@ -1,85 +1,71 @@
-"""The DDP hook's ``freeze_step`` passes (docs/ALGORITHMS.md 8.2) inside the CPU codec's C passes.
+"""The hooks' ``freeze_step`` passes fused (their maths, every backend: :mod:`onebit.kernels.fused.hook`):
+when a bucket takes them, and their call.
 
-Unfused, a compressed iteration of ``onebit_compress_hook`` with ``freeze_step`` makes four passes
-over each bucket on this rank: the pre-pass ``x = (g + k m) / d`` (with the local gradient norm),
-the worker's encode of ``x + e``, decompress (the deferred worker error and the decode), and the
-post-pass ``g~ = out d - k m``. Here the pre-pass runs inside the encode and the post-pass inside
-decompress, run by run of about 4096 elements while they are in cache
-(:func:`onebit.kernels.cpu_simd_fused.hook_encode`, :func:`~onebit.kernels.cpu_simd_fused.hook_decompress`),
-as :mod:`onebit.optimizers._fused_cpu` does for OnebitAdam: two passes instead of four. The
-element-wise maths and its order are the unfused passes', so the bucket, the bits and the error
-buffers are bitwise the unfused hook's; the local norm's float64 sum of exact squares is added in
-another order (tests/test_hook_fused.py). The all-to-all, the server and the all-gather are the
-collective's (:func:`onebit.collectives.allreduce.compressed_allreduce_passes`, ``async_op``).
+- native (CPU): the pre-pass inside the worker's encode and the post-pass inside decompress
+  (:func:`passes`, for ``compressed_allreduce_passes``): two passes over the bucket instead of four.
+- triton (CUDA; a CPU bucket when forced, for the tests under ``TRITON_INTERPRET=1``): one launch each
+  way around the codec's own kernels (:func:`pre_`, ``frozen_pre_``'s contract), so any block size and
+  a mesh keep them.
 
-Used where the ``hook`` step's backend on CPU is native (:func:`onebit.kernels.backends.select`), for
-float32 buckets whose momenta are contiguous float32 CPU tensors; ``use_backend("plain",
-steps=["hook"])`` (tests, A/B) keeps the unfused passes.
+Either applies to a float32 contiguous bucket whose momenta are float32 contiguous tensors on its
+device, where the ``hook`` step's backend (:func:`onebit.kernels.backends.select`) is that one;
+``use_backend("plain", steps=["hook"])`` (tests, A/B) keeps the unfused passes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import _chunks, backends, cpu_simd_fused
-from ..kernels.layout import message_bits, message_scales
+from ..kernels import backends
+from ..kernels.fused import hook
+
+_CACHE_LIMIT = 256  # Triton tables kept (one per bucket and set of momenta; addresses rarely change)
 
 
-def applies(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> bool:
-    """Whether :class:`HookPasses` takes this bucket (``parts`` as ``frozen_terms`` gives them)."""
+def backend(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> str | None:
+    """``native`` or ``triton``: the backend that takes this bucket's passes fused (``parts`` as
+    ``frozen_terms`` gives them); None: the unfused passes."""
+    device = buffer.device
+
     def f32(t: torch.Tensor) -> bool:
-        return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        return t.dtype == torch.float32 and t.is_contiguous() and t.device == device
 
-    return (bool(parts) and f32(buffer) and f32(d) and d.numel() == buffer.numel()
-            and all(f32(m) and m.numel() == hi - lo for lo, hi, m, _ in parts)
-            and backends.select(buffer.device, "hook").name == "native")
+    if not (parts and f32(buffer) and f32(d) and d.numel() == buffer.numel()
+            and all(f32(m) and m.numel() == hi - lo for lo, hi, m, _ in parts)):
+        return None
+    name = backends.select(device, "hook").name
+    if name == "triton" and buffer.numel() >= 2**31:  # the Triton passes' int32 indices
+        return None
+    return None if name == "plain" else name
 
 
-class HookPasses:
-    """The worker and decompress passes of one bucket's call (``compressed_allreduce_passes``'s
-    protocol); the worker counts the bucket into ``fa``'s local norm."""
+def passes(d: torch.Tensor, parts: list, fa) -> hook.NativePasses:
+    """The native passes of one bucket's call; the worker counts the bucket into ``fa``'s local norm."""
+    t = hook.table(parts, d)
+    t.alive = (d, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
+    return hook.NativePasses(t, fa.add_local)
 
-    def __init__(self, d: torch.Tensor, parts: list, fa) -> None:
-        parts = sorted(parts, key=lambda part: part[0])
-        self.table = cpu_simd_fused.hook_table_fill(cpu_simd_fused.hook_table(parts), d)
-        self.alive = (d, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
-        self.fa = fa
 
-    def worker(self, flat: torch.Tensor, worker_error: torch.Tensor, layout, msg: torch.Tensor) -> None:
-        """The pre-pass and ``worker_compress(update_error=False)``, as the native codec computes it."""
-        bits, n, sq = message_bits(msg, layout), flat.numel(), [0.0]
+def pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa=None):
+    """``frozen_pre_``'s contract in the Triton passes: ``buffer <- (g + c) / d`` (the bucket counted
+    into ``fa``'s local norm), returning ``post(out)``: ``out <- out * d - c``."""
+    tables = fa.tables if fa is not None else {}
+    key = (buffer.device, buffer.numel(), tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts))
+    t = tables.get(key)
+    if t is None:
+        if len(tables) >= _CACHE_LIMIT:
+            tables.clear()
+        t = tables[key] = hook.table(parts, d)
+    alive = [m for _, _, m, _ in parts]  # the table's addresses, until the post-pass ran
+    sq = hook.pre(buffer, d, t)
+    if fa is not None:
+        fa.add_local(buffer, sq)
 
-        def piece(j: int, lo: int, mid: int, hi: int) -> list:
-            sums = []
-            if mid > lo:
-                got, q = cpu_simd_fused.hook_encode(flat, worker_error, bits[j], lo, mid - lo, layout.block,
-                                                    self.table)
-                sums.append(got if layout.block else torch.tensor([got], dtype=torch.float64))
-                sq[0] += q
-            if min(hi, n) > mid:  # the padded chunk's data tail: the pre-pass alone, then the plain encode
-                sq[0] += cpu_simd_fused.hook_pre_range(flat, mid, min(hi, n), self.table)
-            return sums
+    def post(out: torch.Tensor) -> torch.Tensor:
+        if out.data_ptr() != buffer.data_ptr() or out.numel() != buffer.numel():
+            raise AssertionError("the post-pass expects the bucket the pre-pass wrote")
+        hook.post(out, d, t)
+        del alive[:]
+        return out
 
-        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
-        self.fa.add_local(flat, sq[0])
-
-    def finish(self, gathered: torch.Tensor, layout, flat: torch.Tensor, worker_error: torch.Tensor,
-               msg: torch.Tensor) -> None:
-        """decompress (the deferred worker error where the scales are finite) and the post-pass."""
-        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
-        update = bool(torch.isfinite(scales).all())
-        s_w = message_scales(msg, layout) if update else None
-        piece = _chunks.piece_scales
-        for j in range(layout.W):
-            lo, mid, hi = _chunks.split(layout, n, j)
-            if mid > lo:
-                cpu_simd_fused.hook_decompress(bits[j], piece(scales, layout, j, lo, lo, mid), flat,
-                                               worker_error if update else None,
-                                               piece(s_w, layout, j, lo, lo, mid) if update else None,
-                                               lo, mid - lo, layout.block, self.table)
-            if hi == mid:
-                continue
-            e = worker_error if update else None  # the padded rest: the plain path's arithmetic
-            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
-            if mid < n:
-                cpu_simd_fused.hook_post_range(flat, mid, min(hi, n), self.table)
+    return post

@@ -198,7 +198,7 @@ def compressed_allreduce_passes(tensor: torch.Tensor, worker_error: torch.Tensor
     and decompress passes the caller runs with its own maths fused in: ``passes.worker(flat,
     worker_error, layout, msg)`` writes the worker message (``worker_compress(update_error=False)``'s
     contract) and ``passes.finish(gathered, layout, flat, worker_error, msg)`` does at least
-    ``decompress``'s (onebit.optimizers._fused, onebit.collectives._hook_fused). The all-to-all,
+    ``decompress``'s (the passes of onebit.kernels.fused's steps). The all-to-all,
     the server and the all-gather are the collective's. ``local``: one rank's whole compute with
     the two collectives as copies (:class:`LocalCopies`): True for a one-rank group, an int W for
     rank 0 of W (the benchmarks; block None, validated arguments, buffers sized for that W).

@@ -1,6 +1,7 @@
-"""Compression kernels: Triton for CUDA tensors (``triton_kernels``, ``triton_blocks``,
-``triton_fused``); for CPU tensors the native C codec (``native.codec``, its C in ``native/`` and
-the fused steps' in ``fused/``, bound by ``cpu_simd``, ``cpu_simd_fused`` and ``cpu_fused``), plain
+"""Compression kernels: Triton for CUDA tensors (``triton_kernels``, ``triton_blocks``); for CPU
+tensors the native C codec (``native.codec``, its C in ``native/``, bound by ``cpu_simd`` and
+``cpu_fused``); the fused steps in ``fused/`` (one file per step with its Triton kernels and its C
+binding, the C beside it); plain
 torch (``torch_kernels``, the reference the others are tested against); a float64 reference
 (:mod:`onebit.kernels.reference`) that is the oracle for tests and benchmarks. ``api`` checks
 arguments and picks the implementation."""

@@ -1,5 +1,5 @@
 """A chunk's pieces in the fused passes built on the native codec
-(optimizers/_fused_cpu.py, collectives/_hook_fused.py): where chunk j splits into the part the
+(kernels/fused/): where chunk j splits into the part the
 C passes take and the padded rest, its scales for a piece, and the rest's encode and
 decode with the plain path's arithmetic (tests/test_fused_cpu.py, tests/test_cpu_simd.py)."""
 

@@ -14,7 +14,7 @@ and runs that backend's implementation of the whole step, or its plain path wher
 
 ========== ==============================================================================
 ``codec``  worker compress, server reduce, decompress (``onebit.kernels.api``)
-``adam``   OnebitAdam's compression step in the codec's passes (``optimizers/_fused*.py``)
+``adam``   OnebitAdam's compression step in the codec's passes (``kernels/fused/adam.py``)
 ``zoa``    ZeroOneAdam's phase-1 step and phase-2 synchronisation in the codec's passes
 ``local``  ZeroOneAdam's phase-2 local step over every parameter at once
 ``hook``   the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective

@@ -16,7 +16,7 @@ starts or on the thread count (the sliced calls of onebit.collectives._pipeline 
 unsliced ones); the whole-piece sum adds per-thread partial sums in thread order.
 
 Used by :mod:`onebit.kernels.native.codec` where :func:`available`; the same library holds the
-passes with an optimizer's maths inside, bound in :mod:`onebit.kernels.cpu_simd_fused`. A failed
+passes with an optimizer's maths inside, bound in each fused step's file (onebit.kernels.fused). A failed
 build warns once and leaves CPU tensors to the plain path. ``ONEBIT_CPU_SIMD=off``: never this
 path (A/B runs). Each function takes ``isa`` (2: AVX-512, 1: AVX2 + FMA, 0: portable C; None: the
 best this CPU has, at most a forced ``native:<isa>``'s) so that the tests run every variant the machine

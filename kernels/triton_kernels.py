@@ -337,6 +337,36 @@ def _decompress_kernel(
 FP_FUSION = False
 
 
+# ---- shared by the fused steps' passes (onebit/kernels/fused/) ------------------------------
+
+@triton.jit
+def decoded_rows(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word,
+                 BLOCK_BYTES: tl.constexpr):
+    # the program's byte rows of the gathered message, decoded: element indices [BLOCK_BYTES, 8],
+    # which rows are live, and +-s of each element (its chunk's scale s)
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    j = g // chunk_bytes
+    live = g < total_bytes
+    byte = tl.load(g_ptr + j * seg_bytes + g % chunk_bytes, mask=live, other=0).to(tl.int32)
+    s = tl.load(g_words_ptr + j * seg_words + scale_word, mask=live, other=0.0)
+    bit = (byte[:, None] >> (7 - i)[None, :]) & 1
+    return idx, live, tl.where(bit == 1, s[:, None], -s[:, None])
+
+
+@triton.jit
+def encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
+                length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK: tl.constexpr):
+    # as _worker_pack_kernel after its z: this program's float64 partial norm, the packed signs,
+    # and the last program to arrive writes the scale
+    zd = tl.where(live, z, 0.0).to(tl.float64)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
+    _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, False)
+    _finish_scale(partial_ptr, ticket_ptr, tl.num_programs(0), length, words_ptr, num_slots, seg_words,
+                  scale_word, words_ptr, 0, False, FINAL_BLOCK)
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch as the launchers below make it: the one place that decides each

@@ -1,19 +1,14 @@
-"""OnebitAdam's compression stage in two fused passes per bucket on a GPU (kernels/triton_fused.py).
+"""The fused steps' driver: OnebitAdam's compression step, ZeroOneAdam's phase-1 step, its phase-2
+synchronisation and local step, each inside the codec's passes in the backend that
+:func:`onebit.kernels.backends.select` gives for its step (``adam``, ``zoa``, ``local``). The maths of
+each, in every backend, is one file of :mod:`onebit.kernels.fused`; here are when a step applies, its
+table (one per bucket) filled from the optimizer's groups, and the call of the collective's stage
+sequence (:func:`onebit.collectives.allreduce.compressed_allreduce_passes`).
 
-The fold of every gradient into the preconditioned momentum runs inside the worker pass, and
-the update of every parameter inside the decompress pass: per bucket two launches instead of
-about 4 per parameter, and 51.7 B of memory traffic per element at W = 4 instead of 92 (bench/
-TRAFFIC.md section 3d). The all-to-all, the server and the all-gather are the collective's
-(:func:`onebit.collectives.allreduce.compressed_allreduce_passes`). The maths is the plain
-path's, element by element (tests/test_triton_fused.py).
-
-Used by :class:`onebit.optimizers.OnebitAdam` where :func:`applies`: the backend selected for the
-``adam`` step (:func:`onebit.kernels.backends.select`) is ``triton`` (CUDA parameters; CPU ones when
-forced, for the tests under ``TRITON_INTERPRET=1``) or ``native`` (CPU parameters: the C passes of
-:mod:`onebit.optimizers._fused_cpu`), the default ``compression="preconditioned"``, no block
-scales, no mesh, no ``overlap``, no masks, float32 contiguous parameters and gradients, more than
-one rank (or the benchmarks' local collective).
-Elsewhere the optimizer takes its unfused path, with the same results.
+A fused step applies with the default ``compression="preconditioned"``, no block scales, no mesh,
+no ``overlap``, no masks, float32 contiguous parameters, gradients, denominators (and momenta), more
+than one rank (or the benchmarks' local collective), and in Triton buckets of fewer than 2^31
+elements (its int32 indices). Elsewhere the optimizer takes its unfused path, with the same results.
 """
 
 from __future__ import annotations
@@ -25,46 +20,14 @@ import torch
 from ..collectives.allreduce import compressed_allreduce, compressed_allreduce_passes
 from ..collectives.telemetry import counting
 from ..kernels import backends
+from ..kernels.fused import adam, zero_one
+from ..kernels.fused.table import Table
+from ..kernels.layout import Layout, empty_message, message_scales
 
 
-def _plain(t: torch.Tensor) -> bool:
+def plain(t: torch.Tensor) -> bool:
+    """A float32 contiguous tensor (or parameter), no subclass."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.is_contiguous()
-
-
-def applies(opt, reducer, pairs) -> bool:
-    """Whether ``opt`` (an OnebitAdam) can take this compression-stage step fused."""
-    if not (pairs and opt.compressing and opt.preconditioned):
-        return False
-    if opt.block is not None or reducer.mesh is not None:
-        return False
-    if opt._overlapped or opt.auto_mask is not None or any(g.get("exp_avg_mask") is not None
-                                                           for _, g in pairs):
-        return False
-    local = bool(getattr(reducer.allreduce, "local_compute", False))
-    if not local and (reducer.allreduce is not compressed_allreduce or reducer.world_size < 2):
-        return False
-    device = pairs[0][0].device
-    name = backends.select(device, "adam").name
-    if name == "plain":
-        return False
-    cpu = name == "native"  # the C passes (optimizers/_fused_cpu.py); else the Triton ones
-    for k, (p, g) in enumerate(pairs):
-        if not _plain(p) or p.device != device:
-            return False
-        if p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape):
-            return False
-        d = opt.stale_denominator(k, p, g)  # cached: the step reads the same tensor
-        if not _plain(d) or d.numel() != p.numel() or d.device != device:
-            return False
-    if cpu:
-        return True
-    if not int32_indexable(reducer):
-        return False
-    try:
-        from ..kernels import triton_fused  # noqa: F401  (triton may be missing on a CPU machine)
-    except ImportError:
-        return False
-    return True
 
 
 def int32_indexable(reducer) -> bool:
@@ -73,87 +36,275 @@ def int32_indexable(reducer) -> bool:
     return all(b.worker_error.numel() < 2**31 for b in reducer.buckets)
 
 
-def plan(reducer):
-    """The fused step's tables for ``reducer``'s buckets: the C passes' where the ``adam`` step's
-    backend is native, the Triton passes' elsewhere."""
-    device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
-    if backends.select(device, "adam").name == "native":
-        from ._fused_cpu import CpuFusedCompression
-
-        return CpuFusedCompression(reducer)
-    return FusedCompression(reducer)
+def _backend(step: str, device, reducer) -> str | None:
+    """The backend of a fused ``step`` here: ``native`` or ``triton``; None: the unfused path."""
+    name = backends.select(device, step).name
+    if name == "triton" and not int32_indexable(reducer):
+        return None
+    return None if name == "plain" else name
 
 
-def bucket_tables(reducer):
-    """``(device, tiles, start, count)`` of the Triton passes over ``reducer``'s buckets: each
-    bucket's program -> parameter ranges, and every parameter's offset in its bucket and size."""
-    from ..kernels import triton_fused as tf
-
-    device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
-    starts, counts = [0] * len(reducer.views), [0] * len(reducer.views)
-    tiles = []
-    for b in reducer.buckets:
-        if b.indices != list(range(b.indices[0], b.indices[0] + len(b.indices))):
-            raise AssertionError("bucket indices must be consecutive")  # plan_buckets makes them so
-        for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
-            starts[i], counts[i] = off, size
-        tiles.append(tf.tiles(b.indices[0], b.offsets, b.numels, b.worker_error.numel(), device))
-    as_i64 = dict(dtype=torch.int64, device=device)
-    return device, tiles, torch.tensor(starts, **as_i64), torch.tensor(counts, **as_i64)
+def _settings_ok(opt, reducer, pairs, overlap) -> bool:
+    if opt.block is not None or reducer.mesh is not None or overlap:
+        return False
+    if opt.auto_mask is not None or any(g.get("exp_avg_mask") is not None for _, g in pairs):
+        return False
+    local = bool(getattr(reducer.allreduce, "local_compute", False))
+    return local or (reducer.allreduce is compressed_allreduce and reducer.world_size >= 2)
 
 
-class FusedCompression:
-    """The per-reducer tables of the fused passes (built once) and the step."""
+def _tensors_ok(opt, pairs, extra=()) -> bool:
+    """Every parameter, gradient, denominator and ``extra`` state tensor plain, on one device, of the
+    parameter's size."""
+    device = pairs[0][0].device
+
+    def ok(t, p) -> bool:
+        return t is not None and plain(t) and t.device == device and t.numel() == p.numel()
+
+    for k, (p, g) in enumerate(pairs):
+        if not (plain(p) and p.device == device):
+            return False
+        if p.grad is not None and (not ok(p.grad, p) or p.grad.shape != p.shape):
+            return False
+        if not ok(opt.stale_denominator(k, p, g), p):  # cached: the step reads the same tensor
+            return False
+        if not all(ok(opt.state[p].get(name), p) for name in extra):
+            return False
+    return True
+
+
+def applies(opt, reducer, pairs) -> bool:
+    """Whether ``opt`` (an OnebitAdam) can take this compression-stage step fused."""
+    if not (pairs and opt.compressing and opt.preconditioned):
+        return False
+    if not _settings_ok(opt, reducer, pairs, opt._overlapped):
+        return False
+    return _backend("adam", pairs[0][0].device, reducer) is not None and _tensors_ok(opt, pairs)
+
+
+def zoa_applies(opt, reducer, pairs, phase: int = 1) -> bool:
+    """Whether ``opt`` (a ZeroOneAdam in ``phase``) can take this compressed step (phase 1) or
+    synchronisation (phase 2) fused."""
+    if not (pairs and opt.preconditioned and opt.phase == phase):
+        return False
+    if not _settings_ok(opt, reducer, pairs, opt._overlap is not None):
+        return False
+    extra = ("exp_avg", "sync_params") if phase == 2 else ("exp_avg",)
+    return _backend("zoa", pairs[0][0].device, reducer) is not None and _tensors_ok(opt, pairs, extra)
+
+
+def prepared_verdict(opt, plan, pairs) -> bool | None:
+    """``plan.prepare`` for ``opt``'s next step, and with it this rank's verdict on its gradients
+    (those of the groups that are not compressed read as before); None: not prepared."""
+    others = [p.grad for g in opt.param_groups if g.get("non_freeze", False) for p in g["params"]
+              if p.grad is not None]
+    ok = plan.prepare(opt, pairs, opt.updates + 1)
+    if ok is None or not others:
+        return ok
+    return ok and opt._grads_finite(others)
+
+
+class AdamStep:
+    """OnebitAdam's fused compression step over a reducer's buckets: their tables (built once) and
+    the step.
+
+    In the native backend, the step's first phase (``prepare``: every bucket folded and encoded,
+    nothing sent) can run before the ranks agree that the gradients are finite, the agreement reading
+    its verdict from the messages' scales instead of a pass over the gradients: a non-finite gradient
+    makes its chunk's float64 sum of squares non-finite. It overwrites only the momentum, which
+    ``abandon`` restores bitwise where the ranks then skip the step: after a fused compression step
+    the momentum is exactly the decode of that step's gathered message (sign times its chunk's
+    scale), kept per bucket (1/32 of the momentum's bytes). ``prepare`` declines (None) where that
+    does not hold: before the first fused step, once anything else has written the momentum
+    (``flat._version``: a checkpoint's load, an unfused step), and in Triton (it would wait for the
+    device)."""
+
+    STEP, FUSED = "adam", adam
 
     def __init__(self, reducer) -> None:
-        from ..kernels import triton_fused as tf
-
-        self.tf = tf
         self.reducer = reducer
-        self.device, self.tiles, self.start, self.count = bucket_tables(reducer)
-        self._addr_key = self._scal_key = None
-        self._addr = self._scal = None
+        device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+        self.backend = backends.select(device, self.STEP).name
+        self.tables = [self._table(b, device) for b in reducer.buckets]
+        self.last: list = [None] * len(reducer.buckets)  # (gathered, layout, flat._version) per bucket
+        self.ready: list | None = None  # the prepared messages, until step or abandon
 
-    def _tables(self, opt, pairs, t: int):
-        tf = self.tf
-        grads = [p.grad for p, _ in pairs]
-        denoms = [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)]
-        key = (tuple(0 if x is None else x.data_ptr() for x in grads) + tuple(d.data_ptr() for d in denoms)
-               + tuple(p.data_ptr() for p, _ in pairs))
-        if key != self._addr_key:  # the caching allocator usually hands back the same addresses
-            self._addr, self._addr_key = tf.addresses(grads, denoms, [p for p, _ in pairs], self.device), key
-        rows = []
-        for _, g in pairs:
-            b1, lr, wd = g["betas"][0], g["lr"], g["weight_decay"]
-            bc1 = 1.0 - b1**t if g["bias_correction"] else 1.0
-            rows.append((b1, 1.0 - b1, 1.0 - lr * wd if wd else 1.0, -lr, bc1))
-        if rows != self._scal_key:
-            self._scal, self._scal_key = tf.scalars(rows, self.device), rows
-        return self._addr, self._scal
+    def _table(self, bucket, device) -> Table:
+        return self.FUSED.table(list(bucket.offsets), list(bucket.numels), device)
+
+    def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
+        items = [(i, *pairs[i]) for i in bucket.indices]
+        table.fill({"grad": [p.grad for _, p, _ in items],
+                    "denom": [opt.stale_denominator(i, p, g) for i, p, g in items],
+                    "param": [p for _, p, _ in items]},
+                   [adam.rows(g, t) for _, _, g in items])
+
+    def _passes(self, table: Table, clip: float, msg=None):
+        if self.backend == "native":
+            return adam.NativePasses(table, clip, msg)
+        return adam.TritonPasses(table, clip)
+
+    def forget(self) -> None:
+        """The momentum was written elsewhere (the unfused step): no message restores it now."""
+        self.last = [None] * len(self.reducer.buckets)
+
+    def _restorable(self) -> bool:
+        return all(last is not None and last[2] == b.flat._version
+                   for b, last in zip(self.reducer.buckets, self.last, strict=True) if b.numel)
+
+    def _W(self) -> int:
+        local = getattr(self.reducer.allreduce, "local_compute", False)  # True or the emulated W
+        return int(local) if local else self.reducer.world_size
+
+    def prepare(self, opt, pairs, t: int) -> bool | None:
+        """Fold and encode every bucket for step ``t``; returns whether this rank's gradients are
+        all finite, or None (nothing done) where the momentum could not be restored."""
+        if self.backend != "native" or not self._restorable():
+            return None
+        W, ready, finite = self._W(), [], True
+        self.ready = ready  # filled bucket by bucket: abandon undoes a prepare that raised halfway
+        for b, table in zip(self.reducer.buckets, self.tables, strict=True):
+            if not b.numel:
+                ready.append(None)
+                continue
+            self._fill(opt, pairs, t, b, table)
+            layout = Layout(b.worker_error.numel(), W, None)
+            msg = empty_message(layout, W, b.flat.device)
+            self._passes(table, 0.0).worker(b.flat, b.worker_error, layout, msg)
+            finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
+            ready.append(msg)
+        if finite:
+            return True
+        # a non-finite sum: a non-finite gradient, or finite ones whose fold overflowed (the
+        # exact test decides, as the unfused check's does)
+        return all(bool(torch.isfinite(p.grad).all()) for p, _ in pairs if p.grad is not None)
+
+    def abandon(self) -> None:
+        """The ranks skip the prepared step: every momentum bucket back to what it was."""
+        if self.ready is None:
+            return
+        self.ready = None
+        for k, (b, last) in enumerate(zip(self.reducer.buckets, self.last, strict=True)):
+            if b.numel:
+                gathered, layout, _ = last
+                adam.NativePasses.decode(gathered, layout, b.flat)
+                self.last[k] = (gathered, layout, b.flat._version)
 
     def step(self, opt, pairs, t: int) -> None:
-        """Fold, all-reduce and update every bucket (the compression stage's step)."""
-        tf, reducer = self.tf, self.reducer
-        addr, scal = self._tables(opt, pairs, t)
+        """Every bucket's step (the worker pass already done where ``prepare`` ran)."""
+        reducer, ready = self.reducer, self.ready
+        self.ready = None
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
-        for b, tiles in zip(reducer.buckets, self.tiles, strict=True):
+        for k, (b, table) in enumerate(zip(reducer.buckets, self.tables, strict=True)):
             if not b.numel:
                 continue
-            table = tf.Table(tiles, self.start, self.count, addr, scal)
-            passes = _Passes(tf, table, clip)
+            if ready is None:
+                self._fill(opt, pairs, t, b, table)
+            passes = self._passes(table, clip, None if ready is None else ready[k])
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
-                compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group, passes,
-                                            local=local)
+                compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group,
+                                            passes, local=local)
             reducer.count_compressed(b)
+            if self.backend == "native":
+                self.last[k] = (passes.gathered, passes.layout, b.flat._version)
 
 
-class _Passes:
-    def __init__(self, tf, table, clip: float) -> None:
-        self.tf, self.table, self.clip = tf, table, clip
+class ZeroOneStep(AdamStep):
+    """ZeroOneAdam's phase-1 fused compressed step (``prepare``, ``abandon``, ``step`` as
+    :class:`AdamStep`'s: the worker pass writes no state, so nothing to restore but the
+    accumulator's padded rests, which the C passes use)."""
 
-    def worker(self, flat, worker_error, layout, msg) -> None:
-        self.tf.fold_worker(flat, worker_error, layout, msg, self.table)
+    STEP, FUSED, SYNC = "zoa", zero_one, False
 
-    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
-        self.tf.decompress_update(gathered, layout, flat, worker_error, msg, self.table, self.clip)
+    def _table(self, bucket, device) -> Table:
+        return zero_one.table(list(bucket.offsets), list(bucket.numels), device, sync=self.SYNC)
+
+    def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
+        items = [(i, *pairs[i]) for i in bucket.indices]
+        table.fill({"grad": [p.grad for _, p, _ in items],
+                    "denom": [opt.stale_denominator(i, p, g) for i, p, g in items],
+                    "param": [p for _, p, _ in items],
+                    "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
+                   [zero_one.rows(g) for _, _, g in items])
+
+    def _passes(self, table: Table, clip: float, msg=None):
+        if self.backend == "native":
+            kind = zero_one.NativeSyncPasses if self.SYNC else zero_one.NativePasses
+            return kind(table, clip, msg)
+        return zero_one.TritonPasses(table, clip, self.SYNC)
+
+    def _restorable(self) -> bool:
+        return True  # the worker pass writes no state
+
+    def abandon(self) -> None:
+        if self.ready is None:
+            return
+        self.ready = None
+        for b in self.reducer.buckets:
+            b.flat.zero_()  # the padded rests' x (the accumulator is zero in phase 1)
+
+
+class ZeroOneSync(ZeroOneStep):
+    """Phase 2's synchronisation (ZeroOneAdam._sync, preconditioned) in the same two passes: the
+    worker encodes ``x = p - sync_params``; the decompress pass updates the error from ``x + e``, sets
+    ``m = mean d / nl`` (``nl = -lrs``), ``sync_params += mean`` and ``p = sync_params`` (the unfused
+    step's operations: bitwise)."""
+
+    SYNC = True
+
+    def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
+        index = {id(g): i for i, g in enumerate(opt.param_groups)}
+        items = [(i, *pairs[i]) for i in bucket.indices]
+        table.fill({"sync_params": [opt.state[p]["sync_params"] for _, p, _ in items],
+                    "denom": [opt.stale_denominator(i, p, g) for i, p, g in items],
+                    "param": [p for _, p, _ in items],
+                    "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
+                   [zero_one.sync_rows(-opt.lrs[index[id(g)]]) for _, _, g in items])
+
+
+def local_applies(opt, pairs, masks) -> bool:
+    """Whether ``opt``'s phase-2 local step can run as one launch (the ``local`` step's backend is
+    ``triton``): the default maths, no dead-coordinate masks, float32 contiguous parameters, momenta,
+    gradients and denominators on one device, fewer than 2^31 elements in all."""
+    if not pairs or opt._reference_maths() or any(d is not None for d in masks):
+        return False
+    if backends.select(pairs[0][0].device, "local").name != "triton":
+        return False
+    return _tensors_ok(opt, pairs, ("exp_avg",)) and sum(p.numel() for p, _ in pairs) < 2**31
+
+
+class LocalStep:
+    """Phase 2's local step as one launch over every parameter (laid end to end). Its table is
+    rebuilt where the tensors' sizes change; its addresses and scalars where they do."""
+
+    def __init__(self) -> None:
+        self.table: Table | None = None
+        self._sizes: list[int] | None = None
+
+    def step(self, opt, pairs) -> None:
+        params = [p for p, _ in pairs]
+        sizes = [p.numel() for p in params]
+        if sizes != self._sizes:
+            offsets = [0]
+            for s in sizes[:-1]:
+                offsets.append(offsets[-1] + s)
+            self.table, self._sizes = zero_one.table(offsets, sizes, params[0].device), sizes
+        self.table.fill({"grad": [p.grad for p in params],
+                         "denom": [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)],
+                         "param": params, "momentum": [opt.state[p]["exp_avg"] for p in params]},
+                        [zero_one.rows(g) for _, g in pairs])
+        clip = math.inf if opt.update_clip is None else float(opt.update_clip)
+        zero_one.local_step(self.table, sum(sizes), clip)
+
+
+def plan(opt, attr: str, reducer, kind):
+    """The fused step ``kind(reducer)`` kept in ``opt``'s attribute ``attr`` while the reducer lives
+    and its step's backend stays the one it was built for."""
+    cached = getattr(opt, attr, None)
+    device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+    backend = backends.select(device, kind.STEP).name
+    if cached is None or cached.reducer is not reducer or cached.backend != backend:
+        cached = kind(reducer)
+        setattr(opt, attr, cached)
+    return cached

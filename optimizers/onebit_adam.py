@@ -141,30 +141,22 @@ class OnebitAdam(WarmupThenCompress):
                 self._enter_compression()
 
     def _prepare_step(self) -> bool | None:
-        """The fused C step's fold and encode, before the agreement (optimizers/_fused_cpu.py):
+        """The fused native step's fold and encode, before the agreement (optimizers/_fused.py):
         its messages' scales give this rank's verdict, without a pass over the gradients."""
         if not self.compressing or self._overlap is not None:
             return None
         reducer, pairs = self.reducer(), self.compressed_params()
         if not _fused.applies(self, reducer, pairs):
             return None
-        plan = self._fused_plan(reducer)
-        if not hasattr(plan, "prepare"):  # the C passes only
-            return None
-        from ._fused_cpu import prepared_verdict
-
-        return prepared_verdict(self, plan, pairs)
+        return _fused.prepared_verdict(self, self._fused_plan(reducer), pairs)
 
     def _abandon_step(self) -> None:
         plan = getattr(self, "_fused_cache", None)
-        if plan is not None and hasattr(plan, "abandon"):
+        if plan is not None:
             plan.abandon()
 
     def _fused_plan(self, reducer):
-        plan = getattr(self, "_fused_cache", None)
-        if plan is None or plan.reducer is not reducer:
-            plan = self._fused_cache = _fused.plan(reducer)
-        return plan
+        return _fused.plan(self, "_fused_cache", reducer, _fused.AdamStep)
 
     # -- GPU: one multi-tensor op per param group instead of one op per tensor (optimizers/_multi.py)
     def _fold_all(self, pairs, views) -> bool:

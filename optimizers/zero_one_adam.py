@@ -6,11 +6,10 @@ import torch
 
 from ..kernels import cpu_fused
 from ..kernels._checks import check_int
-from . import _fused_cpu_zoa, _fused_zoa, _multi
+from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
-from ._fused_cpu import prepared_verdict
 
 __all__ = ["ZeroOneAdam"]
 
@@ -175,14 +174,14 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._phase_two(reducer, pairs, t)
 
     def _prepare_step(self) -> bool | None:
-        """Phase 1's fused compressed step (optimizers/_fused_cpu_zoa.py): its worker pass before the
+        """Phase 1's fused compressed step (optimizers/_fused.py): its worker pass before the
         agreement, the messages' scales giving this rank's verdict (the pass changes no state)."""
         if not self._compresses_gradients() or self._overlap is not None:
             return None
         reducer, pairs = self.reducer(), self.compressed_params()
-        if not _fused_cpu_zoa.applies(self, reducer, pairs):
+        if not _fused.zoa_applies(self, reducer, pairs):
             return None
-        return prepared_verdict(self, self._zoa_plan(reducer), pairs)
+        return _fused.prepared_verdict(self, self._zoa_plan(reducer), pairs)
 
     def _abandon_step(self) -> None:
         plan = getattr(self, "_zoa_cache", None)
@@ -190,25 +189,15 @@ class ZeroOneAdam(OnebitOptimizerBase):
             plan.abandon()
 
     def _zoa_plan(self, reducer):
-        return self._plan("_zoa_cache", reducer, _fused_cpu_zoa.CpuFusedZeroOne)
-
-    def _plan(self, name: str, reducer, kind):
-        """The fused passes' tables ``kind(reducer)``, kept in attribute ``name`` while the reducer lives."""
-        plan = getattr(self, name, None)
-        if plan is None or plan.reducer is not reducer:
-            plan = kind(reducer)
-            setattr(self, name, plan)
-        return plan
+        return _fused.plan(self, "_zoa_cache", reducer, _fused.ZeroOneStep)
 
     def _phase_one(self, reducer, pairs, t: int) -> None:
         var_step = t % self.var_interval == 0
         prepared = getattr(getattr(self, "_zoa_cache", None), "ready", None) is not None  # applies held
         fused = not var_step and (prepared or not self._overlapped)
-        if fused and (prepared or _fused_cpu_zoa.applies(self, reducer, pairs)):
+        if fused and (prepared or _fused.zoa_applies(self, reducer, pairs)):
             # the gradient's compressed mean, the fold and the stale step inside the codec's passes
             self._zoa_plan(reducer).step(self, pairs, t)
-        elif fused and _fused_zoa.applies(self, reducer, pairs):  # the same in Triton passes (GPU)
-            self._plan("_zoa_gpu_cache", reducer, _fused_zoa.FusedZeroOne).step(self, pairs, t)
         else:
             self._phase_one_unfused(reducer, pairs, var_step)
         if var_step:
@@ -323,10 +312,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
         return True
 
     def _local_step_all(self, pairs, masks) -> bool:
-        if _fused_zoa.local_applies(self, pairs, masks):  # one Triton launch (GPU)
+        if _fused.local_applies(self, pairs, masks):  # one Triton launch (GPU)
             plan = getattr(self, "_local_cache", None)
             if plan is None:
-                plan = self._local_cache = _fused_zoa.FusedLocalStep()
+                plan = self._local_cache = _fused.LocalStep()
             plan.step(self, pairs)
             return True
         if not self._multi(pairs) or any(d is not None for d in masks):
@@ -343,14 +332,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
         """Phase 2's synchronisation: the replicas average their accumulated updates ``u``
         (momentum: in momentum space, ``u * denom``; preconditioned: as they are) and set the
         momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical. On an x86
-        CPU (preconditioned) inside the codec's C passes (optimizers/_fused_cpu_zoa.py)."""
-        plan = None
-        if _fused_cpu_zoa.applies(self, reducer, pairs, phase=2):
-            plan = self._plan("_zos_cache", reducer, _fused_cpu_zoa.CpuFusedZeroOneSync)
-        elif _fused_zoa.applies(self, reducer, pairs, phase=2):  # the same in Triton passes (GPU)
-            plan = self._plan("_zos_gpu_cache", reducer, _fused_zoa.FusedZeroOneSync)
-        if plan is not None:
-            plan.step(self, pairs, t)
+        CPU or a GPU (preconditioned) inside the codec's passes (optimizers/_fused.py)."""
+        if _fused.zoa_applies(self, reducer, pairs, phase=2):
+            _fused.plan(self, "_zos_cache", reducer, _fused.ZeroOneSync).step(self, pairs, t)
             self.lrs = [0.0] * len(self.param_groups)
             self.last_sync = t
             return

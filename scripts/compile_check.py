@@ -23,9 +23,9 @@ each path's access widths. The launchers never launch these (the kernel they lau
 paths, the stricter test of registers and spills), so CI leaves them out: they were 58 of the
 132 variants per target. The targets compile
 in parallel (one process each, as many as there are cores). Also OnebitAdam's fused passes
-(``onebit.kernels.triton_fused``: ``fold_worker_launches``, ``decompress_update_launches``) and the
-DDP hook's GPU pre- and post-pass (``onebit.kernels.triton_hook``) and ZeroOneAdam's fused phase-1
-passes (``onebit.kernels.triton_fused_zoa``); these fused passes must not spill.
+(``onebit.kernels.fused.adam``: ``fold_worker_launches``, ``decompress_update_launches``) and the
+DDP hook's GPU pre- and post-pass (``onebit.kernels.fused.hook``) and ZeroOneAdam's fused phase-1
+passes (``onebit.kernels.fused.zero_one``); these fused passes must not spill.
 Exits 1 if any variant fails to compile or has an FMA it should not have, or if a fused-pass
 variant spills registers.
 
@@ -46,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 sys.dont_write_bytecode = True
 _CACHE = tempfile.mkdtemp(prefix="onebit-compile-check-")
@@ -60,10 +61,11 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
 from onebit.kernels import triton_blocks as tb  # noqa: E402
-from onebit.kernels import triton_fused as tf  # noqa: E402
-from onebit.kernels import triton_fused_zoa as tz  # noqa: E402
-from onebit.kernels import triton_hook as th  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
+from onebit.kernels.fused import adam  # noqa: E402
+from onebit.kernels.fused import hook as th  # noqa: E402
+from onebit.kernels.fused import zero_one as tz  # noqa: E402
+from onebit.kernels.fused.table import Tiles  # noqa: E402
 from onebit.kernels.layout import Layout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,51 +97,50 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
     yield from zoa_launches(N, W)
 
 
+def mock_table(columns: int, N: int, per: int = 1024) -> SimpleNamespace:
+    """A fused step's table (onebit.kernels.fused.table) of 17 tensors (a number that is not 1:
+    Triton would make a 1 a constant) in mock tensors, its tiles made for N elements."""
+    T, i32, i64 = MockTensor, torch.int32, torch.int64
+    return SimpleNamespace(start=T(i64), count=T(i64), addr=T(i64, shape=[columns, 17]), K=17,
+                           scal=T(torch.float32, shape=[17, 5]), tiles=Tiles(T(i32), T(i32), N, per))
+
+
 def fused_launches(N: int, W: int):
-    """OnebitAdam's fused passes (onebit.kernels.triton_fused): float32 only, n a multiple of 16
-    and not; the parameter tables of 17 parameters (a number that is not 1: Triton would make a
-    1 a constant)."""
+    """OnebitAdam's fused passes (onebit.kernels.fused.adam): float32 only, n a multiple of 16
+    and not."""
     T, f32, f64, u8 = MockTensor, torch.float32, torch.float64, torch.uint8
-    i32, i64 = torch.int32, torch.int64
-    layout = Layout(N, W)
-    tiles = tf.Tiles(T(i32), T(i32))
+    layout, table = Layout(N, W), mock_table(3, N)
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
-        addr = MockTensor(i64, shape=[3, 17])
         tag = f"fused{align}"
-        for launch in tf.fold_worker_launches(T(f32), T(f32), T(u8), T(f32), T(f64), T(i32), tiles, T(i64),
-                                              T(i64), addr, T(f32), n, layout):
+        for launch in adam.fold_worker_launches(T(f32), T(f32), T(u8), T(f32), T(f64), T(torch.int32), table,
+                                                n, layout):
             yield tag, launch
-        for launch in tf.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), tiles, T(i64),
-                                                    T(i64), addr, T(f32), n, layout, 1.0):
+        for launch in adam.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), table, n, layout,
+                                                      1.0):
             yield tag, launch
 
 
 def zoa_launches(N: int, W: int):
-    """ZeroOneAdam's fused phase-1 passes (onebit.kernels.triton_fused_zoa), as fused_launches."""
+    """ZeroOneAdam's fused passes (onebit.kernels.fused.zero_one), as fused_launches."""
     T, f32, f64, u8 = MockTensor, torch.float32, torch.float64, torch.uint8
-    i32, i64 = torch.int32, torch.int64
-    layout, tiles = Layout(N, W), tf.Tiles(T(i32), T(i32))
+    layout, table = Layout(N, W), mock_table(4, N)
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
-        addr = MockTensor(i64, shape=[4, 17])
-        made = [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(i32), tiles, T(i64), T(i64), addr, n,
-                                    layout),
-                *tz.step_launches(T(u8), T(f32), T(f32), T(f32), tiles, T(i64), T(i64), addr, T(f32), n,
-                                  layout, 1.0)]
-        made += tz.local_launches(tiles, T(i64), T(i64), addr, T(f32), n, 1.0)
-        made += [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(i32), tiles, T(i64), T(i64), addr, n,
-                                     layout, True),
-                 *tz.step_launches(T(u8), T(f32), T(f32), T(f32), tiles, T(i64), T(i64), addr, T(f32), n,
-                                   layout, 1.0, True)]
+        made = []
+        for sync in (False, True):
+            made += [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(torch.int32), table, n, layout,
+                                         sync),
+                     *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync)]
+        made += tz.local_launches(mock_table(4, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, 1.0)
         for launch in made:
             yield f"zoa{align}", launch
 
 
 def hook_launches(N: int):
-    """The DDP hook's GPU pre- and post-pass (onebit.kernels.triton_hook): float32, n a multiple of
+    """The hooks' Triton pre- and post-pass (onebit.kernels.fused.hook): float32, n a multiple of
     16 and not, a table of 17 momenta."""
-    T, f32, f64, i32, i64 = MockTensor, torch.float32, torch.float64, torch.int32, torch.int64
-    t = th.Table(tf.Tiles(T(i32), T(i32)), T(i64), T(i64), MockTensor(i64, shape=[17]), T(f32))
+    T, f32, f64 = MockTensor, torch.float32, torch.float64
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
+        t = mock_table(2, -(-n // 8) * 8, th.BLOCK)
         made = [*th.pre_launches(T(f32), T(f32), T(f64), t, n), *th.post_launches(T(f32), T(f32), t, n)]
         for launch in made:
             yield f"hook{align}", launch
@@ -334,7 +335,7 @@ def compile_target(arch: str, dump: str | None = None,
         if fma and not tk.FP_FUSION:
             fused += 1
         wrong = "  <- contraction is off" if fma and not tk.FP_FUSION else ""
-        if spills and launch.kernel.fn.__module__ in (tf.__name__, th.__name__, tz.__name__):  # issue 38
+        if spills and launch.kernel.fn.__module__ in (adam.__name__, th.__name__, tz.__name__):  # issue 38
             spilled += 1
             wrong += "  <- spills"
         lines.append(f"{label} {name:44} {usage}  fma {fma}" + (f" (+{expansion} exact)" if expansion

@@ -73,9 +73,10 @@ def run_case(n: int, W: int, block: int | None, dtype: torch.dtype, seed: int) -
 
 
 def run_fused_case(n: int, W: int, seed: int) -> None:
-    """OnebitAdam's fused passes (kernels/triton_fused.py): every parameter's gradient,
+    """OnebitAdam's fused passes (kernels/fused/adam.py): every parameter's gradient,
     denominator and data in a fenced buffer of its own, read through the address table."""
-    from onebit.kernels import triton_fused as tf
+    from onebit.kernels.fused import adam
+    from onebit.kernels.fused.table import Tiles, tiles
 
     g = torch.Generator().manual_seed(seed)
     N = padded_numel(n, W)
@@ -87,21 +88,22 @@ def run_fused_case(n: int, W: int, seed: int) -> None:
         grads[1] = None  # a missing gradient: its address is 0 and must never be read
     denoms = [guarded(torch.rand(s, generator=g) + 0.5) for s in sizes]
     params = [guarded(torch.randn(s, generator=g)) for s in sizes]
-    tiles = tf.tiles(0, offsets, sizes, N, "cpu")
-    table = tf.Table(tf.Tiles(guarded(tiles.lo), guarded(tiles.hi)),
-                     guarded(torch.tensor(offsets, dtype=torch.int64)),
-                     guarded(torch.tensor(sizes, dtype=torch.int64)),
-                     guarded(tf.addresses(grads, denoms, params, "cpu")),
-                     guarded(tf.scalars([(0.9, 0.1, 0.999, -1e-3, 1.0)] * len(sizes), "cpu")))
+    table = adam.table(offsets, sizes, "cpu")
+    table.fill({"grad": grads, "denom": denoms, "param": params},
+               [(0.9, 0.1, 0.999, -1e-3, 1.0)] * len(sizes))
+    made = tiles(table, N)
+    table.tiles = Tiles(guarded(made.lo), guarded(made.hi), *made.key)
+    table.start, table.count = guarded(table.start), guarded(table.count)
+    table.addr, table.scal = guarded(table.addr), guarded(table.scal)
     u = guarded(torch.randn(n, generator=g))
     e = guarded(torch.randn(N, generator=g) * 0.1)
     msg = guarded(empty_message(layout, W, torch.device("cpu")).zero_())
-    tf.fold_worker(u, e, layout, msg, table)
+    adam.fold_worker(u, e, layout, msg, table)
     received = guarded(msg.clone())
     se = guarded(torch.randn(N // W, generator=g) * 0.1)
     seg = guarded(empty_message(layout, 1, torch.device("cpu")).zero_())
     server_reduce(received, se, W, out=seg, backend="triton")
-    tf.decompress_update(guarded(torch.cat([seg] * W)), layout, u, e, msg, table, 1.0)
+    adam.decompress_update(guarded(torch.cat([seg] * W)), layout, u, e, msg, table, 1.0)
     assert torch.isfinite(u).all() and torch.isfinite(e).all()
     assert all(torch.isfinite(p).all() for p in params)
 

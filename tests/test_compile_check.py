@@ -63,7 +63,8 @@ def test_the_fma_column_tells_interleaved_divisions_from_contraction():
     # the kernels' modules first, decorated under the interpreter this session runs them in: the check
     # imports them with the interpreter off, and modules first imported then would compile for a GPU
     # in every later test of this process ("0 active drivers")
-    from onebit.kernels import triton_blocks, triton_fused, triton_fused_zoa, triton_hook, triton_kernels  # noqa: F401
+    from onebit.kernels import triton_blocks, triton_kernels  # noqa: F401
+    from onebit.kernels.fused import adam, hook, table, zero_one  # noqa: F401
 
     sys.path.insert(0, str(ROOT / "scripts"))
     saved = dict(os.environ)

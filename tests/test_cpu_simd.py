@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from onebit.kernels import cpu_simd, cpu_simd_fused, torch_kernels
+from onebit.kernels import cpu_simd, torch_kernels
+from onebit.kernels.fused import adam
 
 pytestmark = pytest.mark.skipif("not cpu_simd.library()", reason="no C compiler here: the compiled path runs")
 
@@ -259,10 +260,9 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
     out = []
     for merged in (False, True):
         u, e, ps = u0.clone(), e0.clone(), [q.clone() for q in p0]
-        t = cpu_simd_fused.Table([0, sizes[0], sizes[0] + sizes[1]], sizes)
-        for k in range(3):
-            t.g[k], t.d[k], t.p[k] = grads[k].data_ptr(), dens[k].data_ptr(), ps[k].data_ptr()
-            t.scalars[k] = torch.tensor([0.9, 0.1, 0.999, -1e-3, 0.5 + k])
+        t = adam.table([0, sizes[0], sizes[0] + sizes[1]], sizes, "cpu")
+        t.fill({"grad": grads, "denom": dens, "param": ps},
+               [(0.9, 0.1, 0.999, -1e-3, 0.5 + k) for k in range(3)])
         bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
         enc = [mid - lo for lo, mid, _ in splits]
         fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
@@ -270,18 +270,18 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
             return [v if i == j else 0 for i, v in enumerate(values)]
 
         if merged:
-            sums = cpu_simd_fused.fold_encode_all(u, e, bits, layout.C, enc, fold, t, isa=isa)
+            sums = adam.fold_encode_all(u, e, bits, layout.C, enc, fold, t, isa=isa)
         else:
-            sums = [cpu_simd_fused.fold_encode_all(u, e, bits, layout.C, only(enc, j), only(fold, j), t,
-                                                   isa=isa)[j] if fold[j] else 0.0 for j in range(W)]
+            sums = [adam.fold_encode_all(u, e, bits, layout.C, only(enc, j), only(fold, j), t,
+                                         isa=isa)[j] if fold[j] else 0.0 for j in range(W)]
         folded = u.clone()
         if merged:
-            cpu_simd_fused.decompress_update_all(bits, scales, u, e, wscales, layout.C, enc, t, 0.3, isa=isa)
+            adam.decompress_update_all(bits, scales, u, e, wscales, layout.C, enc, t, 0.3, isa=isa)
         else:
             for j, (lo, mid, _) in enumerate(splits):
                 if mid > lo:
-                    cpu_simd_fused.decompress_update_all(bits, scales, u, e, wscales, layout.C, only(enc, j),
-                                                         t, 0.3, isa=isa)
+                    adam.decompress_update_all(bits, scales, u, e, wscales, layout.C, only(enc, j),
+                                               t, 0.3, isa=isa)
         coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])  # the padded rests: not theirs
         out.append(([s for s, f in zip(sums, enc, strict=True) if f], coded, folded, u, e, ps))
     (s0, b0, f0, u0_, e0_, ps0), (s1, b1, f1, u1, e1, ps1) = out

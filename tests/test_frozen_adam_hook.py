@@ -167,18 +167,19 @@ def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
 def _wide_body(steps, fused, c_pass=False, in_codec=False):
     """A layer of 2^16 weights (the fused CPU passes' size) behind the hook with freeze_step; with
     ``fused=False`` the per-parameter passes are out of reach (the "tensor" step plain); the C
-    pre-pass (onebit.kernels.cpu_simd_fused.hook_pre, the local norm inside) only with ``c_pass``; the
+    pre-pass (onebit.kernels.fused.hook.hook_pre, the local norm inside) only with ``c_pass``; the
     pre- and post-pass inside the codec's C passes (collectives/_hook_fused.py) only with
     ``in_codec`` (and ``c_pass``)."""
     from onebit.collectives import _hook_fused
-    from onebit.kernels import cpu_fused, cpu_simd_fused
+    from onebit.kernels import cpu_fused
     from onebit.kernels.backends import use_backend
+    from onebit.kernels.fused import hook
 
     saved = cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
-    saved_c = (None, cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.applies)
+    saved_c = (None, hook.hook_pre, hook.hook_encode, _hook_fused.backend)
     cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
     if not in_codec:  # the native route beside the codec's passes
-        _hook_fused.applies = lambda *a: False
+        _hook_fused.backend = lambda *a: None
     calls = {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 0}
     for name in ("pre", "post"):
         fn = getattr(cpu_fused, f"hook_{name}_")
@@ -201,13 +202,13 @@ def _wide_body(steps, fused, c_pass=False, in_codec=False):
     # the hook's native passes (its C pre-pass with the norm inside, or inside the codec) only
     # with c_pass; the per-parameter passes of cpu_fused (the "tensor" step) only with fused
     plain = [step for step, on in (("hook", c_pass), ("tensor", fused)) if not on]
-    cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode = c_counted, encode_counted
+    hook.hook_pre, hook.hook_encode = c_counted, encode_counted
     try:  # the rank processes serve later tests: the modules are put back as they were
         with use_backend("plain", steps=plain) if plain else contextlib.nullcontext():
             return _wide_run(steps), calls
     finally:
         cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
-        cpu_simd_fused.hook_pre, cpu_simd_fused.hook_encode, _hook_fused.applies = saved_c[1:]
+        hook.hook_pre, hook.hook_encode, _hook_fused.backend = saved_c[1:]
 
 
 def _wide_run(steps):

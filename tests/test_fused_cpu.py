@@ -1,7 +1,7 @@
 """OnebitAdam's compression stage with the fold and the update inside the CPU codec's C passes
-(onebit.optimizers._fused_cpu) against the unfused step (a compiled or plain pass per parameter
-around the collective): two parameter groups with their own lr, betas and weight decay, a
-parameter without a gradient in one step, several buckets whose tensors straddle the chunks,
+(onebit.kernels.fused.adam, onebit.optimizers._fused) against the unfused step (a compiled or
+plain pass per parameter around the collective): two parameter groups with their own lr, betas and
+weight decay, a parameter without a gradient in one step, several buckets whose tensors straddle the chunks,
 sizes not a multiple of 8; locally (W = 1's whole compute) and on 3 gloo ranks."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from helpers import compiled_local, count_gradient_reads, fused_steps
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
+from onebit.kernels.fused import adam
 from onebit.optimizers import OnebitAdam, _fused
 
 pytestmark = pytest.mark.skipif("not cpu_simd.available()", reason="no C passes on this CPU")
@@ -247,7 +248,7 @@ def test_an_unfused_step_in_between_is_not_undone_from_an_older_message():
     assert opt.skipped_steps == 1 and torch.equal(opt.reducer().buckets[0].flat, middle)
 
 
-def test_a_prepare_that_raises_halfway_restores_the_momentum():
+def test_a_prepare_that_raises_halfway_restores_the_momentum(monkeypatch):
     # the second bucket's encode fails after the first bucket was folded: the step raises and the
     # momentum of every bucket is as it was
     torch.manual_seed(0)
@@ -261,16 +262,16 @@ def test_a_prepare_that_raises_halfway_restores_the_momentum():
             p.grad = torch.randn(p.shape)
         opt.step()
     before = [b.flat.clone() for b in red.buckets]
-    plan = opt._fused_cache
-    calls = []
+    assert opt._fused_cache.backend == "native"
+    calls, encode = [], adam.NativePasses.encode_all
 
-    def failing(*args, **kwargs):
+    def failing(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise MemoryError("the second bucket")
-        return type(plan).PASSES.ENCODE(*args, **kwargs)
+        return encode(self, *args, **kwargs)
 
-    plan.PASSES = type("Failing", (type(plan).PASSES,), {"ENCODE": staticmethod(failing)})
+    monkeypatch.setattr(adam.NativePasses, "encode_all", failing)
     for p in params:
         p.grad = torch.randn(p.shape)
     with pytest.raises(MemoryError):

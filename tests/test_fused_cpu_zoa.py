@@ -1,8 +1,8 @@
 """ZeroOneAdam's phase-1 compressed steps with the fold and the stale step inside the CPU codec's
-C passes (onebit.optimizers._fused_cpu_zoa) against the unfused steps: two parameter groups with
-their own lr, betas and weight decay, a parameter without a gradient in one step, several buckets
-whose tensors straddle the chunks, sizes not a multiple of 8, variance steps in between; locally
-(W = 1's whole compute) and on 3 gloo ranks; a skipped step on one rank."""
+C passes (onebit.kernels.fused.zero_one, onebit.optimizers._fused) against the unfused steps: two
+parameter groups with their own lr, betas and weight decay, a parameter without a gradient in one
+step, several buckets whose tensors straddle the chunks, sizes not a multiple of 8, variance steps in
+between; locally (W = 1's whole compute) and on 3 gloo ranks; a skipped step on one rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from helpers import compiled_local, count_gradient_reads, fused_steps
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
-from onebit.optimizers import ZeroOneAdam, _fused_cpu_zoa
+from onebit.optimizers import ZeroOneAdam, _fused
 
 pytestmark = pytest.mark.skipif("not cpu_simd.available()", reason="no C passes on this CPU")
 
@@ -48,7 +48,7 @@ def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
             if bad is not None and step == bad[0] and rank == bad[1]:
                 params[4].grad[77] = float("inf")
             pairs = opt.compressed_params()
-            used.append(opt._compresses_gradients() and _fused_cpu_zoa.applies(opt, red, pairs))
+            used.append(opt._compresses_gradients() and _fused.zoa_applies(opt, red, pairs))
             if bad is not None and step == bad[0]:
                 around.append(state())
                 with pytest.warns(RuntimeWarning, match="step skipped on every rank"):
@@ -126,7 +126,8 @@ def test_the_passes_agree_at_every_isa_level(wd):
     # zoa_encode_all and zoa_step_all in portable C (fmaf), AVX2 and AVX-512: the same bits, errors,
     # momenta and parameters, bitwise (the float64 sums: exact squares added in each ISA's order);
     # a tensor without a gradient; with and without the error update
-    from onebit.kernels import _chunks, cpu_simd_fused
+    from onebit.kernels import _chunks
+    from onebit.kernels.fused import zero_one
     from onebit.kernels.layout import Layout, empty_message, message_bits
 
     gen = torch.Generator().manual_seed(5)
@@ -143,18 +144,16 @@ def test_the_passes_agree_at_every_isa_level(wd):
     for isa in range(cpu_simd.best_isa() + 1):
         for update in (True, False):
             e, ms, ps, flat = e0.clone(), [x.clone() for x in m0], [x.clone() for x in p0], torch.zeros(n)
-            t = cpu_simd_fused.Table([0, sizes[0], sizes[0] + sizes[1]], sizes)
-            for k in range(3):
-                t.g[k] = 0 if k == 1 else grads[k].data_ptr()
-                t.d[k], t.m[k], t.p[k] = dens[k].data_ptr(), ms[k].data_ptr(), ps[k].data_ptr()
-                t.scalars[k] = torch.tensor([0.9, 0.1, wd, -1e-2, 0.0])
+            t = zero_one.table([0, sizes[0], sizes[0] + sizes[1]], sizes, "cpu")
+            t.fill({"grad": [None if k == 1 else grads[k] for k in range(3)], "denom": dens, "param": ps,
+                    "momentum": ms}, [(0.9, 0.1, wd, -1e-2, 0.0)] * 3)
             bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
             enc = [mid - lo for lo, mid, _ in splits]
             fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
-            sums = cpu_simd_fused.zoa_encode_all(flat, e, bits, layout.C, enc, fold, t, isa=isa)
+            sums = zero_one.zoa_encode_all(flat, e, bits, layout.C, enc, fold, t, isa=isa)
             coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])
             ee, ws = (e, wscales) if update else (None, None)
-            cpu_simd_fused.zoa_step_all(bits, scales, ee, ws, layout.C, enc, t, 0.5, isa=isa)
+            zero_one.zoa_step_all(bits, scales, ee, ws, layout.C, enc, t, 0.5, isa=isa)
             out[isa, update] = [torch.tensor(sums, dtype=torch.float64), coded, e, *ms, *ps]
     for (isa, update), got in out.items():
         torch.testing.assert_close(got[0], out[0, update][0], rtol=1e-12, atol=0)
@@ -175,9 +174,9 @@ def _phase_two(fused: bool, rank: int = 0, local: bool = True):
     if local:
         red.allreduce = compiled_local
     synced = []
-    step = _fused_cpu_zoa.CpuFusedZeroOneSync.step
+    step = _fused.ZeroOneSync.step
     try:
-        _fused_cpu_zoa.CpuFusedZeroOneSync.step = lambda self, *a: synced.append(1) or step(self, *a)
+        _fused.ZeroOneSync.step = lambda self, *a: synced.append(1) or step(self, *a)
         g = torch.Generator().manual_seed(1000 + rank)
         for _ in range(16):
             with fused_steps(None if fused or opt.phase == 1 else "plain"):  # phase 1 the same in both runs
@@ -185,7 +184,7 @@ def _phase_two(fused: bool, rank: int = 0, local: bool = True):
                     p.grad = torch.randn(p.shape, generator=g)
                 opt.step()
     finally:
-        _fused_cpu_zoa.CpuFusedZeroOneSync.step = step
+        _fused.ZeroOneSync.step = step
     state = [t.detach().clone() for t in params + [opt.state[p][k] for k in ("exp_avg", "sync_params")
                                                    for p in params]
              + [b.flat for b in red.buckets] + [e for pair in red.errors() for e in pair]]

@@ -1,4 +1,4 @@
-"""The DDP hook's ``freeze_step`` passes inside the CPU codec's C passes (collectives/_hook_fused.py)
+"""The DDP hook's ``freeze_step`` passes inside the CPU codec's C passes (kernels/fused/hook.py)
 against the unfused ones (the pre-pass, compressed_allreduce, the post-pass): bucket, bits and
 error buffers bitwise, the local gradient norm to float64 rounding. Locally (W = 1's whole compute
 with the collectives as copies: every ISA level this CPU runs, block sizes that do and do not
@@ -14,6 +14,7 @@ from onebit.collectives import _hook_fused
 from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
 from onebit.collectives.allreduce import _LOCAL, _compressed_allreduce, compressed_allreduce_passes
 from onebit.kernels import cpu_simd
+from onebit.kernels.fused import hook
 from onebit.kernels.layout import padded_numel
 
 pytestmark = pytest.mark.skipif("not cpu_simd.available()", reason="no C passes on this CPU")
@@ -46,7 +47,7 @@ def _run(n, spans, block, seed, special, fused: bool):
     se = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) * 0.1
     fa = FrozenAdam(1, 0.1)
     if fused:
-        passes = _hook_fused.HookPasses(d, parts, fa)
+        passes = _hook_fused.passes(d, parts, fa)
         compressed_allreduce_passes(buffer, we, se, None, passes, local=True, block=block)
     else:
         post = frozen_pre_(buffer, d, parts, fa)
@@ -110,15 +111,15 @@ def _ddp_body(steps: int, in_codec: bool, block):
     state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=block)
     model.register_comm_hook(state, onebit_compress_hook)
     calls = [0]
-    saved = _hook_fused.applies, _hook_fused.HookPasses.worker
+    saved = _hook_fused.backend, hook.NativePasses.worker
     if not in_codec:  # the native route beside the codec (frozen_pre_'s C passes per parameter)
-        _hook_fused.applies = lambda *a: False
+        _hook_fused.backend = lambda *a: None
 
     def counted(self, *a):
         calls[0] += 1
         return saved[1](self, *a)
 
-    _hook_fused.HookPasses.worker = counted
+    hook.NativePasses.worker = counted
     norms = []
     try:
         for t in range(steps):
@@ -130,7 +131,7 @@ def _ddp_body(steps: int, in_codec: bool, block):
             opt.step()
             opt.zero_grad()
     finally:
-        _hook_fused.applies, _hook_fused.HookPasses.worker = saved
+        _hook_fused.backend, hook.NativePasses.worker = saved
     return [p.detach().clone() for p in model.parameters()], calls[0], norms, state.stats()["buckets"]
 
 

@@ -1,4 +1,4 @@
-"""OnebitAdam's fused Triton passes (kernels/triton_fused.py, optimizers/_fused.py) under the
+"""OnebitAdam's fused Triton passes (kernels/fused/adam.py, optimizers/_fused.py) under the
 Triton interpreter, against the plain path.
 
 Pass A (fold + worker) must give the plain fold bitwise and the plain worker's packed bits
@@ -21,7 +21,8 @@ import torch
 from helpers import fused_steps, torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
-from onebit.kernels import triton_fused as tf
+from onebit.kernels.fused import adam
+from onebit.kernels.fused.table import tiles
 from onebit.optimizers import OnebitAdam, _fused
 from onebit.optimizers import _functional as F
 
@@ -54,11 +55,9 @@ def _rows(t: int = 3):
 
 
 def _table(offsets, N, grads, denoms, params, rows, device="cpu"):
-    tiles = tf.tiles(0, offsets, SIZES, N, device)
-    start = torch.tensor(offsets, dtype=torch.int64, device=device)
-    count = torch.tensor(SIZES, dtype=torch.int64, device=device)
-    addr = tf.addresses(grads, denoms, params, device)
-    return tf.Table(tiles, start, count, addr, tf.scalars(rows, device))
+    table = adam.table(offsets, SIZES, device)
+    table.fill({"grad": grads, "denom": denoms, "param": params}, rows)
+    return table
 
 
 def _to(device, *tensors):
@@ -68,9 +67,9 @@ def _to(device, *tensors):
 def test_tiles_cover_each_program_with_its_parameters():
     offsets = [0, 10, 10, 1500, 2300]  # an empty parameter at 10; programs of 1024 elements
     numels = [10, 0, 1490, 800, 1]
-    t = tf.tiles(7, offsets, numels, 4096, "cpu")
-    assert t.lo.tolist() == [7, 9, 10, 12]
-    assert t.hi.tolist() == [10, 11, 12, 12]  # program 3 (3072..4095) holds padding only
+    t = tiles(adam.table(offsets, numels, "cpu"), 4096)
+    assert t.lo.tolist() == [0, 2, 3, 5]
+    assert t.hi.tolist() == [3, 4, 5, 5]  # program 3 (3072..4095) holds padding only
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -88,7 +87,7 @@ def test_pass_a_is_the_plain_fold_and_worker(W, device):
     got_u, got_e = _to(device, u, e)
     msg = torch.empty_like(want, device=device)
     grads, denoms, params = _to(device, *grads), _to(device, *denoms), _to(device, *params)
-    tf.fold_worker(got_u, got_e, layout, msg, _table(offsets, N, grads, denoms, params, rows, device))
+    adam.fold_worker(got_u, got_e, layout, msg, _table(offsets, N, grads, denoms, params, rows, device))
     got_u, got_e, msg = got_u.cpu(), got_e.cpu(), msg.cpu()
     assert torch.equal(got_u, want_u)
     assert torch.equal(got_e, e)  # the worker error update is deferred to pass B
@@ -111,7 +110,7 @@ def test_pass_b_is_the_plain_decompress_and_update(W, clip, device):
     decompress(gathered, want_u, W, worker_error=want_e, worker_message=msg, backend="torch")
     got_u, got_e, got_p = *_to(device, u, e), _to(device, *params)
     table = _table(offsets, N, _to(device, *grads), _to(device, *denoms), got_p, rows, device)
-    tf.decompress_update(gathered.to(device), layout, got_u, got_e, msg.to(device), table, clip)
+    adam.decompress_update(gathered.to(device), layout, got_u, got_e, msg.to(device), table, clip)
     got_u, got_e, got_p = got_u.cpu(), got_e.cpu(), [p.cpu() for p in got_p]
     assert torch.equal(got_u, want_u)
     assert torch.equal(got_e, want_e)
@@ -140,7 +139,7 @@ def test_pass_b_with_a_non_finite_scale_keeps_the_error():
     gathered.view(torch.float32)[(layout.scale_offset + layout.segment_bytes) // 4] = float("nan")  # chunk 1
     got_u, got_e, got_p = u.clone(), e.clone(), [p.clone() for p in params]
     table = _table(offsets, N, grads, denoms, got_p, _rows())
-    tf.decompress_update(gathered, layout, got_u, got_e, msg, table, 1.0)
+    adam.decompress_update(gathered, layout, got_u, got_e, msg, table, 1.0)
     assert torch.equal(got_e, e)
     chunk = layout.C
     assert bool(got_u[chunk:2 * chunk].isnan().all()) and bool(got_u[:chunk].isfinite().all())

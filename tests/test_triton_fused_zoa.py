@@ -1,4 +1,4 @@
-"""ZeroOneAdam's fused Triton passes (kernels/triton_fused_zoa.py, optimizers/_fused_zoa.py) under
+"""ZeroOneAdam's fused Triton passes (kernels/fused/zero_one.py, optimizers/_fused.py) under
 the Triton interpreter, against the plain path.
 
 Pass A must give the plain worker's packed bits of ``g / d`` exactly, its scale to float32 rounding
@@ -20,10 +20,9 @@ import torch
 from helpers import fused_steps, torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
-from onebit.kernels import triton_fused as tf
-from onebit.kernels import triton_fused_zoa as tz
+from onebit.kernels.fused import zero_one as tz
 from onebit.kernels.layout import empty_message
-from onebit.optimizers import ZeroOneAdam, _fused_zoa
+from onebit.optimizers import ZeroOneAdam, _fused
 
 SIZES = [185, 1000, 3, 9000, 1088, 16, 5000]  # 9000 spans several 1024-element programs
 ROWS = [(0.9, 0.1, 0.01, -1e-2)] * 3 + [(0.8, 0.2, 0.0, -3e-3)] * 4  # b1, 1 - b1, wd, -lr
@@ -42,9 +41,10 @@ def _bucket(W: int, seed: int):
     return offsets, n, N, e, grads, denoms, params, moms
 
 
-def _table(offsets, N, grads, denoms, params, moms):
-    return tz.Table(tf.tiles(0, offsets, SIZES, N, "cpu"), torch.tensor(offsets), torch.tensor(SIZES),
-                    tz.addresses(grads, denoms, params, moms, "cpu"), tz.scalars(ROWS, "cpu"))
+def _table(offsets, N, grads, denoms, params, moms, rows=ROWS, sizes=SIZES, sync=False):
+    table = tz.table(offsets, sizes, "cpu", sync=sync)
+    table.fill(dict(zip(table.addresses, (grads, denoms, params, moms), strict=True)), rows)
+    return table
 
 
 def _x(n, grads, denoms):
@@ -128,7 +128,7 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: 
                 p.grad = None if (step == 4 and i == 2) else torch.randn(p.shape, generator=g).to(device)
             t = opt.updates + 1
             compressed = t % opt.var_interval != 0
-            used.append(compressed and _fused_zoa.applies(opt, opt.reducer(), opt.compressed_params()))
+            used.append(compressed and _fused.zoa_applies(opt, opt.reducer(), opt.compressed_params()))
             opt.step()
     red = opt.reducer()
     return ([p.detach().cpu() for p in params], [opt.state[p]["exp_avg"].cpu() for p in params],
@@ -195,9 +195,7 @@ def test_the_local_step_is_the_each_op_rounded_local_step():
         want_p.append(params[k] + nlr * v)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     n = sum(sizes)
-    tiles = tf.tiles(0, offsets, sizes, -(-n // 8) * 8, "cpu")
-    table = tz.Table(tiles, torch.tensor(offsets), torch.tensor(sizes),
-                     tz.addresses(grads, denoms, params, moms, "cpu"), tz.scalars(rows, "cpu"))
+    table = _table(offsets, -(-n // 8) * 8, grads, denoms, params, moms, rows, sizes)
     tz.local_step(table, n, clip)
     for got, want in zip(moms + params, want_m + want_p, strict=True):
         assert torch.equal(got, want)
@@ -215,8 +213,7 @@ def test_the_sync_passes_are_the_plain_synchronisation(W):
     want = empty_message(layout, W, torch.device("cpu"))
     worker_compress(x, e.clone(), W, out=want, update_error=False)
     rows = [(0.9, 0.1, 0.01, -0.037)] * 3 + [(0.8, 0.2, 0.0, -0.011)] * 4  # the last: -lrs
-    table = tz.Table(tf.tiles(0, offsets, SIZES, N, "cpu"), torch.tensor(offsets), torch.tensor(SIZES),
-                     tz.addresses(syncs, denoms, params, moms, "cpu"), tz.scalars(rows, "cpu"))
+    table = _table(offsets, N, syncs, denoms, params, moms, [tz.sync_rows(r[3]) for r in rows], sync=True)
     got = empty_message(layout, W, torch.device("cpu"))
     tz.worker(e, n, layout, got, table, sync=True)
     assert torch.equal(message_bits(got, layout), message_bits(want, layout))
@@ -246,8 +243,8 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
                       bucket_cap_mb=0.01)
     if local:
         opt.reducer().allreduce = torch_local
-    used, syncs, real = [], [], _fused_zoa.FusedZeroOneSync.step
-    _fused_zoa.FusedZeroOneSync.step = lambda self, *a: syncs.append(1) or real(self, *a)
+    used, syncs, real = [], [], _fused.ZeroOneSync.step
+    _fused.ZeroOneSync.step = lambda self, *a: syncs.append(1) or real(self, *a)
     scope = fused_steps("triton" if fused else "plain")
     try:
         scope.__enter__()
@@ -256,11 +253,11 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
             for i, p in enumerate(params):
                 p.grad = None if (step == 9 and i == 1) else torch.randn(p.shape, generator=g)
             phase2 = opt.phase == 2
-            used.append(phase2 and _fused_zoa.local_applies(opt, opt.compressed_params(), opt.auto_masks()))
+            used.append(phase2 and _fused.local_applies(opt, opt.compressed_params(), opt.auto_masks()))
             opt.step()
     finally:
         scope.__exit__(None, None, None)
-        _fused_zoa.FusedZeroOneSync.step = real
+        _fused.ZeroOneSync.step = real
     return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params], used,
             len(syncs))
 
@@ -298,10 +295,10 @@ def test_a_bucket_of_2_31_elements_or_more_takes_the_unfused_path():
             p.grad = torch.randn(p.shape)
         opt.step()
         red, pairs = opt.reducer(), opt.compressed_params()
-        assert _fused_zoa.applies(opt, red, pairs)
+        assert _fused.zoa_applies(opt, red, pairs)
         bucket = red.buckets[0]
         kept, bucket.worker_error = bucket.worker_error, torch.zeros(1).expand(2**31)
         try:
-            assert not _fused_zoa.applies(opt, red, pairs)
+            assert not _fused.zoa_applies(opt, red, pairs)
         finally:
             bucket.worker_error = kept

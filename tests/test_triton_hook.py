@@ -1,4 +1,4 @@
-"""The DDP hook's GPU pre- and post-pass (kernels/triton_hook.py, collectives/_hook_triton.py) under
+"""The DDP hook's GPU pre- and post-pass (kernels/fused/hook.py, collectives/_hook_fused.py) under
 the Triton interpreter, against the plain passes of ``frozen_pre_`` as a GPU runs them (one bucket
 of ``c``, ``add_``, ``div_``; ``mul_``, ``sub_``: on this CPU with its C and compiled passes
 switched off): the bucket bitwise after each pass, the local gradient norm to float64 rounding.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onebit.collectives import _hook_triton
+from onebit.collectives import _hook_fused
 from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
 from onebit.kernels.backends import use_backend
 
 pytest.importorskip("triton")
-from onebit.kernels import triton_hook  # noqa: E402  (decorated now, under the interpreter conftest sets)
+from onebit.kernels.fused import hook as triton_hook  # noqa: E402  (decorated now, under the interpreter)
 
 
 def _bucket(n: int, spans: list[tuple[int, int]], seed: int, special: str | None = None):
@@ -88,11 +88,11 @@ def test_the_triton_passes_are_bitwise_the_plain_passes(case, special):
 def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):
     buffer, d, parts, _ = _bucket(1000, [(0, 640), (700, 990)], 0)
     with _route(True):
-        assert _hook_triton.applies(buffer, d, parts)
-        assert not _hook_triton.applies(buffer.double(), d, parts)  # not float32
-        assert not _hook_triton.applies(buffer, d, [(0, 640, parts[0][2][::2].clone(), 1.0)])  # a wrong size
-        assert not _hook_triton.applies(buffer, d, [(0, 320, torch.zeros(640)[::2], 1.0)])  # not contiguous
-    assert not _hook_triton.applies(buffer, d, parts)  # a CPU bucket by default: the C or torch passes
+        assert _hook_fused.backend(buffer, d, parts) == "triton"
+        assert _hook_fused.backend(buffer.double(), d, parts) is None  # not float32
+        assert _hook_fused.backend(buffer, d, [(0, 640, parts[0][2][::2].clone(), 1.0)]) is None  # wrong size
+        assert _hook_fused.backend(buffer, d, [(0, 320, torch.zeros(640)[::2], 1.0)]) is None  # strided
+    assert _hook_fused.backend(buffer, d, parts) != "triton"  # a CPU bucket by default: the C or torch ones
     calls = []
     real = triton_hook.pre
     monkeypatch.setattr(triton_hook, "pre", lambda *a: calls.append(1) or real(*a))

@@ -1,0 +1,232 @@
+"""OnebitAdam's compression step inside the codec's two passes, in every backend that has it.
+
+The step, per bucket (flat momentum ``u``, worker error ``e``; per tensor its gradient ``g``, frozen
+denominator ``d`` and parameter ``p``; per group b1, lr, wd, bc1):
+
+- worker pass: ``u = u * b1 + ((1 - b1) * g) / d`` (``g = 0`` for a None gradient), then the worker's
+  encode of ``pad(u) + e`` (packed signs and the scale, as ``worker_compress(update_error=False)``);
+- the collective's all-to-all, server and all-gather (``compressed_allreduce_passes``);
+- decompress pass: the deferred worker error (where every scale is finite), ``u = s_j sgn`` (the
+  decoded mean), then ``p = p * (1 - lr wd) + (-lr) * clamp(u / bc1, -clip, clip)``.
+
+Unfused, that is the fold per tensor, the codec, and the update per tensor
+(``onebit.optimizers.onebit_adam``: the reference these passes are tested against,
+tests/test_triton_fused.py, test_fused_cpu.py). Each element takes the plain path's float32
+operations in its order (contraction off, divisions correctly rounded): the momentum, the bits and
+the errors are bitwise the unfused step's; the parameters too, or one rounding apart where the plain
+``p.add_`` fuses its multiply-add.
+
+The table (:mod:`onebit.kernels.fused.table`): address columns ``ADDRESSES``, scalar columns
+``SCALARS``. Backends: Triton (:class:`TritonPasses`: ``_fold_worker_kernel`` and
+``_decompress_update_kernel``, 1024 elements per program) and native C (:class:`NativePasses`:
+``kernels/fused/adam.c``, every chunk of a bucket in one call per pass, run by run of 4096 elements
+while they are in cache)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton import AVAILABLE, constexpr, jit, tl
+from ..cpu_simd import _f32, _isa, library
+from ..layout import Layout
+from . import _native
+from .table import BLOCK_BYTES, WARPS, Table, address, owned, programs, scalar, tiles
+
+if AVAILABLE:
+    from ..triton_kernels import (
+        _FINAL_BLOCK,
+        Launch,
+        _partials,
+        _segments_finite,
+        _store_decompressed,
+        decoded_rows,
+        encode_rows,
+        ticket,
+    )
+
+ADDRESSES = ("grad", "denom", "param")
+SCALARS = ("b1", "w1", "decay", "neg_lr", "bc1")  # b1, 1 - b1, 1 - lr wd, -lr, bc1
+_GRAD, _DENOM, _PARAM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
+_B1, _W1, _DECAY, _NEG_LR, _BC1 = (constexpr(SCALARS.index(c)) for c in SCALARS)
+
+
+def table(offsets: list[int], numels: list[int], device) -> Table:
+    """A bucket's table for this step."""
+    return Table(offsets, numels, ADDRESSES, SCALARS, device)
+
+
+def rows(group: dict, t: int) -> tuple[float, ...]:
+    """A group's scalars at step ``t`` (``SCALARS``)."""
+    b1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
+    bc1 = 1.0 - b1**t if group["bias_correction"] else 1.0
+    return (b1, 1.0 - b1, 1.0 - lr * wd if wd else 1.0, -lr, bc1)
+
+
+# ---- Triton ------------------------------------------------------------------------------------
+
+@jit
+def _fold_worker_kernel(
+    u_ptr, e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
+    scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word,
+    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr,
+):
+    # u <- b1 u + ((1 - b1) g) / d for the elements of each tensor (g = 0 where its gradient is
+    # None); then as _worker_pack_kernel on z = pad(u) + e: packed sgn(z), one float64 partial norm
+    # per program, the last program writes the scale
+    pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    live = (g < total_bytes)[:, None]
+    in_x = live & (idx < n)
+    u = tl.load(u_ptr + idx, mask=in_x, other=0.0)
+    grad = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
+    b1 = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    w = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        ga = tl.load(addr_ptr + _GRAD * K + k)
+        gp = ga.to(tl.pointer_type(tl.float32))
+        dp = address(addr_ptr, _DENOM, K, k)
+        grad = tl.where(mine, tl.load(gp + off, mask=mine & ((off * 0 + ga) != 0), other=0.0), grad)
+        den = tl.where(mine, tl.load(dp + off, mask=mine, other=1.0), den)
+        b1 = tl.where(mine, scalar(scal_ptr, k, _B1), b1)
+        w = tl.where(mine, scalar(scal_ptr, k, _W1), w)
+    u = u * b1 + tl.div_rn(w * grad, den)  # fold_preconditioned_: u.mul_(b1), u + (w * g) / d
+    tl.store(u_ptr + idx, u, mask=in_x)
+    z = u + tl.load(e_ptr + idx, mask=live, other=0.0)
+    encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
+                length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
+
+
+@jit
+def _decompress_update_kernel(
+    g_ptr, g_words_ptr, u_ptr, e_ptr, w_words_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
+    scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr,
+):
+    # as _decompress_kernel with HAS_ERROR (the deferred worker error update if every scale is
+    # finite, then u <- s_j sgn), then p <- p (1 - lr wd) + (-lr) clamp(u / bc1, -clip, clip)
+    pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
+    ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
+    idx, live, val = decoded_rows(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                                  scale_word, BLOCK_BYTES)
+    in_x = live[:, None] & (idx < n)
+    sw = tl.load(w_words_ptr + scale_word)
+    _store_decompressed(u_ptr, e_ptr, idx, live, in_x, val, sw, ok, True, False)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        pp = address(addr_ptr, _PARAM, K, k) + off
+        step = tl.div_rn(val, scalar(scal_ptr, k, _BC1))
+        step = tl.minimum(tl.maximum(step, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                          propagate_nan=tl.PropagateNan.ALL)
+        p = tl.load(pp, mask=mine, other=0.0)
+        p = p * scalar(scal_ptr, k, _DECAY) + scalar(scal_ptr, k, _NEG_LR) * step
+        tl.store(pp, p, mask=mine)
+
+
+def fold_worker_launches(u, e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout):
+    t = tiles(table, layout.N)
+    seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
+    return [Launch(_fold_worker_kernel, programs(layout.N),
+                   (u, e, msg, partial, ticket_, t.lo, t.hi, table.start, table.count, table.addr, table.K,
+                    table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.N, words,
+                    layout.W, seg_words, scale_word),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=_FINAL_BLOCK), WARPS)]
+
+
+def decompress_update_launches(gathered, g_words, u, e, w_words, table: Table, n: int, layout: Layout,
+                               clip: float):
+    t = tiles(table, layout.N)
+    return [Launch(_decompress_update_kernel, programs(layout.N),
+                   (gathered, g_words, u, e, w_words, t.lo, t.hi, table.start, table.count, table.addr,
+                    table.K, table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes,
+                    layout.segment_bytes // 4, layout.scale_offset // 4, layout.W, clip),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128), WARPS)]
+
+
+def fold_worker(u: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.Tensor, table: Table) -> None:
+    """The worker pass over a bucket in Triton: fold every tensor's gradient into u (flat, n
+    elements), then compress ``pad(u) + e`` into ``msg`` as ``worker_compress(update_error=False)``."""
+    partial = _partials(programs(layout.N), e.device)
+    for launch in fold_worker_launches(u, e, msg, msg.view(torch.float32), partial, ticket(e.device), table,
+                                       u.numel(), layout):
+        launch()
+
+
+def decompress_update(gathered: torch.Tensor, layout: Layout, u: torch.Tensor, e: torch.Tensor,
+                      msg: torch.Tensor, table: Table, clip: float) -> None:
+    """The decompress pass over a bucket in Triton: ``decompress(gathered, u, worker_error=e,
+    worker_message=msg)``, then every tensor's update from its part of u (``clip``: inf for none)."""
+    for launch in decompress_update_launches(gathered, gathered.view(torch.float32), u, e,
+                                             msg.view(torch.float32), table, u.numel(), layout, clip):
+        launch()
+
+
+class TritonPasses:
+    """``compressed_allreduce_passes``' worker and finish in the Triton passes."""
+
+    def __init__(self, table: Table, clip: float) -> None:
+        self.table, self.clip = table, clip
+
+    def worker(self, flat, worker_error, layout, msg) -> None:
+        fold_worker(flat, worker_error, layout, msg, self.table)
+
+    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
+        decompress_update(gathered, layout, flat, worker_error, msg, self.table, self.clip)
+
+
+# ---- native C (kernels/fused/adam.c) -----------------------------------------------------------
+
+def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
+                    n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
+    """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``) and encode ``flat + e`` into
+    the message rows in the same pass, for every chunk of a bucket in one call: chunk j's elements
+    ``[j C, j C + n_enc[j])`` encoded into ``bits[j]`` (a message's ``[W, C / 8]`` rows), its fold
+    to ``j C + n_fold[j]``; returns each chunk's float64 sum of squares, bitwise what W calls, each
+    with the other chunks empty, return."""
+    t = table
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("denom"), t.scal.data_ptr(), t.K)
+    return _native.encode_all("adam.fold_encode_all", library().onebit_fold_encode_all, flat, e, bits, C,
+                              n_enc, n_fold, args, isa)
+
+
+def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor,
+                          e: torch.Tensor | None, worker_scales: torch.Tensor | None, C: int, n: list[int],
+                          table: Table, clip: float, isa: int | None = None) -> None:
+    """Decompress (with the deferred worker error where ``e`` is given) then, in the same pass,
+    ``p = p * decay + (-lr) * clamp(u / bc1, -clip, clip)`` for the tensors covered, for every chunk
+    of a bucket in one call: chunk j's elements ``[j C, j C + n[j])`` from ``bits[j]`` with
+    ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no error update)."""
+    _native.check_step("adam.decompress_update_all", bits, scales, e, worker_scales, C, n, flat)
+    counts, t = torch.tensor(n, dtype=torch.int64), table
+    library().onebit_decompress_update_all(
+        bits.data_ptr(), bits.stride(0), scales.data_ptr(), flat.data_ptr(),
+        None if e is None else e.data_ptr(), None if worker_scales is None else worker_scales.data_ptr(),
+        C, len(n), counts.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.ptr("param"),
+        t.scal.data_ptr(), t.K, -clip, clip, _isa(isa), torch.get_num_threads())
+
+
+def update(flat: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:
+    """The update alone for flat elements ``[a, b)``."""
+    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
+        raise ValueError("adam.update: expected contiguous float32 flat covering [a, b)")
+    t = table
+    library().onebit_update(flat.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(), t.ptr("param"),
+                            t.scal.data_ptr(), t.K, -clip, clip, _isa(isa))
+
+
+class NativePasses(_native.NativePasses):
+    """``compressed_allreduce_passes``' worker and finish in the C passes."""
+
+    def encode_all(self, flat, e, bits, C, n_enc, n_fold) -> list[float]:
+        return fold_encode_all(flat, e, bits, C, n_enc, n_fold, self.table)
+
+    def step_all(self, bits, scales, flat, e, ws, C, n) -> None:
+        decompress_update_all(bits, scales, flat, e, ws, C, n, self.table, self.clip)
+
+    def tail(self, flat, a: int, b: int) -> None:
+        update(flat, a, b, self.table, self.clip)

@@ -1,0 +1,255 @@
+"""The DDP / FSDP hooks' ``freeze_step`` passes (docs/ALGORITHMS.md 8.2), in every backend that has
+them.
+
+Unfused, a compressed iteration of a hook with ``freeze_step`` makes four passes over each bucket on
+this rank: the pre-pass ``x = (g + c) / d`` with ``c = factor * m`` per parameter with a momentum (and
+the local gradient norm), the worker's encode of ``x + e``, decompress (the deferred worker error and
+the decode), and the post-pass ``out = out * d - c`` (``onebit.collectives._frozen_adam.frozen_pre_``:
+the reference these passes are tested against, tests/test_triton_hook.py, test_hook_fused.py). Each
+element takes the plain ops' float32 operations in their order (``c = m * factor``, ``g + c``, a
+correctly rounded division; ``out * d``, ``- c``; contraction off): the bucket, the bits and the
+errors are bitwise the unfused hook's; the norm's float64 sum of exact squares adds in another order.
+
+- Triton (:func:`pre`, :func:`post`): one launch each way around the codec's own kernels (any block
+  size, a mesh): ``_hook_pre_kernel`` reads g, d and the momenta, writes x over g and one float64
+  partial of ``sum g^2`` per program; ``_hook_post_kernel`` reads the average, d and the momenta.
+- native C (:class:`NativePasses`, ``kernels/fused/hook.c``): the pre-pass inside the worker's encode
+  and the post-pass inside decompress, run by run of about 4096 elements while they are in cache:
+  two passes instead of four. :func:`hook_pre` is the pre-pass alone over one tensor.
+
+The table (:mod:`onebit.kernels.fused.table`): one entry per parameter with a momentum (by offset):
+address columns ``ADDRESSES`` (its momentum; its part of the bucket's denominators), scalar columns
+``SCALARS``. Elements of no entry (a parameter without a momentum, a gap) take ``c = 0`` and their
+``d`` (1 there)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import _chunks
+from .._triton import AVAILABLE, constexpr, jit, tl
+from ..cpu_simd import _f32, _isa, _threads, library
+from ..layout import message_bits, message_scales
+from .table import Table, address, scalar, tiles
+
+if AVAILABLE:
+    from ..triton_kernels import Launch
+
+ADDRESSES = ("momentum", "denom")
+SCALARS = ("factor",)
+_MOM, _DENOM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
+_FACTOR = constexpr(SCALARS.index("factor"))
+BLOCK = 1024  # elements per program of the Triton passes
+WARPS = 8
+
+
+def table(parts: list, d: torch.Tensor) -> Table:
+    """The table of ``parts`` (``(lo, hi, m, factor)`` as ``frozen_terms`` gives them) in a bucket whose
+    denominators are ``d`` (contiguous float32, the bucket's size; the factors rounded to float32 as the
+    plain ``torch.mul(m, factor)`` rounds them)."""
+    parts = sorted(parts, key=lambda part: part[0])
+    offsets, numels = [lo for lo, _, _, _ in parts], [hi - lo for lo, hi, _, _ in parts]
+    t = Table(offsets, numels, ADDRESSES, SCALARS, d.device)
+    t.fill({"momentum": [m for _, _, m, _ in parts], "denom": [d[lo:hi] for lo, hi, _, _ in parts]},
+           [(float(f),) for _, _, _, f in parts])
+    return t
+
+
+# ---- Triton ------------------------------------------------------------------------------------
+
+@jit
+def _c_terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
+             BLOCK: tl.constexpr):
+    # c = m * factor for the elements of each table entry the program meets (0 elsewhere)
+    c = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off = idx - tl.load(start_ptr + k).to(tl.int32)
+        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        mp = address(addr_ptr, _MOM, K, k)
+        c = tl.where(mine, tl.load(mp + off, mask=mine, other=0.0) * scalar(scal_ptr, k, _FACTOR), c)
+    return c
+
+
+@jit
+def _hook_pre_kernel(buf_ptr, d_ptr, sq_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n,
+                     BLOCK: tl.constexpr):
+    # sq[pid] = sum g^2 (float64) of the program's elements; then g <- (g + c) / d in place
+    pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    in_x = idx < n
+    g = tl.load(buf_ptr + idx, mask=in_x, other=0.0)
+    gd = g.to(tl.float64)
+    tl.store(sq_ptr + pid, tl.sum(gd * gd, axis=0))
+    c = _c_terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK)
+    d = tl.load(d_ptr + idx, mask=in_x, other=1.0)
+    tl.store(buf_ptr + idx, tl.div_rn(g + c, d), mask=in_x)
+
+
+@jit
+def _hook_post_kernel(buf_ptr, d_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n,
+                      BLOCK: tl.constexpr):
+    # out <- out * d - c in place
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    in_x = idx < n
+    out = tl.load(buf_ptr + idx, mask=in_x, other=0.0)
+    d = tl.load(d_ptr + idx, mask=in_x, other=1.0)
+    c = _c_terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK)
+    tl.store(buf_ptr + idx, out * d - c, mask=in_x)
+
+
+def programs(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def pre_launches(buf, d, sq, t: Table, n: int) -> list:
+    tl_ = tiles(t, -(-n // 8) * 8, BLOCK)
+    return [Launch(_hook_pre_kernel, programs(n),
+                   (buf, d, sq, tl_.lo, tl_.hi, t.start, t.count, t.addr, t.K, t.scal, n), dict(BLOCK=BLOCK),
+                   WARPS)]
+
+
+def post_launches(buf, d, t: Table, n: int) -> list:
+    tl_ = tiles(t, -(-n // 8) * 8, BLOCK)
+    return [Launch(_hook_post_kernel, programs(n),
+                   (buf, d, tl_.lo, tl_.hi, t.start, t.count, t.addr, t.K, t.scal, n), dict(BLOCK=BLOCK),
+                   WARPS)]
+
+
+def pre(buf: torch.Tensor, d: torch.Tensor, t: Table) -> torch.Tensor:
+    """``buf <- (buf + c) / d`` in one Triton launch; returns the float64 sum of squares of ``buf`` as it
+    came (a 0-dimensional tensor on its device: no host synchronisation)."""
+    n = buf.numel()
+    sq = torch.empty(programs(n), dtype=torch.float64, device=buf.device)
+    for launch in pre_launches(buf, d, sq, t, n):
+        launch()
+    return sq.sum()
+
+
+def post(buf: torch.Tensor, d: torch.Tensor, t: Table) -> None:
+    """``buf <- buf * d - c`` in one Triton launch."""
+    for launch in post_launches(buf, d, t, buf.numel()):
+        launch()
+
+
+# ---- native C (kernels/fused/hook.c) -----------------------------------------------------------
+
+def hook_pre(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float,
+             isa: int | None = None) -> float:
+    """The pre-pass ``g = (g + m * factor) / d`` over one tensor in place (float32, cpu_fused.hook_pre_'s
+    order: bitwise the same), returning the float64 sum of squares of ``g`` as it came: the local
+    gradient norm and the pass in one read."""
+    n = g.numel()
+    if not (_f32(g) and _f32(m) and _f32(d) and m.numel() == n and d.numel() == n):
+        raise ValueError("hook.hook_pre: expected contiguous float32 CPU g, m and d of one size")
+    k = float(torch.tensor(factor, dtype=torch.float32))  # rounded as cpu_fused rounds its scalars
+    return float(library().onebit_hook_pre(g.data_ptr(), m.data_ptr(), d.data_ptr(), k, n, _isa(isa),
+                                           _threads(n)))
+
+
+def _args(t: Table) -> tuple:
+    return (t.start.data_ptr(), t.count.data_ptr(), t.ptr("momentum"), t.ptr("denom"), t.scal.data_ptr(), t.K)
+
+
+def hook_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n: int, block: int | None,
+                table: Table, isa: int | None = None) -> tuple[torch.Tensor | float, float]:
+    """The pre-pass over ``flat[off : off + n]`` (by the table) and the encode of ``flat + e`` there (n / 8
+    bytes of ``bits``), run by run in one pass. Returns the block sums (float64, as
+    :func:`onebit.kernels.cpu_simd.encode_blocks`) or, ``block`` None, the sum (as
+    :func:`onebit.kernels.cpu_simd.encode_total` adds it); and the float64 sum of squares of the gradient
+    as it came."""
+    unit = block or 8
+    if not (_f32(flat) and _f32(e) and bits.dtype == torch.uint8 and bits.is_contiguous()
+            and bits.numel() >= n // 8 and n % unit == 0 and off >= 0
+            and off + n <= min(flat.numel(), e.numel())):
+        raise ValueError("hook.hook_encode: expected contiguous float32 flat and e covering the range, n a "
+                         "multiple of the block (or of 8), and n / 8 uint8 bits")
+    sums = torch.empty(n // block if block else 0, dtype=torch.float64)
+    sq = ctypes.c_double(0.0)
+    total = library().onebit_hook_encode(flat.data_ptr(), e.data_ptr(), bits.data_ptr(), sums.data_ptr(), off,
+                                         n, block or 0, *_args(table), ctypes.byref(sq), _isa(isa),
+                                         _threads(n))
+    return (sums if block else float(total)), sq.value
+
+
+def hook_decompress(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor, e: torch.Tensor | None,
+                    worker_scales: torch.Tensor | None, off: int, n: int, block: int | None, table: Table,
+                    isa: int | None = None) -> None:
+    """decompress of ``flat[off : off + n]`` (``scales``: one, or one per block of the range; ``e`` the
+    whole worker error buffer, or None: no error update) with the post-pass ``out = out * d - m * factor``
+    (by the table) inside, run by run."""
+    nb = n // block if block else 1
+    if not (_f32(flat) and _f32(scales) and scales.numel() == nb and bits.dtype == torch.uint8
+            and bits.is_contiguous() and bits.numel() >= n // 8 and n % (block or 8) == 0
+            and off >= 0 and off + n <= flat.numel()
+            and (e is None or (_f32(e) and off + n <= e.numel() and _f32(worker_scales)
+                               and worker_scales.numel() == nb))):
+        raise ValueError("hook.hook_decompress: expected contiguous float32 flat covering the range, n a "
+                         "multiple of the block (or of 8), n / 8 uint8 bits, float32 scales per block")
+    step = 1 if block else 0
+    library().onebit_hook_decompress(
+        bits.data_ptr(), scales.data_ptr(), step, flat.data_ptr(), None if e is None else e.data_ptr(),
+        None if worker_scales is None else worker_scales.data_ptr(), step, off, n, block or 0, *_args(table),
+        _isa(isa), _threads(n))
+
+
+def hook_pre_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> float:
+    """The pre-pass alone over flat elements ``[a, b)``; the sum of squares of the gradient."""
+    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
+        raise ValueError("hook.hook_pre_range: expected contiguous float32 flat covering [a, b)")
+    return float(library().onebit_hook_pre_range(flat.data_ptr(), a, b, *_args(table), _isa(isa)))
+
+
+def hook_post_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> None:
+    """The post-pass alone over flat elements ``[a, b)``."""
+    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
+        raise ValueError("hook.hook_post_range: expected contiguous float32 flat covering [a, b)")
+    library().onebit_hook_post_range(flat.data_ptr(), a, b, *_args(table), _isa(isa))
+
+
+class NativePasses:
+    """``compressed_allreduce_passes``' worker and finish for one bucket's call in the C passes; the
+    worker hands the gradient's float64 sum of squares to ``norm(flat, sq)`` (the local norm)."""
+
+    def __init__(self, table: Table, norm) -> None:
+        self.table, self.norm = table, norm
+
+    def worker(self, flat: torch.Tensor, worker_error: torch.Tensor, layout, msg: torch.Tensor) -> None:
+        """The pre-pass and ``worker_compress(update_error=False)``, as the native codec computes it."""
+        bits, n, sq = message_bits(msg, layout), flat.numel(), [0.0]
+
+        def piece(j: int, lo: int, mid: int, hi: int) -> list:
+            sums = []
+            if mid > lo:
+                got, q = hook_encode(flat, worker_error, bits[j], lo, mid - lo, layout.block, self.table)
+                sums.append(got if layout.block else torch.tensor([got], dtype=torch.float64))
+                sq[0] += q
+            if min(hi, n) > mid:  # the padded chunk's data tail: the pre-pass alone, then the plain encode
+                sq[0] += hook_pre_range(flat, mid, min(hi, n), self.table)
+            return sums
+
+        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
+        self.norm(flat, sq[0])
+
+    def finish(self, gathered: torch.Tensor, layout, flat: torch.Tensor, worker_error: torch.Tensor,
+               msg: torch.Tensor) -> None:
+        """decompress (the deferred worker error where the scales are finite) and the post-pass."""
+        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
+        update = bool(torch.isfinite(scales).all())
+        s_w = message_scales(msg, layout) if update else None
+        piece = _chunks.piece_scales
+        for j in range(layout.W):
+            lo, mid, hi = _chunks.split(layout, n, j)
+            if mid > lo:
+                hook_decompress(bits[j], piece(scales, layout, j, lo, lo, mid), flat,
+                                worker_error if update else None,
+                                piece(s_w, layout, j, lo, lo, mid) if update else None,
+                                lo, mid - lo, layout.block, self.table)
+            if hi == mid:
+                continue
+            e = worker_error if update else None  # the padded rest: the plain path's arithmetic
+            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
+            if mid < n:
+                hook_post_range(flat, mid, min(hi, n), self.table)

@@ -1,0 +1,116 @@
+"""One table format for every fused step and every backend: what a bucket's passes read besides
+the codec's buffers.
+
+A bucket's K tensors lie end to end in its flat buffer: tensor k covers flat elements ``[start[k],
+start[k] + count[k])``. Per tensor the table holds the addresses of the tensors the step reads or
+writes (int64 ``addr`` [A, K], one row per named column, 0 for a None gradient: a zero one) and
+its group's float32 scalars (``scal`` [K, 5], named columns, unused ones 0). Each step names its
+columns (``ADDRESSES``, ``SCALARS`` in its file); the C reads a row of ``addr`` as an array and
+``scal`` as 5 floats per tensor (``kernels/native/native.h``'s ``table_t``), the Triton kernels the
+same two tensors on the device (``addr + column * K + k``, ``scal + k * 5 + column``).
+
+The Triton passes also read which tensors each program's 1024 elements meet (:func:`tiles`); the
+C walks the table itself (``table_first`` / ``table_part``)."""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .._triton import constexpr, jit, tl
+
+SCALARS = 5  # float32 scalars per tensor
+BLOCK_BYTES = 128  # bytes of packed bits per program of a fused Triton pass (1024 elements)
+WARPS = 4  # the gathered gradients, denominators and scalars would spill at the codec's 4096
+_S = constexpr(SCALARS)
+
+
+class Table:
+    """A bucket's table (see the module): ``offsets``/``numels`` of its tensors, the step's address
+    column names and scalar column names (at most 5), on ``device``."""
+
+    def __init__(self, offsets: list[int], numels: list[int], addresses: tuple[str, ...],
+                 scalars: tuple[str, ...], device) -> None:
+        if len(scalars) > SCALARS:
+            raise ValueError(f"scalars: expected at most {SCALARS} names, got {len(scalars)}")
+        self.offsets, self.numels = list(offsets), list(numels)
+        self.addresses, self.scalars = tuple(addresses), tuple(scalars)
+        self.K, self.device = len(self.offsets), torch.device(device)
+        as_i64 = dict(dtype=torch.int64, device=self.device)
+        self.start = torch.tensor(self.offsets, **as_i64)
+        self.count = torch.tensor(self.numels, **as_i64)
+        self.addr = torch.zeros(len(self.addresses), self.K, **as_i64)
+        self.scal = torch.zeros(self.K, SCALARS, dtype=torch.float32, device=self.device)
+        self.key = None  # what fill last wrote: usually the same tensors and scalars every step
+        self.tiles: Tiles | None = None  # the Triton passes' (made on their first call)
+
+    def column(self, name: str) -> int:
+        """The ``addr`` row of address column ``name``."""
+        return self.addresses.index(name)
+
+    def ptr(self, name: str) -> int:
+        """The address of column ``name``'s K addresses (what the C reads)."""
+        return self.addr[self.column(name)].data_ptr()
+
+    def fill(self, tensors: dict[str, list[torch.Tensor | None]], rows: list[tuple[float, ...]]) -> None:
+        """Point the columns at ``tensors`` (one list of K per address column; None: none) and set
+        the scalars (one tuple per tensor, in ``SCALARS`` order, each rounded to float32 as the plain
+        ops round a Python scalar); a no-op where neither changed since the last fill."""
+        addrs = [[0 if t is None else t.data_ptr() for t in tensors[name]] for name in self.addresses]
+        old = self.key or (None, None)
+        if old[0] != addrs:
+            self.addr.copy_(torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
+        if old[1] != rows:
+            padded = [tuple(r) + (0.0,) * (SCALARS - len(r)) for r in rows]
+            self.scal.copy_(torch.tensor(padded, dtype=torch.float64).view(self.K, SCALARS).to(torch.float32))
+        self.key = (addrs, list(rows))
+
+
+class Tiles:
+    """Which tensors each program of a bucket's Triton passes meets: ``lo[t] <= k < hi[t]`` for
+    program t's ``per`` elements of N (int32 [programs] each, on the table's device)."""
+
+    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, N: int, per: int) -> None:
+        self.lo, self.hi, self.key = lo, hi, (N, per)
+
+
+def tiles(table: Table, N: int, per: int = BLOCK_BYTES * 8) -> Tiles:
+    """The program -> tensor ranges of ``table`` over N (padded) elements, ``per`` elements per
+    program; kept on the table."""
+    if table.tiles is not None and table.tiles.key == (N, per):
+        return table.tiles
+    ends = [o + c for o, c in zip(table.offsets, table.numels, strict=True)]
+    lo, hi = [], []
+    for t in range(-(-N // per)):
+        a, b = t * per, (t + 1) * per
+        k0 = bisect.bisect_right(ends, a)  # the first tensor ending after a
+        lo.append(k0)
+        hi.append(max(k0, bisect.bisect_left(table.offsets, b)))  # the first starting at or after b
+    as_i32 = dict(dtype=torch.int32, device=table.device)
+    table.tiles = Tiles(torch.tensor(lo, **as_i32), torch.tensor(hi, **as_i32), N, per)
+    return table.tiles
+
+
+def programs(N: int) -> int:
+    """Programs per fused pass over a bucket of N (padded) elements."""
+    return -(-(N // 8) // BLOCK_BYTES)
+
+
+@jit
+def owned(idx, k, start_ptr, count_ptr):
+    # the offsets of idx in tensor k and which elements of idx are k's
+    off = idx - tl.load(start_ptr + k).to(tl.int32)
+    return off, (off >= 0) & (off < tl.load(count_ptr + k))
+
+
+@jit
+def address(addr_ptr, column, K, k):
+    # tensor k's float32 data pointer in address column `column`
+    return tl.load(addr_ptr + column * K + k).to(tl.pointer_type(tl.float32))
+
+
+@jit
+def scalar(scal_ptr, k, column):
+    # tensor k's scalar in column `column`
+    return tl.load(scal_ptr + k * _S + column)

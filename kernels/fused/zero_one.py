@@ -1,0 +1,340 @@
+"""ZeroOneAdam's phase-1 compressed step and phase-2 synchronisation inside the codec's two passes,
+and its phase-2 local step in one pass over every parameter, in every backend that has them.
+
+Phase 1's step, per bucket (per tensor its gradient ``g``, frozen denominator ``d``, momentum ``m`` and
+parameter ``p``; per group b1, lr, wd): unfused, it writes ``x = g / d`` (0 without a gradient) into the
+accumulator, all-reduces it compressed, folds the mean into the momentum (``m.mul_(b1).addcmul_(mean, d,
+value=1 - b1)``), zeroes the accumulator and takes the stale step ``p -= lr * (clamp(m / d) [+ wd p])``
+(``onebit.optimizers.zero_one_adam``: the reference these passes are tested against,
+tests/test_triton_fused_zoa.py, test_fused_cpu_zoa.py). Here:
+
+- worker pass: reads g, d and the worker error e; writes the packed signs of ``x + e`` and the worker
+  scale, nothing else (x is never stored; the accumulator stays zero);
+- decompress pass: decodes the mean; computes x again for the deferred worker error (where every
+  scale is finite); ``m = b1 m + ((1 - b1) mean) d``; the stale step; writes e, m and p.
+
+The synchronisation (``sync``) encodes ``x = p - sync_params`` and sets ``m = (mean d) / nl`` (nl: minus
+the group's learning rates summed since the last one), ``sync_params += mean``, ``p = sync_params``. The
+local step (Triton: ``_zoa_local_kernel``) reads g, m, d and p and writes m and p: ``m = b1 m + (1 - b1)
+g``, then the stale step.
+
+Rounding: x, the bits and the error are the plain ops' bitwise in both backends. The momentum fold: the
+C computes ``fmaf((1 - b1) mean, d, b1 m)`` (what torch's ``addcmul_`` computes on CPUs with FMA), the
+Triton kernels each operation rounded (contraction off); the stale step each operation rounded in both.
+The momentum and parameters are so within one rounding of the plain ops (docs/ALGORITHMS.md).
+
+The table (:mod:`onebit.kernels.fused.table`): address columns ``ADDRESSES`` (``SYNC_ADDRESSES`` when
+synchronising: sync_params in the gradient's column), scalar columns ``SCALARS``."""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton import AVAILABLE, constexpr, jit, tl
+from ..cpu_simd import _f32, _isa, library
+from ..layout import Layout
+from . import _native
+from .table import BLOCK_BYTES, WARPS, Table, address, owned, programs, scalar, tiles
+
+if AVAILABLE:
+    from ..triton_kernels import Launch, _partials, _segments_finite, decoded_rows, encode_rows, ticket
+
+ADDRESSES = ("grad", "denom", "param", "momentum")
+SYNC_ADDRESSES = ("sync_params", "denom", "param", "momentum")
+SCALARS = ("b1", "w1", "wd", "neg_lr", "nl")  # b1, 1 - b1, wd, -lr; nl (synchronising): -(sum of lr)
+_GRAD, _DENOM, _PARAM, _MOM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
+_SYNC = constexpr(SYNC_ADDRESSES.index("sync_params"))
+_B1, _W1, _WD, _NEG_LR, _NL = (constexpr(SCALARS.index(c)) for c in SCALARS)
+
+
+def table(offsets: list[int], numels: list[int], device, sync: bool = False) -> Table:
+    """A bucket's table for phase 1's step (``sync``: for the synchronisation)."""
+    return Table(offsets, numels, SYNC_ADDRESSES if sync else ADDRESSES, SCALARS, device)
+
+
+def rows(group: dict) -> tuple[float, ...]:
+    """A group's scalars for phase 1's step and the local step."""
+    b1 = group["betas"][0]
+    return (b1, 1.0 - b1, group["weight_decay"], -group["lr"], 0.0)
+
+
+def sync_rows(nl: float) -> tuple[float, ...]:
+    """A group's scalars for the synchronisation (``nl``: minus its learning rates summed)."""
+    return (0.0, 0.0, 0.0, 0.0, nl)
+
+
+# ---- Triton ------------------------------------------------------------------------------------
+
+@jit
+def _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES: tl.constexpr):
+    # x = g / d of the program's elements (0 where a tensor's gradient is None, and outside every
+    # tensor): the accumulator the unfused step all-reduces
+    grad = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        ga = tl.load(addr_ptr + _GRAD * K + k)
+        gp = ga.to(tl.pointer_type(tl.float32))
+        dp = address(addr_ptr, _DENOM, K, k)
+        grad = tl.where(mine, tl.load(gp + off, mask=mine & ((off * 0 + ga) != 0), other=0.0), grad)
+        den = tl.where(mine, tl.load(dp + off, mask=mine, other=1.0), den)
+    return tl.div_rn(grad, den)
+
+
+@jit
+def _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES: tl.constexpr):
+    # phase 2's synchronisation: x = p - sync_params
+    x = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        sp = address(addr_ptr, _SYNC, K, k)
+        pp = address(addr_ptr, _PARAM, K, k)
+        p = tl.load(pp + off, mask=mine, other=0.0)
+        x = tl.where(mine, p - tl.load(sp + off, mask=mine, other=0.0), x)
+    return x
+
+
+@jit
+def _zoa_worker_kernel(
+    e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
+    n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word,
+    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr,
+):
+    # as _worker_pack_kernel on z = x + e, x = g / d (SYNC: p - sync_params) never stored
+    pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    live = (g < total_bytes)[:, None]
+    in_x = live & (idx < n)
+    if SYNC:
+        x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+    else:
+        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+    z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
+    encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
+                length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
+
+
+@jit
+def _zoa_step_kernel(
+    g_ptr, g_words_ptr, e_ptr, w_words_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
+    scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr,
+):
+    # the mean decoded; the deferred worker error from z = x + e (x again) if every scale is finite;
+    # then per tensor m = b1 m + ((1 - b1) mean) d and p = p + (-lr) (clamp(m / d) [+ wd p]);
+    # SYNC (phase 2's synchronisation): m = (mean d) / nl, sync_params += mean, p = sync_params
+    pid = tl.program_id(0)
+    ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
+    idx, live, mean = decoded_rows(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                                   scale_word, BLOCK_BYTES)
+    in_x = live[:, None] & (idx < n)
+    if SYNC:
+        x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+    else:
+        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+    z = x + tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
+    sw = tl.load(w_words_ptr + scale_word)
+    if ok:
+        tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw), mask=live[:, None])
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        dp = address(addr_ptr, _DENOM, K, k) + off
+        mp = address(addr_ptr, _MOM, K, k) + off
+        pp = address(addr_ptr, _PARAM, K, k) + off
+        d = tl.load(dp, mask=mine, other=1.0)
+        if SYNC:
+            sp = address(addr_ptr, _SYNC, K, k) + off
+            m = tl.div_rn(mean * d, scalar(scal_ptr, k, _NL))
+            s = tl.load(sp, mask=mine, other=0.0) + mean
+            tl.store(mp, m, mask=mine)
+            tl.store(sp, s, mask=mine)
+            tl.store(pp, s, mask=mine)
+        else:
+            m = tl.load(mp, mask=mine, other=0.0)
+            p = tl.load(pp, mask=mine, other=0.0)
+            wd = scalar(scal_ptr, k, _WD)
+            m = m * scalar(scal_ptr, k, _B1) + (scalar(scal_ptr, k, _W1) * mean) * d
+            v = tl.div_rn(m, d)
+            v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                           propagate_nan=tl.PropagateNan.ALL)
+            v = tl.where(wd > 0.0, v + wd * p, v)
+            p = p + scalar(scal_ptr, k, _NEG_LR) * v
+            tl.store(mp, m, mask=mine)
+            tl.store(pp, p, mask=mine)
+
+
+def worker_launches(e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout,
+                    sync: bool = False):
+    t = tiles(table, layout.N)
+    seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
+    return [Launch(_zoa_worker_kernel, programs(layout.N),
+                   (e, msg, partial, ticket_, t.lo, t.hi, table.start, table.count, table.addr, table.K, n,
+                    layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.N, words, layout.W,
+                    seg_words, scale_word),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync), WARPS)]
+
+
+def step_launches(gathered, g_words, e, w_words, table: Table, n: int, layout: Layout, clip: float,
+                  sync: bool = False):
+    t = tiles(table, layout.N)
+    return [Launch(_zoa_step_kernel, programs(layout.N),
+                   (gathered, g_words, e, w_words, t.lo, t.hi, table.start, table.count, table.addr, table.K,
+                    table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes,
+                    layout.segment_bytes // 4, layout.scale_offset // 4, layout.W, clip),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync), WARPS)]
+
+
+def worker(e: torch.Tensor, n: int, layout: Layout, msg: torch.Tensor, table: Table,
+           sync: bool = False) -> None:
+    """The worker pass over a bucket of n elements in Triton: ``worker_compress(x, e,
+    update_error=False)`` of x = g / d (``sync``: of x = p - sync_params)."""
+    partial = _partials(programs(layout.N), e.device)
+    words = msg.view(torch.float32)
+    for launch in worker_launches(e, msg, words, partial, ticket(e.device), table, n, layout, sync):
+        launch()
+
+
+def step(gathered: torch.Tensor, layout: Layout, e: torch.Tensor, msg: torch.Tensor, n: int, table: Table,
+         clip: float, sync: bool = False) -> None:
+    """The decompress pass over a bucket in Triton: the deferred error, the fold and the stale step
+    (``clip``: inf for none); ``sync``: phase 2's synchronisation."""
+    for launch in step_launches(gathered, gathered.view(torch.float32), e, msg.view(torch.float32), table, n,
+                                layout, clip, sync):
+        launch()
+
+
+class TritonPasses:
+    """``compressed_allreduce_passes``' worker and finish in the Triton passes (``sync``: phase 2's
+    synchronisation)."""
+
+    def __init__(self, table: Table, clip: float, sync: bool = False) -> None:
+        self.table, self.clip, self.sync = table, clip, sync
+
+    def worker(self, flat, worker_error, layout, msg) -> None:
+        worker(worker_error, flat.numel(), layout, msg, self.table, self.sync)
+
+    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
+        step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip, self.sync)
+
+
+LOCAL_BLOCK = BLOCK_BYTES * 8  # elements per program of the local step, over the tensors end to end
+
+
+@jit
+def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n, clip,
+                      BLOCK: tl.constexpr):
+    # per tensor (laid end to end): m = b1 m + (1 - b1) g (b1 m without a gradient), then
+    # p = p + (-lr) (clamp(m / d) [+ wd p]); cpu_fused.local_step_'s operations, each rounded
+    pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    in_x = idx < n
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off = idx - tl.load(start_ptr + k).to(tl.int32)
+        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        ga = tl.load(addr_ptr + _GRAD * K + k)
+        gp = ga.to(tl.pointer_type(tl.float32)) + off
+        dp = address(addr_ptr, _DENOM, K, k) + off
+        pp = address(addr_ptr, _PARAM, K, k) + off
+        mp = address(addr_ptr, _MOM, K, k) + off
+        g = tl.load(gp, mask=mine & ((off * 0 + ga) != 0), other=0.0)
+        m = tl.load(mp, mask=mine, other=0.0)
+        d = tl.load(dp, mask=mine, other=1.0)
+        p = tl.load(pp, mask=mine, other=0.0)
+        m = m * scalar(scal_ptr, k, _B1)
+        m = tl.where(ga != 0, m + scalar(scal_ptr, k, _W1) * g, m)
+        v = tl.div_rn(m, d)
+        v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                       propagate_nan=tl.PropagateNan.ALL)
+        wd = scalar(scal_ptr, k, _WD)
+        v = tl.where(wd > 0.0, v + wd * p, v)
+        tl.store(mp, m, mask=mine)
+        tl.store(pp, p + scalar(scal_ptr, k, _NEG_LR) * v, mask=mine)
+
+
+def local_launches(table: Table, n: int, clip: float) -> list:
+    t = tiles(table, -(-n // 8) * 8, LOCAL_BLOCK)
+    return [Launch(_zoa_local_kernel, -(-n // LOCAL_BLOCK),
+                   (t.lo, t.hi, table.start, table.count, table.addr, table.K, table.scal, n, clip),
+                   dict(BLOCK=LOCAL_BLOCK), 8)]
+
+
+def local_step(table: Table, n: int, clip: float) -> None:
+    """Phase 2's local step of every tensor in the table (laid end to end: n elements in all;
+    ``clip``: inf for none), in one Triton launch."""
+    for launch in local_launches(table, n, clip):
+        launch()
+
+
+# ---- native C (kernels/fused/zero_one.c) -------------------------------------------------------
+
+def zoa_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
+                   n_fold: list[int], table: Table, isa: int | None = None,
+                   sync: bool = False) -> list[float]:
+    """Phase 1's worker pass of every chunk of a bucket: :func:`onebit.kernels.fused.adam.fold_encode_all`'s
+    contract with ``x = g / d`` (0 without a gradient) encoded instead of the folded momentum and
+    ``flat`` left as it is, but over each chunk's ``[j C + n_enc[j], j C + n_fold[j])``, which
+    receives ``x`` (the padded rest's data, for the caller's plain encode). ``sync``: phase 2's
+    synchronisation, ``x = p - sync_params``."""
+    t = table
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("denom"), t.ptr("param"), t.K,
+            int(sync))
+    return _native.encode_all("zero_one.zoa_encode_all", library().onebit_zoa_encode_all, flat, e, bits, C,
+                              n_enc, n_fold, args, isa)
+
+
+def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | None,
+                 worker_scales: torch.Tensor | None, C: int, n: list[int], table: Table, clip: float,
+                 isa: int | None = None, sync: bool = False) -> None:
+    """Phase 1's decompress pass of every chunk of a bucket: chunk j's elements ``[j C, j C + n[j])``
+    decoded (``scales[j]``), the deferred worker error from ``z = g / d + e`` (``e`` None: not
+    updated), ``m = fma((1 - b1) mean, d, b1 m)`` and the stale step ``p = p - lr (clamp(m / d, -clip,
+    clip) [+ wd p])`` of the tensors they cover. ``sync``: phase 2's synchronisation instead: the error
+    from ``z = p - sync_params + e``, ``m = mean d / nl``, ``sync_params = sync_params + mean``, ``p =
+    sync_params``."""
+    _native.check_step("zero_one.zoa_step_all", bits, scales, e, worker_scales, C, n)
+    counts, t = torch.tensor(n, dtype=torch.int64), table
+    library().onebit_zoa_step_all(
+        bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if e is None else e.data_ptr(),
+        None if worker_scales is None else worker_scales.data_ptr(), C, len(n), counts.data_ptr(),
+        t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("denom"), t.ptr("momentum"),
+        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa), torch.get_num_threads())
+
+
+def zoa_step_range(mean: torch.Tensor, a: int, b: int, table: Table, clip: float,
+                   isa: int | None = None, sync: bool = False) -> None:
+    """:func:`zoa_step_all`'s updates alone over flat elements ``[a, b)``, their decoded mean in
+    ``mean`` (``b - a`` float32; a padded rest, its error updated by the caller)."""
+    if not (_f32(mean) and mean.numel() == b - a and 0 <= a <= b):
+        raise ValueError("zero_one.zoa_step_range: expected b - a contiguous float32 means")
+    t = table
+    library().onebit_zoa_step_range(mean.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(),
+                                    t.addr[0].data_ptr(), t.ptr("denom"), t.ptr("momentum"), t.ptr("param"),
+                                    t.scal.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa))
+
+
+class NativePasses(_native.NativePasses):
+    """``compressed_allreduce_passes``' worker and finish in the C passes: the worker encodes ``g / d``
+    (every chunk in one C call; the padded rests through the accumulator, which it leaves zero);
+    ``SYNC``: the synchronisation's."""
+
+    SYNC = False
+
+    def encode_all(self, flat, e, bits, C, n_enc, n_fold) -> list[float]:
+        return zoa_encode_all(flat, e, bits, C, n_enc, n_fold, self.table, sync=self.SYNC)
+
+    def step_all(self, bits, scales, flat, e, ws, C, n) -> None:
+        zoa_step_all(bits, scales, e, ws, C, n, self.table, self.clip, sync=self.SYNC)
+
+    def tail(self, flat, a: int, b: int) -> None:
+        """A padded rest's updates from its decoded mean in the accumulator, then the accumulator zero."""
+        zoa_step_range(flat[a:b], a, b, self.table, self.clip, sync=self.SYNC)
+        flat[a:b].zero_()
+
+
+class NativeSyncPasses(NativePasses):
+    SYNC = True
