@@ -39,11 +39,12 @@ def backend(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> str | None:
     return None if name == "plain" else name
 
 
-def passes(d: torch.Tensor, parts: list, fa) -> hook.NativePasses:
-    """The native passes of one bucket's call; the worker counts the bucket into ``fa``'s local norm."""
+def passes(d: torch.Tensor, parts: list, fa=None) -> hook.NativePasses:
+    """The native passes of one bucket's call; the worker counts the bucket into ``fa``'s local norm
+    (None: the caller counted it)."""
     t = hook.table(parts, d)
     t.alive = (d, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
-    return hook.NativePasses(t, fa.add_local)
+    return hook.NativePasses(t, (lambda flat, sq: None) if fa is None else fa.add_local)
 
 
 def pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa=None):

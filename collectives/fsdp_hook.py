@@ -40,10 +40,11 @@ import torch.distributed as dist
 
 from ..kernels._checks import check_choice, check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
-from ._frozen_adam import FrozenAdam, clip_agreed, is_adam_type
+from . import _hook_fused
+from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, is_adam_type
 from ._fsdp_replicas import ReplicaReduction, fsdp_param_groups, is_hsdp
 from ._unwrap import unwrap_optimizer
-from .allreduce import compressed_allreduce, error_buffer_numel
+from .allreduce import compressed_allreduce, compressed_allreduce_passes, error_buffer_numel
 from .ddp_hook import HOOK_BLOCK
 from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
@@ -80,7 +81,7 @@ class OnebitAllReduceHook:
         self.bytes_full = 0
         self.bytes_compressed = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
-        self._terms = None  # set by FSDPHooks with optimizer=: (d, c) of this module's block (8.2)
+        self._terms = None  # set by FSDPHooks with optimizer=: (d, parts, post) of its block (8.2)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         W = self.world_size
@@ -95,23 +96,30 @@ class OnebitAllReduceHook:
         elif W > 1:
             if self.reduce == "sum":
                 reduce_output.mul_(W)  # the mean of W times each block is their sum
-            d, c, post = (None, None, None) if self._terms is None else self._terms(reduce_output)
-            if post is not None:  # FSDP divides after the hook: the momentum terms need the final scale
-                reduce_output.div_(post)
-            if c is not None:
-                reduce_output.add_(c)  # this rank's momentum in the frozen space: (g + c) / d
-            if d is not None:
-                reduce_output.div_(d)
-            self._compressed_mean(reduce_output)
-            if d is not None:
-                reduce_output.mul_(d)
-            if c is not None:
-                reduce_output.sub_(c)
-            if post is not None:
-                reduce_output.mul_(post)
+            if self._terms is None:
+                self._compressed_mean(reduce_output)
+            else:
+                self._frozen_mean(reduce_output, *self._terms(reduce_output))
         self.iter += 1
 
-    def _compressed_mean(self, reduce_output: torch.Tensor) -> None:
+    def _frozen_mean(self, reduce_output: torch.Tensor, d: torch.Tensor, parts: list,
+                     post: float | None) -> None:
+        """The compressed mean of this rank's momentum in the frozen space, ``(g + c) / d`` with ``c =
+        factor * m`` per parameter (``parts`` as ``frozen_terms`` gives them), then ``out * d - c``: the
+        DDP hook's passes (section 8.2), fused where a backend has them (:mod:`onebit.collectives.
+        _hook_fused`: on CPU inside the codec's passes, on a GPU one launch each way)."""
+        if post is not None:  # FSDP divides after the hook: the momentum terms need the final scale
+            reduce_output.div_(post)
+        if self._mesh is None and _hook_fused.backend(reduce_output, d, parts) == "native":
+            self._compressed_mean(reduce_output, _hook_fused.passes(d, parts))
+        else:
+            after = frozen_pre_(reduce_output, d, parts)  # the local norm: counted by the terms
+            self._compressed_mean(reduce_output)
+            after(reduce_output)
+        if post is not None:
+            reduce_output.mul_(post)
+
+    def _compressed_mean(self, reduce_output: torch.Tensor, passes=None) -> None:
         group = self.process_group if self._mesh is None else self._mesh
         N = error_buffer_numel(reduce_output.numel(), group, self.block)
         servers = self._servers()
@@ -121,8 +129,12 @@ class OnebitAllReduceHook:
                                  f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
             self.worker_error = torch.zeros(N, device=reduce_output.device)
             self.server_error = torch.zeros(N // servers, device=reduce_output.device)
+        errors = (self.worker_error, self.server_error)
         with counting(self._timing):
-            compressed_allreduce(reduce_output, self.worker_error, self.server_error, group, block=self.block)
+            if passes is None:
+                compressed_allreduce(reduce_output, *errors, group, block=self.block)
+            else:  # the frozen terms' passes fused into the codec's (a flat float32 block, no mesh)
+                compressed_allreduce_passes(reduce_output, *errors, group, passes, block=self.block)
         self.bytes_compressed += compressed_bytes(N, servers, self.block) if servers > 1 else 0
 
     def _servers(self) -> int:
@@ -205,8 +217,7 @@ class FSDPHooks(dict):
             fa.add_local(block)
             fa.pending = True
             d = torch.ones_like(block, dtype=torch.float32)
-            c = torch.zeros_like(block)
-            offset = 0
+            parts, offset = [], 0
             for fp in group.fsdp_params:
                 p = fp.sharded_param
                 S = fp.mesh_info.shard_mesh_size
@@ -217,14 +228,14 @@ class FSDPHooks(dict):
                 if t is not None and n:
                     di, mi, factor = t
                     d[offset:offset + n].copy_(di.reshape(-1))
-                    torch.mul(mi.reshape(-1), factor, out=c[offset:offset + n])
+                    parts.append((offset, offset + n, mi.reshape(-1), factor))
                 offset += chunk
             if offset != block.numel():
                 raise RuntimeError(
                     f"freeze_step: an FSDP module's gradient block has {block.numel()} elements where its "
                     f"parameters' blocks make {offset}; every parameter of a module must get a gradient in "
                     "every step with optimizer= and freeze_step")
-            return d, c, _post_division(group, block)
+            return d, parts, _post_division(group, block)
 
         return terms
 

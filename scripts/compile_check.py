@@ -14,7 +14,9 @@ LDS and scratch (the code object's metadata) and its global/buffer load and stor
 (``buffer.dwordx4*2``: two 128-bit loads). Every line ends with ``fma N``: the fused
 floating-point multiply-adds in the generated code that come from the kernels' own arithmetic
 (PTX ``fma.rn.*``; AMD ``v_fma*``, ``v_fmac*``, ``v_pk_fma*``), which must be 0 since the
-launchers turn contraction off (``triton_kernels.FP_FUSION``; the comment there says why);
+launchers turn contraction off (``triton_kernels.FP_FUSION``; the comment there says why), except
+in a variant that writes its one multiply-add with ``tl.fma`` (``FMA=True``: ZeroOneAdam's fold,
+docs/ALGORITHMS.md 6.4), whose twin with the same arithmetic unfused (``FMA=False``) must show 0;
 "(+M exact)": those AMD's correctly rounded division and square root and its 64-bit integer
 division are made of, and conversions folded into an add as ``x * 1.0 + y`` (``fma_count``).
 With ``--paths``, where ``n`` is not a multiple of 16 each kernel is also compiled with one block
@@ -129,7 +131,8 @@ def zoa_launches(N: int, W: int):
         for sync in (False, True):
             made += [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(torch.int32), table, n, layout,
                                          sync),
-                     *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync)]
+                     *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync),
+                     *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync, fma=False)]
         made += tz.local_launches(mock_table(4, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, 1.0)
         for launch in made:
             yield f"zoa{align}", launch
@@ -332,9 +335,11 @@ def compile_target(arch: str, dump: str | None = None,
             continue
         compiled += 1
         fma, expansion = fma_count(code, target.backend)
-        if fma and not tk.FP_FUSION:
+        # a variant that writes its multiply-add (FMA=True) may show it: its twin (FMA=False) may not
+        contracted = fma and not tk.FP_FUSION and not launch.constexprs.get("FMA", False)
+        if contracted:
             fused += 1
-        wrong = "  <- contraction is off" if fma and not tk.FP_FUSION else ""
+        wrong = "  <- contraction is off" if contracted else ""
         if spills and launch.kernel.fn.__module__ in (adam.__name__, th.__name__, tz.__name__):  # issue 38
             spilled += 1
             wrong += "  <- spills"

@@ -25,6 +25,20 @@ def fused_steps(backend: str | None):
     return contextlib.nullcontext() if backend is None else use_backend(backend, steps=FUSED_STEPS)
 
 
+def addcmul_fuses(device="cpu") -> bool:
+    """Whether torch's ``addcmul_`` rounds once on ``device`` (an FMA: docs/ALGORITHMS.md 6.4), as the
+    fused ZeroOneAdam passes do. The reference's product-sum is exact in float64 here (a product of
+    two float32, 48 significant bits, and a float32 term at most 4 binades above it: 52 bits), so its
+    rounding to float32 is the fma's."""
+    g = torch.Generator().manual_seed(3)
+    m, x, d = ((torch.rand(4096, generator=g) + 0.5) * torch.randn(4096, generator=g).sign()
+               for _ in range(3))
+    w = torch.tensor(0.25, dtype=torch.float32)
+    ref = (m.to(device) * 0.9).addcmul_(x.to(device), d.to(device), value=0.25).cpu()
+    exact = ((w * x).double() * d.double() + (m * 0.9).double()).float()
+    return torch.equal(ref, exact)
+
+
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor, norm: float | None = None) -> float:
     """||actual - expected|| / norm in float64; ``norm`` defaults to ||expected||.
 

@@ -398,7 +398,9 @@ sys.path.insert(0, sys.argv[1])
 from test_diloco import _batch, _make, _model
 from onebit.collectives import CollectiveError
 
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[2])))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[5], rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]),
+                        timeout=datetime.timedelta(seconds=float(sys.argv[2])))
 r = dist.get_rank()
 model = _model()
 opt = _make(model, 5, delay=int(sys.argv[3]))
@@ -423,7 +425,6 @@ os._exit(0)
 @pytest.mark.parametrize(("delay", "how"), [(0, "die"), (2, "die"), (0, "stall")])
 def test_a_dead_replica_stops_the_others_with_a_clear_error_within_the_timeout(tmp_path, delay, how):
     import os
-    import socket
     import subprocess
     import sys
     import time
@@ -432,15 +433,12 @@ def test_a_dead_replica_stops_the_others_with_a_clear_error_within_the_timeout(t
 
     script = tmp_path / "dead.py"
     script.write_text(DEAD_REPLICA)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = tmp_path / "store"  # a file rendezvous: no port another test could take in between
     timeout, procs = 8.0, []
     t0 = time.monotonic()
     for r in range(3):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        cmd = [sys.executable, str(script), str(ROOT / "tests"), str(timeout), str(delay), how]
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), WORLD_SIZE="3")
+        cmd = [sys.executable, str(script), str(ROOT / "tests"), str(timeout), str(delay), how, str(store)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
     outs = [p.communicate(timeout=120) for p in procs[:2]]

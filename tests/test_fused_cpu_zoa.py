@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compiled_local, count_gradient_reads, fused_steps
+from helpers import addcmul_fuses, compiled_local, count_gradient_reads, fused_steps
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.optimizers import ZeroOneAdam, _fused
@@ -60,16 +60,6 @@ def _train(fused: bool, rank: int = 0, local: bool = True, bad=None):
     return state(), used, around, len(reads), opt.skipped_steps
 
 
-def _addcmul_fuses() -> bool:
-    """Whether torch's addcmul_ rounds once here (an FMA), as the fused pass does."""
-    g = torch.Generator().manual_seed(3)
-    m, x, d = (torch.randn(4096, generator=g) for _ in range(3))
-    ref = (m * 0.9).addcmul_(x, d, value=0.1)
-    w = torch.tensor(0.1, dtype=torch.float32)
-    exact = ((w * x).double() * d.double() + (m * 0.9).double()).float()
-    return torch.equal(ref, exact)
-
-
 def _compare(fused, plain) -> None:
     from onebit.kernels.cpu_fused import MIN_NUMEL
 
@@ -79,7 +69,7 @@ def _compare(fused, plain) -> None:
     n = len(SHAPES)
     for k, (a, b) in enumerate(zip(s1, s0, strict=True)):
         assert a.isfinite().all(), k
-        if k >= 2 * n or (k >= n and _addcmul_fuses()) or (k < n and a.numel() >= MIN_NUMEL):
+        if k >= 2 * n or (k >= n and addcmul_fuses()) or (k < n and a.numel() >= MIN_NUMEL):
             # the accumulators (zero), the errors; the momenta where torch's addcmul_ is an FMA;
             # the parameters where the unfused step runs cpu_fused's compiled stale step
             assert torch.equal(a, b), k

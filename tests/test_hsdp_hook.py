@@ -3,6 +3,7 @@ replicas off, 1-bit in its place; reduce="sum"; AdamW with freeze_step (docs/ALG
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import WireCounter, refusals
@@ -143,3 +144,49 @@ def _body_conventions(freeze: int, steps: int):
 def test_hooks_follow_fsdps_sum_convention(ranks):
     for gap, moved in ranks(4).run(_body_conventions, 3, 8):
         assert moved > 1e-2 and gap < 1e-4 * moved, (gap, moved)
+
+
+def _body_fused_against_plain(freeze: int, steps: int, sum_convention: bool):
+    """AdamW behind the hooks with freeze_step: the frozen terms' passes fused (on CPU inside the
+    codec's C passes) against the plain ops, bitwise; and how many buckets took the C passes."""
+    import contextlib
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from onebit.kernels.backends import use_backend
+    from onebit.kernels.fused import hook
+
+    mesh, paths, calls, real = _mesh(), [], [0], hook.NativePasses.worker
+
+    def counted(self, *a):
+        calls[0] += 1
+        return real(self, *a)
+
+    hook.NativePasses.worker = counted
+    try:
+        for plain in (False, True):
+            model = _model(mesh)
+            if sum_convention:  # FSDP divides after the hook (gloo: no PREMUL_SUM)
+                for m in model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.set_gradient_divide_factor(1.0)
+                        m.set_force_sum_reduction_for_comms(True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            hooks = register_fsdp_hooks(model, optimizer=opt, freeze_step=freeze)
+            with use_backend("plain", steps=["hook", "tensor"]) if plain else contextlib.nullcontext():
+                _train(model, hooks, steps, clip=1.0, optimizer=opt)
+            paths.append(_full(model))
+            if not plain:
+                fused = calls[0]
+    finally:
+        hook.NativePasses.worker = real
+    moved = (paths[0] - _full(_model(mesh))).abs().max().item()
+    return torch.equal(paths[0], paths[1]), fused, calls[0] - fused, moved
+
+
+@pytest.mark.parametrize("sum_convention", [False, True])
+def test_the_fsdp_hooks_take_the_fused_passes_bitwise(ranks, sum_convention):
+    freeze, steps = 3, 8
+    for same, fused, plain, moved in ranks(4).run(_body_fused_against_plain, freeze, steps, sum_convention):
+        assert fused >= steps - freeze and plain == 0  # every compressed iteration's buckets, C passes
+        assert same and moved > 1e-3

@@ -56,7 +56,8 @@ class Table:
     def fill(self, tensors: dict[str, list[torch.Tensor | None]], rows: list[tuple[float, ...]]) -> None:
         """Point the columns at ``tensors`` (one list of K per address column; None: none) and set
         the scalars (one tuple per tensor, in ``SCALARS`` order, each rounded to float32 as the plain
-        ops round a Python scalar); a no-op where neither changed since the last fill."""
+        ops round a Python scalar); a no-op where neither changed since the last fill. The table
+        holds addresses only: the caller keeps the tensors alive while a pass reads it."""
         addrs = [[0 if t is None else t.data_ptr() for t in tensors[name]] for name in self.addresses]
         old = self.key or (None, None)
         if old[0] != addrs:

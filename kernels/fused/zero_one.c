@@ -1,10 +1,11 @@
 #include "../native/native.h"
 
 /* ---- ZeroOneAdam's phase-1 compressed step with its element-wise maths inside the codec's passes
-   (optimizers/_fused_cpu_zoa.py). The table as OnebitAdam's, plus m[k] (the momentum's address) and
-   the scalars b1, 1 - b1, wd, -lr per tensor. The unfused step's order: x = g / d (0 without a
-   gradient) into the accumulator; its compressed mean; m = fma((1 - b1) * mean, d, m * b1) (torch's
-   addcmul_ on FMA CPUs); p = p + (-lr) * clamp(m / d) (+ wd * p inside the bracket with weight decay;
+   (kernels/fused/zero_one.py binds them). The table's address columns grad (sync_params when
+   synchronising), denom, param, momentum; the scalars b1, 1 - b1, wd, -lr, nl per tensor. The unfused
+   step's order: x = g / d (0 without a gradient) into the accumulator; its compressed mean;
+   m = fma((1 - b1) * mean, d, m * b1) (docs/ALGORITHMS.md 6.4: torch's addcmul_ where it fuses, the
+   Triton kernels' tl.fma); p = p + (-lr) * clamp(m / d) (+ wd * p inside the bracket with weight decay;
    cpu_fused.stale_step). The worker pass writes nothing but the bits: x is computed again in the
    decompress pass, for the deferred error z = x + e. */
 #define ZOA_DIV_LOOP for (int64_t i = 0; i < n; i++) x[i] = g ? g[i] / d[i] : 0.0f;

@@ -18,10 +18,10 @@ the group's learning rates summed since the last one), ``sync_params += mean``, 
 local step (Triton: ``_zoa_local_kernel``) reads g, m, d and p and writes m and p: ``m = b1 m + (1 - b1)
 g``, then the stale step.
 
-Rounding: x, the bits and the error are the plain ops' bitwise in both backends. The momentum fold: the
-C computes ``fmaf((1 - b1) mean, d, b1 m)`` (what torch's ``addcmul_`` computes on CPUs with FMA), the
-Triton kernels each operation rounded (contraction off); the stale step each operation rounded in both.
-The momentum and parameters are so within one rounding of the plain ops (docs/ALGORITHMS.md).
+Rounding (docs/ALGORITHMS.md 6.4): x, the bits and the error are the plain ops' bitwise in both
+backends; the momentum fold is ``fma((1 - b1) mean, d, b1 m)`` in both (C ``fmaf``, Triton ``tl.fma``):
+what the unfused ``addcmul_`` computes where it fuses its multiply-add (x86 with AVX2, CUDA); the stale
+step each operation rounded, as the unfused one.
 
 The table (:mod:`onebit.kernels.fused.table`): address columns ``ADDRESSES`` (``SYNC_ADDRESSES`` when
 synchronising: sync_params in the gradient's column), scalar columns ``SCALARS``."""
@@ -122,10 +122,10 @@ def _zoa_worker_kernel(
 def _zoa_step_kernel(
     g_ptr, g_words_ptr, e_ptr, w_words_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
     scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip,
-    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr, FMA: tl.constexpr,
 ):
     # the mean decoded; the deferred worker error from z = x + e (x again) if every scale is finite;
-    # then per tensor m = b1 m + ((1 - b1) mean) d and p = p + (-lr) (clamp(m / d) [+ wd p]);
+    # then per tensor m = fma((1 - b1) mean, d, b1 m) and p = p + (-lr) (clamp(m / d) [+ wd p]);
     # SYNC (phase 2's synchronisation): m = (mean d) / nl, sync_params += mean, p = sync_params
     pid = tl.program_id(0)
     ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
@@ -158,7 +158,10 @@ def _zoa_step_kernel(
             m = tl.load(mp, mask=mine, other=0.0)
             p = tl.load(pp, mask=mine, other=0.0)
             wd = scalar(scal_ptr, k, _WD)
-            m = m * scalar(scal_ptr, k, _B1) + (scalar(scal_ptr, k, _W1) * mean) * d
+            if FMA:  # the fold's one multiply-add (docs/ALGORITHMS.md 6.4)
+                m = tl.fma(scalar(scal_ptr, k, _W1) * mean, d, m * scalar(scal_ptr, k, _B1))
+            else:  # the compile check's twin: the same kernel with no FMA written (it must show none)
+                m = m * scalar(scal_ptr, k, _B1) + (scalar(scal_ptr, k, _W1) * mean) * d
             v = tl.div_rn(m, d)
             v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
                            propagate_nan=tl.PropagateNan.ALL)
@@ -180,13 +183,13 @@ def worker_launches(e, msg, words, partial, ticket_, table: Table, n: int, layou
 
 
 def step_launches(gathered, g_words, e, w_words, table: Table, n: int, layout: Layout, clip: float,
-                  sync: bool = False):
+                  sync: bool = False, fma: bool = True):
     t = tiles(table, layout.N)
     return [Launch(_zoa_step_kernel, programs(layout.N),
                    (gathered, g_words, e, w_words, t.lo, t.hi, table.start, table.count, table.addr, table.K,
                     table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes,
                     layout.segment_bytes // 4, layout.scale_offset // 4, layout.W, clip),
-                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync), WARPS)]
+                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync, FMA=fma), WARPS)]
 
 
 def worker(e: torch.Tensor, n: int, layout: Layout, msg: torch.Tensor, table: Table,
