@@ -192,7 +192,7 @@ class FrozenAdam:
             sq = torch.tensor(sq, dtype=torch.float64)
         elif cpu and backends.select("cpu", "hook").name == "native":
             sq = torch.tensor(cpu_simd.sumsq(b), dtype=torch.float64)  # one read, no float64 copy
-        else:  # (on CPU this makes a float64 copy: 31 ms per 6.5M elements on one core)
+        else:  # (on CPU this makes a float64 copy of the bucket)
             sq = torch.linalg.vector_norm(b, dtype=torch.float64).square()
         self.local_sq = sq if self.local_sq is None else self.local_sq + sq
 

@@ -3,8 +3,8 @@
 With M nodes of L ranks, rank i of every node serves shard i (``s = ceil(n / L)`` elements):
 
 1. reduce-scatter in full precision inside each node: rank i gets its node's mean of shard i
-   (on gloo an all-reduce of every shard instead, which measured 2.3x faster than gloo's
-   reduce-scatter of half the data; NCCL reduce-scatters);
+   (on gloo an all-reduce of every shard instead: gloo's reduce-scatter is the slower of the two,
+   bench/HISTORY.md "Hierarchical"; NCCL reduce-scatters);
 2. ``compressed_allreduce`` of shard i across the M ranks with index i (one per node), with
    this rank's error buffers (``padded_numel(s, M, block)``): every NIC is used, no rank
    leads, and across nodes each node sends about ``1 / L`` of what the flat 1-bit call sends

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_simd
-from .._chunks import piece_scales, split
+from .._chunks import padded, piece_scales, split
 from ..layout import Layout, message_bits, message_scales
 
 
@@ -38,14 +38,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
-def _tail(src: torch.Tensor, mid: int, end: int, hi: int) -> torch.Tensor:
-    """float32 ``[mid, hi)`` of ``src``, zero from ``end`` (the padding)."""
-    t = torch.zeros(hi - mid, dtype=torch.float32)
-    if end > mid:
-        t[: end - mid] = src[mid:end]
-    return t
-
-
 @torch.no_grad()
 def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor,
                     update_error: bool) -> None:
@@ -59,7 +51,7 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
         if mid > lo:
             parts.append((lo, mid, _f32(x[lo:mid]), e[lo:mid]))
         if hi > mid:
-            parts.append((mid, hi, _tail(x, mid, end, hi), e[mid:hi]))
+            parts.append((mid, hi, padded(x, mid, end, hi), e[mid:hi]))
         sums = []
         for a, b, xs, es in parts:
             row = bits[j, (a - lo) // 8 : (b - lo) // 8]
@@ -122,7 +114,7 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
             if in_place:
                 values = out[a:b]
             else:
-                values = out[a:b].to(torch.float32) if b <= end else _tail(out, a, end, b)
+                values = out[a:b].to(torch.float32) if b <= end else padded(out, a, end, b)
             ws = piece_scales(s_w, layout, j, lo, a, b) if update else None
             cpu_simd.decompress(row, piece_scales(scales, layout, j, lo, a, b), values, B,
                                 worker_error[a:b] if update else None, ws)
