@@ -24,10 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..kernels import decompress, server_reduce, worker_compress
-from ..kernels.layout import Layout, empty_message
+from ..kernels.layout import Layout
 from ._failure import CollectiveError, guard
 from ._group import all_gather_single, members_group
+from ._stages import Stages
 from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
@@ -120,31 +120,6 @@ def _failure(operation: str, group, exc: BaseException) -> BaseException:
     return exc  # pragma: no cover
 
 
-def worker_message(flat, worker_error, layout: Layout, passes=None) -> torch.Tensor:
-    """This rank's message: ``worker_compress(update_error=False)``, or the caller's ``passes``
-    (``passes.ready(layout)``, where they have it: the message they built already)."""
-    if passes is None:
-        return worker_compress(flat, worker_error, layout.W, update_error=False, block=layout.block)
-    ready = getattr(passes, "ready", None)  # a message the caller's passes built before the call
-    if ready is not None:
-        return ready(layout)
-    msg = empty_message(layout, layout.W, flat.device)
-    passes.worker(flat, worker_error, layout, msg)
-    return msg
-
-
-def finish(gathered, tensor, flat, worker_error, msg, layout: Layout, passes=None) -> None:
-    """``decompress`` into ``flat`` (or the caller's ``passes.finish``); then ``tensor`` from
-    ``flat`` where it is not contiguous."""
-    if passes is None:
-        decompress(gathered, flat, layout.W, worker_error=worker_error, worker_message=msg,
-                   block=layout.block)
-    else:
-        passes.finish(gathered, layout, flat, worker_error, msg)
-    if not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
-
-
 def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
           block: int | None = None, passes=None) -> torch.futures.Future:
     """Start the call on validated CPU arguments (W > 1); the future's value is ``tensor``.
@@ -156,9 +131,9 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
     launched = [0.0]  # when the collective in flight was launched (perf_counter)
     try:
         companion = _companion(group)
-        layout = Layout(N, W, block)
+        stages = Stages(tensor, worker_error, server_error, Layout(N, W, block), passes, flat=flat)
         with timer.stage("codec"):
-            msg = worker_message(flat, worker_error, layout, passes)
+            msg = stages.encode()
         recv = torch.empty_like(msg)
         ticket = companion.sequencer.ticket()
     except BaseException:
@@ -178,7 +153,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
             fail("compressed_allreduce (all_gather)", exc)
             return
         with torch.no_grad(), timer.stage("codec"):
-            finish(gathered, tensor, flat, worker_error, msg, layout, passes)
+            stages.decode(gathered)
         traffic.compressed += compressed_bytes(N, W, block)
         traffic.compressed_calls += 1
         _release(ptrs)
@@ -189,7 +164,7 @@ def start(tensor, flat, worker_error, server_error, group, W: int, N: int,
         try:
             fut.value()
             with torch.no_grad(), timer.stage("codec"):
-                seg = server_reduce(recv, server_error, W, block=block)
+                seg = stages.serve(recv)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             companion.sequencer.ready(ticket, None)
             fail("compressed_allreduce (all_to_all)", exc)

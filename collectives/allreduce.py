@@ -16,25 +16,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import Layout, message_scales, server_reduce
+from ..kernels import Layout, message_scales
 from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
 from ..kernels.layout import check_block, pad_unit, padded_numel
 from . import _async, _pipeline
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
+from ._stages import Stages, flat_target
 from .hierarchical import hierarchical_allreduce, shard_numel, validate_hierarchical
 from .mesh import hierarchy, is_mesh
 from .telemetry import CallTimer
 from .wire import compressed_bytes, traffic
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_passes", "error_buffers"]
-
-
-def _flat_target(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous tensor whose final contents must end up in ``tensor``."""
-    if tensor.is_contiguous():
-        return tensor.view(-1)
-    return tensor.contiguous().view(-1)
 
 
 def validate(tensor, worker_error, server_error, W: int, block: int | None = None) -> int:
@@ -122,7 +116,7 @@ def compressed_allreduce(
     if W == 1 or tensor.numel() == 0:
         return _done(tensor) if async_op else tensor
     if async_op and not tensor.is_cuda:
-        return _async.start(tensor, _flat_target(tensor), worker_error, server_error, group, W, N, block)
+        return _async.start(tensor, flat_target(tensor), worker_error, server_error, group, W, N, block)
     scales = _compressed_allreduce(tensor, worker_error, server_error, group, W, block)
     traffic.compressed += compressed_bytes(N, W, block)
     traffic.compressed_calls += 1
@@ -252,15 +246,15 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     if transport is None and passes is None and not tensor.is_cuda:
         K = _pipeline.slices(layout)  # block scales on CPU: in slices whose compute overlaps the wire
         if K > 1:
-            flat = _flat_target(tensor)
+            flat = flat_target(tensor)
             scales = _pipeline.allreduce(flat, worker_error, server_error, group, layout, K)
             if not tensor.is_contiguous():
                 tensor.copy_(flat.view(tensor.shape))
             return scales
     timer = CallTimer(tensor.device)  # compute ("codec") and collectives ("comm"), see telemetry
+    stages = Stages(tensor, worker_error, server_error, layout, passes)
     with timer.stage("codec"):
-        flat = _flat_target(tensor)
-        msg = _async.worker_message(flat, worker_error, layout, passes)
+        msg = stages.encode()
         recv = torch.empty_like(msg)
     with timer.stage("comm", follows=True), guard("compressed_allreduce (all_to_all)", group):
         if transport is None:
@@ -268,7 +262,7 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
         else:
             transport.all_to_all(recv, msg)
     with timer.stage("codec", follows=True):
-        seg = server_reduce(recv, server_error, W, block=block)
+        seg = stages.serve(recv)
         gathered = torch.empty_like(msg)  # fully overwritten by the all-gather
     with timer.stage("comm", follows=True), guard("compressed_allreduce (all_gather)", group):
         if transport is None:
@@ -276,5 +270,5 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
         else:
             transport.all_gather(gathered, seg)
     with timer.stage("codec", follows=True):
-        _async.finish(gathered, tensor, flat, worker_error, msg, layout, passes)
+        stages.decode(gathered)
     return message_scales(gathered, layout)

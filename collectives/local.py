@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import Layout, decompress, server_reduce, worker_compress
+from ..kernels import Layout
 from ..kernels._checks import check_instance
+from ._stages import Stages
 from .allreduce import validate
 
 __all__ = ["local_compressed_allreduce"]
@@ -48,17 +49,12 @@ def local_compressed_allreduce(
     for r in range(W):
         N = validate(tensors[r], worker_errors[r], server_errors[r], W, block)
     layout = Layout(N, W, block)
-    flats = [t.view(-1) if t.is_contiguous() else t.contiguous().view(-1) for t in tensors]
-    msgs = [worker_compress(f, e, W, update_error=False, backend=backend, block=block)
-            for f, e in zip(flats, worker_errors, strict=True)]
-    segments = []
-    for j in range(W):  # the all-to-all: chunk j of every rank's message goes to rank j
-        received = torch.cat([m.view(W, layout.segment_bytes)[j] for m in msgs])
-        segments.append(server_reduce(received, server_errors[j], W, backend=backend, block=block))
-    gathered = torch.cat(segments)  # the all-gather
-    for r in range(W):
-        decompress(gathered, flats[r], W, worker_error=worker_errors[r], worker_message=msgs[r],
-                   backend=backend, block=block)
-        if not tensors[r].is_contiguous():
-            tensors[r].copy_(flats[r].view(tensors[r].shape))
+    ranks = [Stages(t, we, se, layout, backend=backend)
+             for t, we, se in zip(tensors, worker_errors, server_errors, strict=True)]
+    msgs = [rank.encode() for rank in ranks]
+    # the all-to-all: chunk j of every rank's message goes to rank j; the all-gather: every segment
+    gathered = torch.cat([ranks[j].serve(torch.cat([m.view(W, layout.segment_bytes)[j] for m in msgs]))
+                          for j in range(W)])
+    for rank in ranks:
+        rank.decode(gathered)
     return list(tensors)
