@@ -3,7 +3,8 @@
 Optimizers keep their compressed state (momentum) inside the buckets' flat buffers and
 hand out per-tensor views of them, so the compressed all-reduce of a bucket needs no copy.
 Full-precision averaging (warm-up gradients) goes through one reusable scratch buffer the
-size of the largest bucket.
+size of the largest bucket, made on the first average and freed where the warm-up ends
+(``release_scratch``).
 """
 
 from __future__ import annotations
@@ -139,11 +140,12 @@ class BucketedReducer:
                 bucket.views.append(view)
                 self.views[i] = view
             self.buckets.append(bucket)
-        largest = max((b.numel for b in self.buckets), default=0)
+        self._largest = max((b.numel for b in self.buckets), default=0)
+        self._device = device
         # The collective compressed_mean_ calls, compressed_allreduce's signature; a benchmark
         # may set a local one (see bench/bench_optimizer.py) to time the compute alone.
         self.allreduce = compressed_allreduce
-        self._scratch = torch.empty(largest, dtype=torch.float32, device=device)
+        self._scratch: torch.Tensor | None = None  # made by average, freed by release_scratch
 
     def compressed_mean_(self) -> None:
         """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
@@ -179,6 +181,8 @@ class BucketedReducer:
         """Full-precision mean over the group of ``tensors`` (one per index of ``bucket``;
         None counts as zeros), as a flat float32 view of the scratch buffer. Without
         ``communicate`` the tensors are taken as already averaged (a DDP hook did it)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self._largest, dtype=torch.float32, device=self._device)
         out = self._scratch[: bucket.numel]
         for t, off, size in zip(tensors, bucket.offsets, bucket.numels, strict=True):
             if t is None:
@@ -188,6 +192,12 @@ class BucketedReducer:
         if communicate and self.world_size > 1 and bucket.numel:
             allreduce_mean_(out, self.group, self.world_size, self.traffic)
         return out
+
+    def release_scratch(self) -> None:
+        """Free :meth:`average`'s buffer (as large as the largest bucket), which only the warm-up's
+        full-precision steps use; the next :meth:`average` (a checkpoint from the warm-up loaded)
+        makes it again."""
+        self._scratch = None
 
     def reset_errors(self) -> None:
         for b in self.buckets:

@@ -433,7 +433,9 @@ class WarmupThenCompress(OnebitOptimizerBase):
     def _enter_compression(self) -> None:
         """Called once, right after the last warm-up update. Preconditioned: the momentum
         buffers change domain, ``m -> m / denom`` (denom frozen from here on), so that the
-        compressed quantity and its error feedback live in update space (ALGORITHMS.md 6)."""
+        compressed quantity and its error feedback live in update space (ALGORITHMS.md 6).
+        The warm-up's averaging buffer is freed (no full-precision step follows)."""
+        self.reducer().release_scratch()
         self._variance_changed()
         if not self.preconditioned:
             return

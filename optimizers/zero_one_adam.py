@@ -253,6 +253,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if t == self.frozen_at + 1:  # replicas are identical here: remember them
             for p, _ in pairs:
                 self.state[p]["sync_params"].copy_(p)
+            reducer.release_scratch()  # phase 1's variance steps were the last to average
         masks = self.auto_masks()
         if not self._local_step_all(pairs, masks):
             self._local_step_each(pairs, masks)

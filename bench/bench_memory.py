@@ -1,0 +1,112 @@
+"""The optimizers' state in bytes per parameter, counted from outside (onebit.memory: every tensor
+reachable from the optimizer object, each storage once, the parameters and gradients left out).
+
+W gloo ranks (torchrun, one thread each) train a 1.2M-parameter MLP of 8 tensors past the freeze
+with each optimizer, buckets of ``--bucket-mb`` MB where it takes ``bucket_cap_mb`` (the rest at
+their defaults), then rank 0 counts: ``torch.optim.AdamW``; OnebitAdam, OnebitLamb and ZeroOneAdam
+(its variance frozen, in phase 2); AdamW behind the DDP hook with ``freeze_step`` (AdamW's state and
+the hook's). Issue 56's table (its targets: at most 8 bytes per parameter, the hook at most 12).
+
+  python bench/bench_memory.py                 # 2 ranks
+  python bench/bench_memory.py --ranks 4 --csv bench/out/memory-w4.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import child_arguments, markdown_table, provenance, run_child, write_csv  # noqa: E402
+
+NAMES = ("adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook")
+SIZES = (384, 1024, 640, 256, 10)  # Linear layers 384-1024-640-256-10: 8 tensors, 1.22M parameters
+
+
+def _model():
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(SIZES[:-1], SIZES[1:], strict=True):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _count(name: str, args) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+    from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+    from onebit.memory import bytes_per_parameter
+
+    model, others = _model(), []
+    freeze, cap = args.freeze, args.bucket_mb
+    if name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif name == "adamw_ddp_hook":
+        model = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=freeze)
+        model.register_comm_hook(state, onebit_compress_hook)
+        others.append(state)
+    elif name == "onebit_adam":
+        opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=freeze, bucket_cap_mb=cap)
+    elif name == "onebit_lamb":
+        opt = OnebitLamb(model.parameters(), lr=1e-3, freeze_step=freeze)  # one bucket (no bucket_cap_mb)
+    else:
+        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=freeze, bucket_cap_mb=cap)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(args.steps):
+        x = torch.randn(16, SIZES[0], generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return bytes_per_parameter(opt, *others)
+
+
+def child(args) -> None:
+    dist.init_process_group("gloo")
+    out = {name: _count(name, args) for name in NAMES}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--freeze", type=int, default=5)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--bucket-mb", type=float, default=0.5)
+    p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "memory.csv"))
+    child_arguments(p)
+    args = p.parse_args()
+    run_child(args, child)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(args.ranks), os.path.abspath(__file__), "--child", "--out", out, "--freeze",
+               str(args.freeze), "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb)]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800)
+        with open(out) as fh:
+            res = json.load(fh)
+    n = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:], strict=True))
+    print(f"# {args.ranks} gloo ranks, {n / 1e6:.2f}M parameters in 8 tensors, {args.steps} steps (freeze at "
+          f"{args.freeze}), buckets of {args.bucket_mb} MB; bytes of state per parameter, rank 0")
+    print(markdown_table(["", "bytes per parameter"], [[k, f"{v:.2f}"] for k, v in res.items()]))
+    meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps, freeze=args.freeze,
+                      bucket_mb=args.bucket_mb)
+    rows = [{**meta, "optimizer": k, "bytes_per_parameter": round(v, 3)} for k, v in res.items()]
+    write_csv(args.csv, rows)
+
+
+if __name__ == "__main__":
+    main()
