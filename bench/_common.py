@@ -173,6 +173,21 @@ def child_arguments(parser) -> None:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
+def ranks_json(script: str, ranks: int, extra: Sequence[str], timeout: float = 1800) -> object:
+    """Run ``script`` on ``ranks`` local ranks (torchrun, one thread each) with ``--child --out FILE``
+    and ``extra``; return the JSON its rank 0 wrote to FILE."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               os.path.abspath(script), "--child", "--out", out, *extra]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout)
+        with open(out) as fh:
+            return json.load(fh)
+
+
 def run_child(args, child: Callable[[object], object]) -> None:
     """In a rank (``--child``): run ``child(args)``, flush, and exit without interpreter
     finalisation, where gloo aborts now and then (docs/failures.md); otherwise return."""

@@ -21,15 +21,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import child_arguments, markdown_table, provenance, run_child, slowest_rank_times, write_csv  # noqa: E402
+from _common import (  # noqa: E402
+    child_arguments,
+    markdown_table,
+    provenance,
+    ranks_json,
+    run_child,
+    slowest_rank_times,
+    write_csv,
+)
 
 
 def _slowest(fn) -> float:
@@ -117,15 +123,9 @@ def main() -> None:
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(args.ranks), os.path.abspath(__file__), "--child", "--out", out]
-        cmd += ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-                "--steps", str(args.steps)] + (["--sequential"] if args.sequential else [])
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800)
-        with open(out) as fh:
-            res = json.load(fh)
+    extra = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--steps",
+             str(args.steps)] + (["--sequential"] if args.sequential else [])
+    res = ranks_json(__file__, args.ranks, extra)
     plain, hook = res["plain"], res["hook"]
     ddp = plain["synced"] - plain["local"]  # the all-reduce's share of the step
     ours = hook["synced"] - hook["local"] + hook["step"] - plain["step"]

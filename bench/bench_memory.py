@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import child_arguments, markdown_table, provenance, run_child, write_csv  # noqa: E402
+from _common import child_arguments, markdown_table, provenance, ranks_json, run_child, write_csv  # noqa: E402
 
 NAMES = ("adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook")
 SIZES = (384, 1024, 640, 256, 10)  # Linear layers 384-1024-640-256-10: 8 tensors, 1.22M parameters
@@ -90,14 +88,8 @@ def main() -> None:
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(args.ranks), os.path.abspath(__file__), "--child", "--out", out, "--freeze",
-               str(args.freeze), "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb)]
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800)
-        with open(out) as fh:
-            res = json.load(fh)
+    res = ranks_json(__file__, args.ranks, ["--freeze", str(args.freeze), "--steps", str(args.steps),
+                                            "--bucket-mb", str(args.bucket_mb)])
     n = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:], strict=True))
     print(f"# {args.ranks} gloo ranks, {n / 1e6:.2f}M parameters in 8 tensors, {args.steps} steps (freeze at "
           f"{args.freeze}), buckets of {args.bucket_mb} MB; bytes of state per parameter, rank 0")

@@ -110,3 +110,13 @@ def test_bench_hook_compute_times_both_variants(tmp_path):
     assert [r["variant"] for r in rows] == ["plain", "hook"]
     assert all(float(r[k]) > 0 for r in rows for k in ("local", "synced", "step"))
     assert "hook / DDP all-reduce:" in out
+
+
+def test_bench_memory_counts_every_optimizer(tmp_path):
+    path = tmp_path / "m.csv"
+    out = _run("bench_memory.py", "--ranks", "2", "--steps", "4", "--freeze", "2", "--csv", str(path))
+    rows = {r["optimizer"]: float(r["bytes_per_parameter"]) for r in _rows(path)}
+    assert set(rows) == {"adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook"}
+    assert 8.0 <= rows["adamw"] < 8.01  # exp_avg, exp_avg_sq and the step counters
+    assert all(v > rows["adamw"] for k, v in rows.items() if k != "adamw"), rows  # what issue 56 takes down
+    assert "bytes per parameter" in out

@@ -30,7 +30,7 @@ from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
 from . import _native
-from .table import BLOCK_BYTES, WARPS, Table, address, owned, programs, scalar, tiles
+from .table import BLOCK_BYTES, WARPS, Table, address, grad_denom, owned, programs, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import (
@@ -80,18 +80,12 @@ def _fold_worker_kernel(
     live = (g < total_bytes)[:, None]
     in_x = live & (idx < n)
     u = tl.load(u_ptr + idx, mask=in_x, other=0.0)
-    grad = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
-    den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
+    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, _GRAD, _DENOM,
+                           BLOCK_BYTES)
     b1 = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
     w = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
-    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off, mine = owned(idx, k, start_ptr, count_ptr)
-        mine = mine & in_x
-        ga = tl.load(addr_ptr + _GRAD * K + k)
-        gp = ga.to(tl.pointer_type(tl.float32))
-        dp = address(addr_ptr, _DENOM, K, k)
-        grad = tl.where(mine, tl.load(gp + off, mask=mine & ((off * 0 + ga) != 0), other=0.0), grad)
-        den = tl.where(mine, tl.load(dp + off, mask=mine, other=1.0), den)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):  # each element's group scalars
+        _, mine = owned(idx, k, start_ptr, count_ptr)
         b1 = tl.where(mine, scalar(scal_ptr, k, _B1), b1)
         w = tl.where(mine, scalar(scal_ptr, k, _W1), w)
     u = u * b1 + tl.div_rn(w * grad, den)  # fold_preconditioned_: u.mul_(b1), u + (w * g) / d

@@ -106,6 +106,24 @@ def owned(idx, k, start_ptr, count_ptr):
 
 
 @jit
+def grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, GRAD: tl.constexpr,
+               DENOM: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    # the program's elements' gradients (0 where a tensor's gradient is None: address 0, and outside
+    # every tensor) and denominators (1 outside every tensor), read through columns GRAD and DENOM
+    grad = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        ga = tl.load(addr_ptr + GRAD * K + k)
+        gp = ga.to(tl.pointer_type(tl.float32))
+        dp = address(addr_ptr, DENOM, K, k)
+        grad = tl.where(mine, tl.load(gp + off, mask=mine & ((off * 0 + ga) != 0), other=0.0), grad)
+        den = tl.where(mine, tl.load(dp + off, mask=mine, other=1.0), den)
+    return grad, den
+
+
+@jit
 def address(addr_ptr, column, K, k):
     # tensor k's float32 data pointer in address column `column`
     return tl.load(addr_ptr + column * K + k).to(tl.pointer_type(tl.float32))

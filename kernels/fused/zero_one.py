@@ -34,7 +34,7 @@ from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
 from . import _native
-from .table import BLOCK_BYTES, WARPS, Table, address, owned, programs, scalar, tiles
+from .table import BLOCK_BYTES, WARPS, Table, address, grad_denom, owned, programs, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import Launch, _partials, _segments_finite, decoded_rows, encode_rows, ticket
@@ -69,16 +69,8 @@ def sync_rows(nl: float) -> tuple[float, ...]:
 def _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES: tl.constexpr):
     # x = g / d of the program's elements (0 where a tensor's gradient is None, and outside every
     # tensor): the accumulator the unfused step all-reduces
-    grad = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
-    den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
-    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off, mine = owned(idx, k, start_ptr, count_ptr)
-        mine = mine & in_x
-        ga = tl.load(addr_ptr + _GRAD * K + k)
-        gp = ga.to(tl.pointer_type(tl.float32))
-        dp = address(addr_ptr, _DENOM, K, k)
-        grad = tl.where(mine, tl.load(gp + off, mask=mine & ((off * 0 + ga) != 0), other=0.0), grad)
-        den = tl.where(mine, tl.load(dp + off, mask=mine, other=1.0), den)
+    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, _GRAD, _DENOM,
+                           BLOCK_BYTES)
     return tl.div_rn(grad, den)
 
 
