@@ -188,6 +188,19 @@ def ranks_json(script: str, ranks: int, extra: Sequence[str], timeout: float = 1
             return json.load(fh)
 
 
+def rank0_result(path: str, result: object) -> None:
+    """In a rank: rank 0 writes ``result`` to ``path`` as JSON; then every rank leaves the group."""
+    import json
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(path, "w") as fh:
+            json.dump(result, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_child(args, child: Callable[[object], object]) -> None:
     """In a rank (``--child``): run ``child(args)``, flush, and exit without interpreter
     finalisation, where gloo aborts now and then (docs/failures.md); otherwise return."""

@@ -18,7 +18,6 @@ hooks add to AdamW's step. Prints both and the ratio (issue 38: at most 1.5x).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from _common import (  # noqa: E402
     child_arguments,
     markdown_table,
     provenance,
+    rank0_result,
     ranks_json,
     run_child,
     slowest_rank_times,
@@ -103,11 +103,7 @@ def child(args) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     out = _measure(args)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    rank0_result(args.out, out)
 
 
 def main() -> None:

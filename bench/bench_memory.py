@@ -14,7 +14,6 @@ the hook's). Issue 56's table (its targets: at most 8 bytes per parameter, the h
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import child_arguments, markdown_table, provenance, ranks_json, run_child, write_csv  # noqa: E402
+from _common import (  # noqa: E402
+    child_arguments,
+    markdown_table,
+    provenance,
+    rank0_result,
+    ranks_json,
+    run_child,
+    write_csv,
+)
 
 NAMES = ("adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook")
 SIZES = (384, 1024, 640, 256, 10)  # Linear layers 384-1024-640-256-10: 8 tensors, 1.22M parameters
@@ -71,11 +78,7 @@ def _count(name: str, args) -> float:
 def child(args) -> None:
     dist.init_process_group("gloo")
     out = {name: _count(name, args) for name in NAMES}
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    rank0_result(args.out, out)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
 from . import _native
-from .table import BLOCK_BYTES, WARPS, Table, address, grad_denom, owned, programs, scalar, tiles
+from .table import BLOCK_BYTES, WARPS, Table, address, elements, grad_denom, owned, programs, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import (
@@ -73,12 +73,8 @@ def _fold_worker_kernel(
     # u <- b1 u + ((1 - b1) g) / d for the elements of each tensor (g = 0 where its gradient is
     # None); then as _worker_pack_kernel on z = pad(u) + e: packed sgn(z), one float64 partial norm
     # per program, the last program writes the scale
-    pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
-    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    i = tl.arange(0, 8)
-    idx = g[:, None] * 8 + i[None, :]
-    live = (g < total_bytes)[:, None]
-    in_x = live & (idx < n)
+    pid = tl.program_id(0)
+    g, i, idx, live, in_x = elements(n, total_bytes, BLOCK_BYTES)
     u = tl.load(u_ptr + idx, mask=in_x, other=0.0)
     grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, _GRAD, _DENOM,
                            BLOCK_BYTES)

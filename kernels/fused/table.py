@@ -106,6 +106,18 @@ def owned(idx, k, start_ptr, count_ptr):
 
 
 @jit
+def elements(n, total_bytes, BLOCK_BYTES: tl.constexpr):
+    # this program's byte rows of a message (g) and their elements: indices [BLOCK_BYTES, 8] (idx;
+    # i the bit within a byte), which rows are in the message (live) and which elements in the data
+    # (in_x); int32 indices: the caller keeps N < 2^31
+    g = tl.program_id(0) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    live = (g < total_bytes)[:, None]
+    return g, i, idx, live, live & (idx < n)
+
+
+@jit
 def grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, GRAD: tl.constexpr,
                DENOM: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     # the program's elements' gradients (0 where a tensor's gradient is None: address 0, and outside

@@ -34,7 +34,7 @@ from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
 from . import _native
-from .table import BLOCK_BYTES, WARPS, Table, address, grad_denom, owned, programs, scalar, tiles
+from .table import BLOCK_BYTES, WARPS, Table, address, elements, grad_denom, owned, programs, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import Launch, _partials, _segments_finite, decoded_rows, encode_rows, ticket
@@ -95,12 +95,8 @@ def _zoa_worker_kernel(
     BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr,
 ):
     # as _worker_pack_kernel on z = x + e, x = g / d (SYNC: p - sync_params) never stored
-    pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
-    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    i = tl.arange(0, 8)
-    idx = g[:, None] * 8 + i[None, :]
-    live = (g < total_bytes)[:, None]
-    in_x = live & (idx < n)
+    pid = tl.program_id(0)
+    g, i, idx, live, in_x = elements(n, total_bytes, BLOCK_BYTES)
     if SYNC:
         x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
     else:
