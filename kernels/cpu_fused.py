@@ -5,7 +5,8 @@ memory (bench/TRAFFIC.md section 3a): the fold of a gradient into the preconditi
 (``u.mul_``, ``u.addcdiv_``: 24 B per element) and the update (``clone``, ``div_``,
 ``clamp_``, ``p.mul_``, ``p.add_``: 36-44 B). Here each is one pass of the native library's
 (``onebit/kernels/fused/*.c``, built as :mod:`onebit.kernels.cpu_simd` builds it): the fold reads
-u, g and d and writes u (16 B); the update reads p and u and writes p (12 B).
+u, g and the variance v (the stale denominator d computed from it in the pass) and writes u (16 B);
+the update reads p and u and writes p (12 B).
 
 The plain ops (``onebit.optimizers._functional``) stay the reference: the same float32
 operations in the same order, so the results agree to rounding (tests/test_cpu_fused.py: the
@@ -51,14 +52,28 @@ def _run(name: str, tensors, *scalars: float) -> None:
 
 
 @torch.no_grad()
-def fold_preconditioned_(u: torch.Tensor, grad: torch.Tensor | None, denom: torch.Tensor,
-                         beta1: float) -> bool:
-    """``u = b1*u + (1-b1) * g / denom`` in one pass; False (nothing done) where it does not
-    apply, ``grad=None`` included."""
-    if grad is None or not _applies(u, grad, denom):
+def fold_preconditioned_(u: torch.Tensor, grad: torch.Tensor | None, var: torch.Tensor,
+                         denominator: tuple[float, float, float], beta1: float) -> bool:
+    """``u = b1*u + (1-b1) * g / d`` in one pass, ``d = max(sqrt(var), floor) * r + eps`` computed as
+    it reads ``var`` (``denominator``: ``(floor, r, eps)``, docs/ALGORITHMS.md 6.2); False (nothing
+    done) where it does not apply, ``grad=None`` included."""
+    if grad is None or not _applies(u, grad, var):
         return False
-    _run("onebit_fold", (u, grad, denom), beta1, 1.0 - beta1)
+    _run("onebit_fold", (u, grad, var), *denominator, beta1, 1.0 - beta1)
     return True
+
+
+@torch.no_grad()
+def stale_denominator(v: torch.Tensor, denominator: tuple[float, float, float]) -> torch.Tensor | None:
+    """``max(sqrt(v), floor) * r + eps`` (``denominator``: ``(floor, r, eps)``) as a new tensor in one
+    pass, each operation correctly rounded (the fused passes' arithmetic); None where the C library
+    does not run here or ``v`` is not a contiguous float32 CPU tensor."""
+    if not (v.device.type == "cpu" and v.dtype == torch.float32 and v.is_contiguous() and usable()):
+        return None
+    out = torch.empty_like(v)
+    if v.numel():
+        _run("onebit_stale_denominator", (out, v), *denominator)
+    return out
 
 
 @torch.no_grad()
@@ -75,27 +90,31 @@ def stale_update_(p: torch.Tensor, u: torch.Tensor, *, lr: float, weight_decay: 
 
 
 @torch.no_grad()
-def stale_step_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, *, lr: float, weight_decay: float,
-                clip: float | None) -> bool:
-    """ZeroOneAdam's step on a stale variance, ``p -= lr * (clip(m / denom) + wd * p)``, in one
-    pass; False (nothing done) where it does not apply."""
-    if not _applies(p, m, denom):
+def stale_step_(p: torch.Tensor, m: torch.Tensor, var: torch.Tensor, denominator: tuple[float, float, float],
+                *, lr: float, weight_decay: float, clip: float | None) -> bool:
+    """ZeroOneAdam's step on a stale variance, ``p -= lr * (clip(m / d) + wd * p)`` (``d`` from
+    ``var`` and ``denominator`` as :func:`fold_preconditioned_`'s), in one pass; False (nothing done)
+    where it does not apply."""
+    if not _applies(p, m, var):
         return False
     bound = math.inf if clip is None else clip
-    _run("onebit_stale_step", (p, m, denom), -bound, bound, weight_decay if weight_decay > 0 else 0.0, -lr)
+    wd = weight_decay if weight_decay > 0 else 0.0
+    _run("onebit_stale_step", (p, m, var), *denominator, -bound, bound, wd, -lr)
     return True
 
 
 @torch.no_grad()
-def local_step_(p: torch.Tensor, m: torch.Tensor, grad: torch.Tensor | None, denom: torch.Tensor, *,
-                beta1: float, lr: float, weight_decay: float, clip: float | None) -> bool:
+def local_step_(p: torch.Tensor, m: torch.Tensor, grad: torch.Tensor | None, var: torch.Tensor,
+                denominator: tuple[float, float, float], *, beta1: float, lr: float, weight_decay: float,
+                clip: float | None) -> bool:
     """ZeroOneAdam's local step (phase 2): ``m = b1*m + (1-b1)*g``, then
-    ``p -= lr * (clip(m / denom) + wd * p)``, in one pass; False (nothing done) where it does
-    not apply, ``grad=None`` included."""
-    if grad is None or not _applies(p, m, grad, denom):
+    ``p -= lr * (clip(m / d) + wd * p)`` (``d`` from ``var`` and ``denominator`` as
+    :func:`fold_preconditioned_`'s), in one pass; False (nothing done) where it does not apply,
+    ``grad=None`` included."""
+    if grad is None or not _applies(p, m, grad, var):
         return False
     bound = math.inf if clip is None else clip
-    _run("onebit_local_step", (p, m, grad, denom), beta1, 1.0 - beta1, -bound, bound,
+    _run("onebit_local_step", (p, m, grad, var), *denominator, beta1, 1.0 - beta1, -bound, bound,
          weight_decay if weight_decay > 0 else 0.0, -lr)
     return True
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["sqrt_v_floors", "stale_denominator"]
+__all__ = ["inverse_sqrt_bc2", "sqrt_rn", "sqrt_v_floors", "stale_denominator"]
 
 
 def sqrt_v_floors(variances: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
@@ -32,21 +32,49 @@ def sqrt_v_floors(variances: list[torch.Tensor], ratio: float) -> list[torch.Ten
     return [(ratio * torch.where(m > 0, m, fallback.to(m.device))).to(torch.float32) for m in means]
 
 
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` correctly rounded to float32 (IEEE's, as the C ``sqrtf`` and Triton's ``sqrt_rn``
+    give): torch's CPU float32 ``sqrt`` is not (torch 2.13, AVX-512: one value in five is 1 ulp off),
+    so on a CPU it is taken in float64 and rounded once to float32 (exact: a float64 square root of a
+    float32 rounds to the float32 one, double rounding is innocuous for sqrt). A new tensor."""
+    if v.device.type == "cpu" and v.dtype == torch.float32:
+        return torch.sqrt(v.to(torch.float64)).to(torch.float32)
+    return v.sqrt()
+
+
+def inverse_sqrt_bc2(bc2: float) -> float:
+    """``1 / sqrt(bc2)`` as the stale denominator multiplies by it: ``sqrt(bc2)`` rounded to float32,
+    its reciprocal divided in float32 (what a GPU's ``d.div_(sqrt(bc2))`` computes; the fused passes
+    read this float32 value from their table). Exactly 1.0 for ``bc2 = 1``."""
+    one = torch.ones((), dtype=torch.float32)
+    return float(one / torch.tensor(math.sqrt(bc2), dtype=torch.float32))
+
+
 def stale_denominator(
     v: torch.Tensor, floor: torch.Tensor | None, eps: float, bc2: float = 1.0, eps_inside_sqrt: bool = False,
 ) -> torch.Tensor:
     """Adam's denominator from a frozen (or not refreshed) variance, each ``sqrt(v)`` raised to
-    at least ``floor`` first (None: no floor): ``max(sqrt(v), floor) / sqrt(bc2) + eps``, or
-    ``sqrt(max(v, floor^2) / bc2 + eps)`` with ``eps_inside_sqrt``. A new tensor. Without a
-    floor and bias correction it is bitwise ``v.sqrt() + eps``, the reference's."""
+    at least ``floor`` first (None: no floor): ``max(sqrt(v), floor) * r + eps`` with ``r =``
+    :func:`inverse_sqrt_bc2` (each operation correctly rounded to float32, :func:`sqrt_rn`: the fused
+    passes compute it the same way from ``v``, docs/ALGORITHMS.md 6.2), or
+    ``sqrt(max(v, floor^2) / bc2 + eps)`` with
+    ``eps_inside_sqrt``. A new tensor. Without a floor and bias correction it is bitwise
+    ``v.sqrt() + eps``, the reference's."""
     if eps_inside_sqrt:
         w = v.clamp(min=floor * floor) if floor is not None else v.clone()
         if bc2 != 1.0:
             w.div_(bc2)
         return w.add_(eps).sqrt_()
-    d = v.sqrt()
+    if v.device.type == "cpu":  # one C pass where the library runs (the float64 sqrt below is slow)
+        from . import cpu_fused
+
+        d = cpu_fused.stale_denominator(v, (0.0 if floor is None else float(floor), inverse_sqrt_bc2(bc2),
+                                            float(eps)))
+        if d is not None:
+            return d
+    d = sqrt_rn(v)
     if floor is not None:
         d = torch.maximum(d, floor)
     if bc2 != 1.0:
-        d.div_(math.sqrt(bc2))
+        d.mul_(inverse_sqrt_bc2(bc2))
     return d.add_(eps)

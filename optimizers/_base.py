@@ -113,7 +113,7 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
             update_clip = self.UPDATE_CLIP if compression == "preconditioned" else None
         self.update_clip = check_number("update_clip", update_clip, low_open=True, optional=True)
         self._floors: list[torch.Tensor | None] | None = None  # per compressed param; from v
-        self._denominators: dict[int, tuple[tuple, torch.Tensor]] = {}  # k -> (eps, bc2, ...), d
+        self._floor_values: list[float] | None = None  # the floors on the host (the fused tables')
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False

@@ -6,7 +6,8 @@ table (one per bucket) filled from the optimizer's groups, and the call of the c
 sequence (:func:`onebit.collectives.allreduce.compressed_allreduce_passes`).
 
 A fused step applies with the default ``compression="preconditioned"``, no block scales, no mesh,
-no ``overlap``, no masks, float32 contiguous parameters, gradients, denominators (and momenta), more
+no ``overlap``, no masks, no ``eps_inside_sqrt``, float32 contiguous parameters, gradients,
+variances (and momenta: the passes compute each stale denominator from its variance), more
 than one rank (or the benchmarks' local collective), and in Triton buckets of fewer than 2^31
 elements (its int32 indices). Elsewhere the optimizer takes its unfused path, with the same results.
 """
@@ -47,6 +48,8 @@ def _backend(step: str, device, reducer) -> str | None:
 def _settings_ok(opt, reducer, pairs, overlap) -> bool:
     if opt.block is not None or reducer.mesh is not None or overlap:
         return False
+    if any(g.get("eps_inside_sqrt", False) for _, g in pairs):  # the passes compute d outside the sqrt
+        return False
     if opt.auto_mask is not None or any(g.get("exp_avg_mask") is not None for _, g in pairs):
         return False
     local = bool(getattr(reducer.allreduce, "local_compute", False))
@@ -54,21 +57,19 @@ def _settings_ok(opt, reducer, pairs, overlap) -> bool:
 
 
 def _tensors_ok(opt, pairs, extra=()) -> bool:
-    """Every parameter, gradient, denominator and ``extra`` state tensor plain, on one device, of the
+    """Every parameter, gradient, variance and ``extra`` state tensor plain, on one device, of the
     parameter's size."""
     device = pairs[0][0].device
 
     def ok(t, p) -> bool:
         return t is not None and plain(t) and t.device == device and t.numel() == p.numel()
 
-    for k, (p, g) in enumerate(pairs):
+    for p, _ in pairs:
         if not (plain(p) and p.device == device):
             return False
         if p.grad is not None and (not ok(p.grad, p) or p.grad.shape != p.shape):
             return False
-        if not ok(opt.stale_denominator(k, p, g), p):  # cached: the step reads the same tensor
-            return False
-        if not all(ok(opt.state[p].get(name), p) for name in extra):
+        if not all(ok(opt.state[p].get(name), p) for name in (opt.VARIANCE_STATE, *extra)):
             return False
     return True
 
@@ -135,9 +136,9 @@ class AdamStep:
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
         items = [(i, *pairs[i]) for i in bucket.indices]
         table.fill({"grad": [p.grad for _, p, _ in items],
-                    "denom": [opt.stale_denominator(i, p, g) for i, p, g in items],
+                    "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items]},
-                   [adam.rows(g, t) for _, _, g in items])
+                   [adam.rows(g, t, opt.denominator_scalars(i, g)) for i, _, g in items])
 
     def _passes(self, table: Table, clip: float, msg=None):
         if self.backend == "native":
@@ -223,10 +224,10 @@ class ZeroOneStep(AdamStep):
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
         items = [(i, *pairs[i]) for i in bucket.indices]
         table.fill({"grad": [p.grad for _, p, _ in items],
-                    "denom": [opt.stale_denominator(i, p, g) for i, p, g in items],
+                    "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items],
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
-                   [zero_one.rows(g) for _, _, g in items])
+                   [zero_one.rows(g, opt.denominator_scalars(i, g)) for i, _, g in items])
 
     def _passes(self, table: Table, clip: float, msg=None):
         if self.backend == "native":
@@ -257,17 +258,20 @@ class ZeroOneSync(ZeroOneStep):
         index = {id(g): i for i, g in enumerate(opt.param_groups)}
         items = [(i, *pairs[i]) for i in bucket.indices]
         table.fill({"sync_params": [opt.state[p]["sync_params"] for _, p, _ in items],
-                    "denom": [opt.stale_denominator(i, p, g) for i, p, g in items],
+                    "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items],
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
-                   [zero_one.sync_rows(-opt.lrs[index[id(g)]]) for _, _, g in items])
+                   [zero_one.sync_rows(-opt.lrs[index[id(g)]], opt.denominator_scalars(i, g))
+                    for i, _, g in items])
 
 
 def local_applies(opt, pairs, masks) -> bool:
     """Whether ``opt``'s phase-2 local step can run as one launch (the ``local`` step's backend is
-    ``triton``): the default maths, no dead-coordinate masks, float32 contiguous parameters, momenta,
-    gradients and denominators on one device, fewer than 2^31 elements in all."""
+    ``triton``): the default maths, no dead-coordinate masks, no ``eps_inside_sqrt``, float32 contiguous
+    parameters, momenta, gradients and variances on one device, fewer than 2^31 elements in all."""
     if not pairs or opt._reference_maths() or any(d is not None for d in masks):
+        return False
+    if any(g.get("eps_inside_sqrt", False) for _, g in pairs):
         return False
     if backends.select(pairs[0][0].device, "local").name != "triton":
         return False
@@ -291,9 +295,9 @@ class LocalStep:
                 offsets.append(offsets[-1] + s)
             self.table, self._sizes = zero_one.table(offsets, sizes, params[0].device), sizes
         self.table.fill({"grad": [p.grad for p in params],
-                         "denom": [opt.stale_denominator(k, p, g) for k, (p, g) in enumerate(pairs)],
+                         "var": [opt.state[p][opt.VARIANCE_STATE] for p in params],
                          "param": params, "momentum": [opt.state[p]["exp_avg"] for p in params]},
-                        [zero_one.rows(g) for _, g in pairs])
+                        [zero_one.rows(g, opt.denominator_scalars(k, g)) for k, (_, g) in enumerate(pairs)])
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         zero_one.local_step(self.table, sum(sizes), clip)
 

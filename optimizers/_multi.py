@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["adam_update_", "applies", "by_group", "fold_", "fold_preconditioned_", "fold_scaled_",
-           "moments_",
+           "in_batches", "moments_",
            "stale_step_", "stale_update_"]
 
 Tensors = Sequence[torch.Tensor]
@@ -41,6 +41,22 @@ def by_group(rows):
         for lst, x in zip(entry[1:], cols, strict=True):
             lst.append(x)
     return list(out.values())
+
+
+def in_batches(items, numel, limit: int = 1 << 24):
+    """``items`` in consecutive batches of at most ``limit`` elements in all (``numel(item)`` each; an
+    item larger than that alone): the multi-tensor ops over stale denominators made per batch, so
+    those transients never hold more than ``limit`` float32 at once (docs/ALGORITHMS.md 6.2)."""
+    batch, size = [], 0
+    for item in items:
+        n = numel(item)
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        yield batch
 
 
 def _with_grads(targets: Tensors, grads: Sequence[torch.Tensor | None], *others: Tensors):

@@ -1,7 +1,8 @@
 """What the 1-bit optimizers derive from their variance: the automatic momentum mask, the
-floor under ``sqrt(v)``, the stale denominators, and the freeze schedule's accessors
+floor under ``sqrt(v)``, the stale denominators (computed, not kept), and the freeze schedule's accessors
 (docs/ALGORITHMS.md sections 3.4 and 6). A mixin of :class:`~onebit.optimizers._base.OnebitOptimizerBase`:
-it reads the optimizer's state and settings, and caches what it builds until the variance changes.
+it reads the optimizer's state and settings, and caches the small things it builds (masks, floors)
+until the variance changes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from ..collectives._group import warn_collective
+from ..kernels.preconditioning import inverse_sqrt_bc2
 from ._freeze import FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
 
@@ -49,7 +51,7 @@ class VarianceState:
     def _variance_changed(self) -> None:
         self._masks = None
         self._floors = None
-        self._denominators.clear()
+        self._floor_values = None
 
     # -- preconditioned compression: variance floor, stale denominators ---------------------
     @property
@@ -80,15 +82,27 @@ class VarianceState:
         return 1.0
 
     def stale_denominator(self, k: int, p: torch.Tensor, g: dict) -> torch.Tensor:
-        """Compressed parameter k (``p`` in group ``g``): ``max(sqrt(v), floor) / sqrt(bc2) + eps``.
-        Cached until the variance changes (one model-sized float32 buffer: the stale steps then
-        read it instead of recomputing it); callers must not modify it."""
-        key = (g["eps"], self._stale_bc2(g), g.get("eps_inside_sqrt", False))
-        found = self._denominators.get(k)
-        if found is None or found[0] != key:
-            d = stale_denominator(self.state[p][self.VARIANCE_STATE], self.sqrt_v_floors()[k], *key)
-            found = self._denominators[k] = (key, d)
-        return found[1]
+        """Compressed parameter k (``p`` in group ``g``): ``max(sqrt(v), floor) / sqrt(bc2) + eps``,
+        a new tensor computed from the variance each call (docs/ALGORITHMS.md 6.2: the optimizers
+        keep ``v`` only; the fused passes compute the same from ``v`` as they read it)."""
+        return stale_denominator(self.state[p][self.VARIANCE_STATE], self.sqrt_v_floors()[k], g["eps"],
+                                 self._stale_bc2(g), g.get("eps_inside_sqrt", False))
+
+    def denominator_scalars(self, k: int, g: dict) -> tuple[float, float, float]:
+        """Compressed parameter k's ``(floor, r, eps)``, from which the fused passes compute its stale
+        denominator ``max(sqrt(v), floor) * r + eps`` (floor 0.0 without ``variance_floor``). The
+        floors' values reach the host once per variance change (one synchronisation)."""
+        if self._floor_values is None:
+            self._floor_values = [0.0 if f is None else float(f) for f in self.sqrt_v_floors()]
+        return self._floor_values[k], inverse_sqrt_bc2(self._stale_bc2(g)), float(g["eps"])
+
+    def frozen_variance(self, k: int, p: torch.Tensor, g: dict):
+        """``(v, (floor, r, eps))`` of compressed parameter k, for the C passes that compute its stale
+        denominator as they read ``v`` (:mod:`onebit.kernels.cpu_fused`); None with ``eps_inside_sqrt``
+        (its denominator has another form)."""
+        if g.get("eps_inside_sqrt", False):
+            return None
+        return self.state[p][self.VARIANCE_STATE], self.denominator_scalars(k, g)
 
     def floored_coordinates(self) -> int:
         """How many coordinates have their ``sqrt(v)`` raised to the floor now (0 before the

@@ -95,9 +95,9 @@ class OnebitAdam(WarmupThenCompress):
     def _fold_one(self, k: int, p, g: dict, view) -> None:
         """Fold p's local gradient into its compressed momentum (preconditioned: into m/denom)."""
         if self.preconditioned:
-            denom = self.stale_denominator(k, p, g)
-            if not cpu_fused.fold_preconditioned_(view, p.grad, denom, g["betas"][0]):  # one pass on CPU
-                fold_preconditioned_(view, p.grad, denom, g["betas"][0])
+            frozen = self.frozen_variance(k, p, g)  # one pass on CPU, d computed from v in it
+            if frozen is None or not cpu_fused.fold_preconditioned_(view, p.grad, *frozen, g["betas"][0]):
+                fold_preconditioned_(view, p.grad, self.stale_denominator(k, p, g), g["betas"][0])
         else:
             fold_(view, p.grad, g["betas"][0])
 
@@ -162,10 +162,11 @@ class OnebitAdam(WarmupThenCompress):
     def _fold_all(self, pairs, views) -> bool:
         if not _multi.applies(views):
             return False
-        if self.preconditioned:
-            rows = [(g, views[k], p.grad, self.stale_denominator(k, p, g)) for k, (p, g) in enumerate(pairs)]
-            for g, us, grads, denoms in _multi.by_group(rows):
-                _multi.fold_preconditioned_(us, grads, denoms, g["betas"][0])
+        if self.preconditioned:  # the denominators made batch by batch (bounded transients)
+            for batch in _multi.in_batches(list(enumerate(pairs)), lambda item: item[1][0].numel()):
+                rows = [(g, views[k], p.grad, self.stale_denominator(k, p, g)) for k, (p, g) in batch]
+                for g, us, grads, denoms in _multi.by_group(rows):
+                    _multi.fold_preconditioned_(us, grads, denoms, g["betas"][0])
         else:
             for g, ms, grads in _multi.by_group((g, views[k], p.grad) for k, (p, g) in enumerate(pairs)):
                 _multi.fold_(ms, grads, g["betas"][0])

@@ -242,11 +242,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
             if self._reference_maths():
                 update = direction(p, m, v, g["eps"], g["weight_decay"])
             else:
-                denom = self.stale_denominator(k, p, g)
-                if cpu_fused.stale_step_(p, m, denom, lr=g["lr"], weight_decay=g["weight_decay"],
-                                         clip=self.update_clip):
-                    continue  # the same maths in one pass (CPU)
-                update = stale_direction(p, m, denom, g["weight_decay"], self.update_clip)
+                frozen = self.frozen_variance(k, p, g)
+                if frozen is not None and cpu_fused.stale_step_(p, m, *frozen, lr=g["lr"],
+                                                                weight_decay=g["weight_decay"],
+                                                                clip=self.update_clip):
+                    continue  # the same maths in one pass (CPU), d computed from v in it
+                update = stale_direction(p, m, self.stale_denominator(k, p, g), g["weight_decay"],
+                                         self.update_clip)
             p.add_(update, alpha=-g["lr"])
 
     def _phase_two(self, reducer, pairs, t: int) -> None:
@@ -270,10 +272,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         reference = self._reference_maths()
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state = self.state[p]
-            if not reference and dead is None and cpu_fused.local_step_(
-                    p, state["exp_avg"], p.grad, self.stale_denominator(k, p, g), beta1=g["betas"][0],
+            frozen = None if reference or dead is not None else self.frozen_variance(k, p, g)
+            if frozen is not None and cpu_fused.local_step_(
+                    p, state["exp_avg"], p.grad, *frozen, beta1=g["betas"][0],
                     lr=g["lr"], weight_decay=g["weight_decay"], clip=self.update_clip):
-                continue  # fold and step in one pass (CPU)
+                continue  # fold and step in one pass (CPU), d computed from v in it
             m = mask_(fold_(state["exp_avg"], p.grad, g["betas"][0]), dead, None)
             if reference:
                 update = direction(p, m, state["exp_avg_sq"], g["eps"], g["weight_decay"])
@@ -290,11 +293,12 @@ class ZeroOneAdam(OnebitOptimizerBase):
         if (not self._multi(pairs) or any(d is not None for d in masks)
                 or any(g.get("exp_avg_mask") is not None for _, g in pairs)):
             return False
-        if self.preconditioned:
-            rows = [(g, self.state[p]["exp_avg"], views[k], self.stale_denominator(k, p, g))
-                    for k, (p, g) in enumerate(pairs)]
-            for g, ms, xs, denoms in _multi.by_group(rows):
-                _multi.fold_scaled_(ms, xs, denoms, g["betas"][0])
+        if self.preconditioned:  # the denominators made batch by batch (bounded transients)
+            for batch in _batches(pairs):
+                rows = [(g, self.state[p]["exp_avg"], views[k], self.stale_denominator(k, p, g))
+                        for k, (p, g) in batch]
+                for g, ms, xs, denoms in _multi.by_group(rows):
+                    _multi.fold_scaled_(ms, xs, denoms, g["betas"][0])
         else:
             for g, ms, xs in _multi.by_group((g, self.state[p]["exp_avg"], views[k]) for k, (p, g) in
                                              enumerate(pairs)):
@@ -305,11 +309,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _stale_step_all(self, pairs) -> bool:
         if not self._multi(pairs):
             return False
-        rows = [(g, p, self.state[p]["exp_avg"], self.stale_denominator(k, p, g))
-                for k, (p, g) in enumerate(pairs)]
-        for g, ps, ms, denoms in _multi.by_group(rows):
-            _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
-                               clip=self.update_clip)
+        for batch in _batches(pairs):
+            rows = [(g, p, self.state[p]["exp_avg"], self.stale_denominator(k, p, g)) for k, (p, g) in batch]
+            for g, ps, ms, denoms in _multi.by_group(rows):
+                _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
+                                   clip=self.update_clip)
         return True
 
     def _local_step_all(self, pairs, masks) -> bool:
@@ -321,12 +325,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
             return True
         if not self._multi(pairs) or any(d is not None for d in masks):
             return False
-        rows = [(g, p, self.state[p]["exp_avg"], p.grad, self.stale_denominator(k, p, g))
-                for k, (p, g) in enumerate(pairs)]
-        for g, ps, ms, grads, denoms in _multi.by_group(rows):
-            _multi.fold_(ms, grads, g["betas"][0])
-            _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
-                               clip=self.update_clip)
+        for batch in _batches(pairs):
+            rows = [(g, p, self.state[p]["exp_avg"], p.grad, self.stale_denominator(k, p, g))
+                    for k, (p, g) in batch]
+            for g, ps, ms, grads, denoms in _multi.by_group(rows):
+                _multi.fold_(ms, grads, g["betas"][0])
+                _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
+                                   clip=self.update_clip)
         return True
 
     def _sync(self, reducer, pairs, masks, t: int) -> None:
@@ -340,26 +345,27 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self.last_sync = t
             return
         index = {id(g): i for i, g in enumerate(self.param_groups)}
-        denoms = []
+
+        def denom(k, p, g):  # made where it is read, once before the collective and once after
+            if self._reference_maths():
+                return self.state[p]["exp_avg_sq"].sqrt() + g["eps"]
+            return self.stale_denominator(k, p, g)
+
         for k, (p, g) in enumerate(pairs):
             u, state = reducer.views[k], self.state[p]
             torch.sub(p, state["sync_params"], out=u)  # the local steps' accumulated update
-            if self._reference_maths():
-                denoms.append(state["exp_avg_sq"].sqrt() + g["eps"])
-            else:
-                denoms.append(self.stale_denominator(k, p, g))
             if not self.preconditioned:
-                u.mul_(denoms[k])
+                u.mul_(denom(k, p, g))
         reducer.compressed_mean_()
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state, u = self.state[p], mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
             sync = state["sync_params"]
             if self.preconditioned:
-                torch.mul(u, denoms[k], out=state["exp_avg"]).div_(-self.lrs[index[id(g)]])
+                torch.mul(u, denom(k, p, g), out=state["exp_avg"]).div_(-self.lrs[index[id(g)]])
                 sync.add_(u)
             else:
                 state["exp_avg"].copy_(u).div_(-self.lrs[index[id(g)]])
-                sync.add_(u / denoms[k])
+                sync.add_(u / denom(k, p, g))
             p.copy_(sync)
             u.zero_()
         self.lrs = [0.0] * len(self.param_groups)
@@ -368,3 +374,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _reference_maths(self) -> bool:
         """compression="momentum" without floor or clip: the reference's update, bitwise."""
         return not self.preconditioned and self.variance_floor is None and self.update_clip is None
+
+
+def _batches(pairs):
+    """``(k, (p, g))`` of the compressed parameters in batches whose stale denominators, made for the
+    multi-tensor ops, stay bounded (:func:`onebit.optimizers._multi.in_batches`)."""
+    return _multi.in_batches(list(enumerate(pairs)), lambda item: item[1][0].numel())

@@ -17,8 +17,8 @@ floating-point multiply-adds in the generated code that come from the kernels' o
 launchers turn contraction off (``triton_kernels.FP_FUSION``; the comment there says why), except
 in a variant that writes its one multiply-add with ``tl.fma`` (``FMA=True``: ZeroOneAdam's fold,
 docs/ALGORITHMS.md 6.4), whose twin with the same arithmetic unfused (``FMA=False``) must show 0;
-"(+M exact)": those AMD's correctly rounded division and square root and its 64-bit integer
-division are made of, and conversions folded into an add as ``x * 1.0 + y`` (``fma_count``).
+"(+M exact)": those AMD's correctly rounded division and square root (float32 and float64) and its
+64-bit integer division are made of, and conversions folded into an add as ``x * 1.0 + y`` (``fma_count``).
 With ``--paths``, where ``n`` is not a multiple of 16 each kernel is also compiled with one block
 path alone: "full-block path" (what every block but the last runs) and "masked path", to read
 each path's access widths. The launchers never launch these (the kernel they launch holds both
@@ -247,7 +247,8 @@ def amd_widths(amdgcn: str) -> str:
 
 
 # AMD lowers some operations to short sequences that use FMAs by design (correctly rounded
-# IEEE division and square root: v_div_scale ... v_div_fixup, v_rsq + Newton steps; 64-bit
+# IEEE division and square root: v_div_scale ... v_div_fixup, v_rsq + Newton steps, v_sqrt_f32 +
+# the residuals of its two neighbours; 64-bit
 # integer division through float32, scaling by 2^32 exactly) or folds a conversion into an add
 # as x * 1.0 + y (v_fma_mix_f32: an exact product, one rounding, as convert-then-add). Those
 # are not contractions of the kernels' own products; the fma column counts them apart.
@@ -263,6 +264,7 @@ def fma_count(code: str, backend: str) -> tuple[int, int]:
         return len(_FMA["cuda"].findall(code)), 0
     contracted = expansion = 0
     scales = fixups = sqrt_fmas = 0  # a division opens with two v_div_scale, closes with v_div_fixup;
+    roots: set[tuple[str, str]] = set()  # the float32 square roots seen: (result, operand) registers
     for line in code.splitlines():  # the scheduler interleaves several divisions' sequences
         text = line.strip()
         if text.startswith(("v_div_scale_f32", "v_div_scale_f64")):
@@ -270,11 +272,18 @@ def fma_count(code: str, backend: str) -> tuple[int, int]:
         in_div = scales > 2 * fixups
         if text.startswith("v_rsq_f64"):
             sqrt_fmas += 7  # LLVM's float64 sqrt: v_rsq_f64 and 7 Newton FMAs (interleaved when several)
+        if text.startswith("v_sqrt_f32") and " " in text:
+            ops = [t.strip() for t in text.split(None, 1)[1].split(",")]
+            if len(ops) == 2:
+                roots.add((ops[0], ops[1]))
         if _FMA["hip"].match(text):
             sources = [t.strip() for t in text.split(None, 1)[1].split(",")][1:] if " " in text else []
             by_one = len(sources) >= 2 and sources[1].lstrip("-") == "1.0"  # x * 1.0 + y: one rounding
             newton = sqrt_fmas > 0 and "_f64" in text.split()[0]
-            if in_div or newton or by_one or any(c in text for c in _EXPANSION_CONSTANTS):
+            # LLVM's correctly rounded float32 sqrt: s = v_sqrt_f32(x), then the residuals
+            # fma(-(s -+ 1 ulp), s, x) of its two neighbours pick the rounding
+            residual = len(sources) == 3 and sources[0].startswith("-") and (sources[1], sources[2]) in roots
+            if in_div or newton or by_one or residual or any(c in text for c in _EXPANSION_CONSTANTS):
                 expansion += 1
                 sqrt_fmas -= newton
             else:

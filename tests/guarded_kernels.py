@@ -74,7 +74,7 @@ def run_case(n: int, W: int, block: int | None, dtype: torch.dtype, seed: int) -
 
 def run_fused_case(n: int, W: int, seed: int) -> None:
     """OnebitAdam's fused passes (kernels/fused/adam.py): every parameter's gradient,
-    denominator and data in a fenced buffer of its own, read through the address table."""
+    variance and data in a fenced buffer of its own, read through the address table."""
     from onebit.kernels.fused import adam
     from onebit.kernels.fused.table import Tiles, tiles
 
@@ -86,11 +86,11 @@ def run_fused_case(n: int, W: int, seed: int) -> None:
     grads = [guarded(torch.randn(s, generator=g)) for s in sizes]
     if len(grads) > 1:
         grads[1] = None  # a missing gradient: its address is 0 and must never be read
-    denoms = [guarded(torch.rand(s, generator=g) + 0.5) for s in sizes]
+    variances = [guarded(torch.rand(s, generator=g)) for s in sizes]
     params = [guarded(torch.randn(s, generator=g)) for s in sizes]
     table = adam.table(offsets, sizes, "cpu")
-    table.fill({"grad": grads, "denom": denoms, "param": params},
-               [(0.9, 0.1, 0.999, -1e-3, 1.0)] * len(sizes))
+    table.fill({"grad": grads, "var": variances, "param": params},
+               [(0.9, 0.1, 0.999, -1e-3, 1.0, 0.05, 1.25, 1e-8)] * len(sizes))
     made = tiles(table, N)
     table.tiles = Tiles(guarded(made.lo), guarded(made.hi), *made.key)
     table.start, table.count = guarded(table.start), guarded(table.count)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from onebit.collectives import local_compressed_allreduce
 from onebit.kernels.backends import use_backend
+from onebit.kernels.preconditioning import inverse_sqrt_bc2, stale_denominator
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 FUSED_STEPS = ("adam", "zoa", "local")  # the optimizers' fused steps (onebit.kernels.backends.STEPS)
@@ -23,6 +24,26 @@ def fused_steps(backend: str | None):
     the codec's choice unchanged), "triton" (the Triton passes, on CPU tensors under the
     interpreter), None (the default choice)."""
     return contextlib.nullcontext() if backend is None else use_backend(backend, steps=FUSED_STEPS)
+
+
+FLOOR, BC2, EPS = 0.05, 0.3, 1e-8  # the fused passes' tests' stale denominator (sqrt(v) units, bc2, eps)
+
+
+def frozen_variances(sizes, gen: torch.Generator) -> list[torch.Tensor]:
+    """Frozen variances for the fused passes' tests, one per size: ``sqrt(v)`` uniform in [0, 1)
+    (the floor :data:`FLOOR` binds on 5% of them)."""
+    return [torch.rand(s, generator=gen) ** 2 for s in sizes]
+
+
+def denominator_scalars(floor: float = FLOOR, bc2: float = BC2, eps: float = EPS) -> tuple[float, ...]:
+    """The ``(floor, r, eps)`` a fused table takes for these settings (floor rounded to float32)."""
+    return float(torch.tensor(floor, dtype=torch.float32)), inverse_sqrt_bc2(bc2), eps
+
+
+def stale_denominators(variances, floor: float = FLOOR, bc2: float = BC2, eps: float = EPS) -> list:
+    """The plain path's stale denominators of ``variances`` (on CPU), as the optimizers compute them."""
+    f = torch.tensor(floor, dtype=torch.float32)
+    return [stale_denominator(v.cpu(), f, eps, bc2) for v in variances]
 
 
 def addcmul_fuses(device="cpu") -> bool:

@@ -59,7 +59,8 @@ def test_the_fma_column_shows_contraction_exactly_when_it_is_on(arch):
 def test_the_fma_column_tells_interleaved_divisions_from_contraction():
     """AMD's correctly rounded division is a sequence with FMAs (v_div_scale twice, ..., v_div_fixup);
     the scheduler interleaves several divisions' sequences (the fused passes' per-element divisions
-    do): their FMAs are exact, an FMA outside every sequence is a contraction."""
+    do): their FMAs are exact, an FMA outside every sequence is a contraction. So are the float32
+    square root's two residual FMAs."""
     # the kernels' modules first, decorated under the interpreter this session runs them in: the check
     # imports them with the interpreter off, and modules first imported then would compile for a GPU
     # in every later test of this process ("0 active drivers")
@@ -81,3 +82,9 @@ def test_the_fma_column_tells_interleaved_divisions_from_contraction():
     interleaved = one[:5] + one[:5] + one[5:] + one[5:]  # the first closes while the second is open
     assert cc.fma_count("\n".join(interleaved), "hip") == (0, 10)
     assert cc.fma_count("\n".join(one + ["v_fma_f32 v9, v1, v2, v3"]), "hip") == (1, 5)
+    # the float32 square root (the stale denominators' sqrt(v), tl.sqrt_rn): v_sqrt_f32 then the
+    # residuals of its two neighbours, exact; an FMA of the root with anything else is a contraction
+    root = ["v_mul_f32_e32 v12, 0x4f800000, v27", "v_sqrt_f32_e32 v13, v12", "v_add_u32_e32 v14, -1, v13",
+            "v_fma_f32 v22, -v14, v13, v12", "v_add_u32_e32 v15, 1, v13", "v_fma_f32 v13, -v15, v13, v12"]
+    assert cc.fma_count("\n".join(root), "hip") == (0, 2)
+    assert cc.fma_count("\n".join(root + ["v_fma_f32 v3, v13, v2, v12"]), "hip") == (1, 2)

@@ -13,6 +13,7 @@ from helpers import fused_steps
 
 from onebit.kernels import cpu_fused
 from onebit.kernels.backends import use_backend
+from onebit.kernels.preconditioning import inverse_sqrt_bc2, stale_denominator
 from onebit.optimizers._functional import fold_, fold_preconditioned_, stale_direction
 
 pytestmark = [pytest.mark.slow,
@@ -20,25 +21,33 @@ pytestmark = [pytest.mark.slow,
                                  reason="no C library here (no C compiler): plain ops run")]
 
 N = cpu_fused.MIN_NUMEL + 13
+FLOOR, BC2, EPS = 1e-3, 0.6, 1e-8  # the floor binds on 10% of the variances; r = 1 / sqrt(0.6)
+DEN = (float(torch.tensor(FLOOR)), inverse_sqrt_bc2(BC2), EPS)  # (floor, r, eps) as the passes take them
+
+
+def _den(v):
+    """The plain path's stale denominator of ``v`` (what the passes compute from it)."""
+    return stale_denominator(v, torch.tensor(FLOOR), EPS, BC2)
 
 
 def _inputs(seed: int, n: int = N):
     g = torch.Generator().manual_seed(seed)
     u = torch.randn(n, generator=g) * 1e-2
     grad = torch.randn(n, generator=g) * 10.0 ** torch.randint(-8, 3, (n,), generator=g)
-    d = torch.rand(n, generator=g) * 1e-2 + 1e-8
+    v = (torch.rand(n, generator=g) * 1e-2) ** 2
     u[:4], grad[4:8] = torch.tensor([0.0, -0.0, 0.0, -0.0]), torch.tensor([0.0, -0.0, 1e-38, -1e-38])
-    return u, grad, d
+    return u, grad, v
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("beta1", [0.9, 0.0, 0.999])
 def test_fold_is_bitwise_the_plain_ops(seed, beta1):
-    u, grad, d = _inputs(seed)
-    grad[100], grad[101], d[102] = float("nan"), float("inf"), 0.0  # non-finite where the plain ops put it
-    want = fold_preconditioned_(u.clone(), grad, d, beta1)
+    u, grad, v = _inputs(seed)
+    grad[100], grad[101] = float("nan"), float("inf")  # non-finite where the plain ops put it
+    v[102], v[103], v[104] = float("inf"), float("nan"), 0.0  # d = inf, NaN, the floor's
+    want = fold_preconditioned_(u.clone(), grad, _den(v), beta1)
     got = u.clone()
-    assert cpu_fused.fold_preconditioned_(got, grad, d, beta1)
+    assert cpu_fused.fold_preconditioned_(got, grad, v, DEN, beta1)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     finite = ~torch.isnan(want)
     assert torch.equal(got[finite], want[finite])
@@ -89,9 +98,10 @@ def _close_to_one_ulp(got, want, scale):
     (True, 1e-3, 0.0, None),
 ])
 def test_zero_one_adam_steps_are_the_plain_ops_to_one_ulp(fold, lr, wd, clip):
-    m, grad, d = _inputs(11)
+    m, grad, v = _inputs(11)
     m = m * 300.0  # many coordinates past the clip
-    m[50], d[51], grad[52] = float("nan"), 0.0, float("inf")  # non-finite where the plain ops put it
+    m[50], v[51], grad[52] = float("nan"), float("nan"), float("inf")  # non-finite where the plain ops put it
+    d = _den(v)
     p = torch.randn(N, generator=torch.Generator().manual_seed(12))
     p[60] = 0.0
     want_p, want_m = p.clone(), m.clone()
@@ -101,10 +111,10 @@ def test_zero_one_adam_steps_are_the_plain_ops_to_one_ulp(fold, lr, wd, clip):
     want_p.add_(step, alpha=-lr)
     got_p, got_m = p.clone(), m.clone()
     if fold:
-        assert cpu_fused.local_step_(got_p, got_m, grad, d, beta1=0.9, lr=lr, weight_decay=wd, clip=clip)
+        assert cpu_fused.local_step_(got_p, got_m, grad, v, DEN, beta1=0.9, lr=lr, weight_decay=wd, clip=clip)
         _close_to_one_ulp(got_m, want_m, 0.9 * m.abs() + 0.1 * grad.abs())
     else:
-        assert cpu_fused.stale_step_(got_p, got_m, d, lr=lr, weight_decay=wd, clip=clip)
+        assert cpu_fused.stale_step_(got_p, got_m, v, DEN, lr=lr, weight_decay=wd, clip=clip)
         assert torch.equal(got_m.view(torch.int32), m.view(torch.int32))  # read only
     # the step's own rounding (p + wd*p, then p - lr*that) and, folded, the last bit of m's
     # operands carried through m / d
@@ -126,19 +136,21 @@ def test_it_leaves_to_the_caller_what_it_does_not_fuse():
     ]
     for uu, gg, dd in cases:
         before = uu.clone()
-        assert not cpu_fused.fold_preconditioned_(uu, gg, dd, 0.9)
+        assert not cpu_fused.fold_preconditioned_(uu, gg, dd, DEN, 0.9)
         assert torch.equal(uu, before)
-    assert not cpu_fused.fold_preconditioned_(u, None, d, 0.9)
+    assert not cpu_fused.fold_preconditioned_(u, None, d, DEN, 0.9)
     before = u.clone()
     with use_backend("plain"):
-        assert not cpu_fused.fold_preconditioned_(u, grad, d, 0.9)
+        assert not cpu_fused.fold_preconditioned_(u, grad, d, DEN, 0.9)
         assert not cpu_fused.stale_update_(u, d, lr=1e-3, weight_decay=0.0, clip=1.0, bc1=1.0)
-        assert not cpu_fused.stale_step_(u, grad, d, lr=1e-3, weight_decay=0.0, clip=1.0)
-        assert not cpu_fused.local_step_(u, grad.clone(), grad, d, beta1=0.9, lr=1e-3, weight_decay=0.0,
+        assert not cpu_fused.stale_step_(u, grad, d, DEN, lr=1e-3, weight_decay=0.0, clip=1.0)
+        assert not cpu_fused.local_step_(u, grad.clone(), grad, d, DEN, beta1=0.9, lr=1e-3, weight_decay=0.0,
                                          clip=1.0)
     assert torch.equal(u, before)
-    assert not cpu_fused.local_step_(u, grad.clone(), None, d, beta1=0.9, lr=1e-3, weight_decay=0.0, clip=1.0)
-    assert not cpu_fused.stale_step_(u[:small], grad[:small], d[:small], lr=1e-3, weight_decay=0.0, clip=1.0)
+    assert not cpu_fused.local_step_(u, grad.clone(), None, d, DEN, beta1=0.9, lr=1e-3, weight_decay=0.0,
+                                     clip=1.0)
+    assert not cpu_fused.stale_step_(u[:small], grad[:small], d[:small], DEN, lr=1e-3, weight_decay=0.0,
+                                     clip=1.0)
     assert torch.equal(u, before)
 
 

@@ -252,7 +252,7 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
     layout = Layout(-(-n // (8 * W)) * 8 * W, W, None)
     splits = [_chunks.split(layout, n, j) for j in range(W)]
     grads = [torch.randn(s, generator=gen) for s in sizes]
-    dens = [torch.rand(s, generator=gen) + 0.5 for s in sizes]
+    variances = [torch.rand(s, generator=gen) ** 2 for s in sizes]  # the floor 0.3 binds under sqrt(v) < 0.3
     p0 = [torch.randn(s, generator=gen) for s in sizes]
     u0, e0 = torch.randn(n, generator=gen), torch.randn(layout.N, generator=gen) * 0.1
     scales = torch.rand(W, generator=gen) + 0.1
@@ -261,8 +261,8 @@ def test_the_all_chunk_passes_are_the_per_chunk_calls_bitwise(W, n, isa):
     for merged in (False, True):
         u, e, ps = u0.clone(), e0.clone(), [q.clone() for q in p0]
         t = adam.table([0, sizes[0], sizes[0] + sizes[1]], sizes, "cpu")
-        t.fill({"grad": grads, "denom": dens, "param": ps},
-               [(0.9, 0.1, 0.999, -1e-3, 0.5 + k) for k in range(3)])
+        t.fill({"grad": grads, "var": variances, "param": ps},
+               [(0.9, 0.1, 0.999, -1e-3, 0.5 + k, 0.3, 1.25, 1e-8) for k in range(3)])
         bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
         enc = [mid - lo for lo, mid, _ in splits]
         fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]

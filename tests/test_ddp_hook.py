@@ -166,8 +166,8 @@ def test_hook_state_arguments():
 
 
 def _expected_denominator(opt, params, floor_ratio=0.1):
-    """d of the preconditioned hook, written out from docs/ALGORITHMS.md section 8 (same float
-    operations as the library, so the replay below is bitwise)."""
+    """d of the preconditioned hook, written out from docs/ALGORITHMS.md sections 6.2 and 8 (same
+    float operations as the library, so the replay below is bitwise)."""
     parts = []
     for p in params:
         entry, group = opt.state[p], opt.param_groups[0]
@@ -176,7 +176,9 @@ def _expected_denominator(opt, params, floor_ratio=0.1):
         floor = (0.1 * (s.sum(dtype=torch.float64) / torch.count_nonzero(s).clamp(min=1)).float())
         assert floor > 0  # every parameter of _dead_model has some gradient
         bc2 = 1.0 - group["betas"][1] ** float(entry["step"])
-        parts.append((torch.maximum(s, floor) / math.sqrt(bc2) + group["eps"]).reshape(-1))
+        r = 1.0 / torch.tensor(math.sqrt(bc2), dtype=torch.float32)  # float32: 1 / sqrt(bc2) rounded twice
+        root = torch.sqrt(v.double()).float()  # the correctly rounded sqrt (torch's float32 CPU one is not)
+        parts.append((torch.maximum(root, floor) * r + group["eps"]).reshape(-1))
     return torch.cat(parts)
 
 

@@ -126,7 +126,7 @@ def test_the_passes_agree_at_every_isa_level(wd):
     layout = Layout(-(-n // (8 * W)) * 8 * W, W, None)
     splits = [_chunks.split(layout, n, j) for j in range(W)]
     grads = [torch.randn(s, generator=gen) for s in sizes]
-    dens = [torch.rand(s, generator=gen) + 0.5 for s in sizes]
+    variances = [torch.rand(s, generator=gen) ** 2 for s in sizes]  # the floor 0.3 binds under sqrt(v) < 0.3
     e0 = torch.randn(layout.N, generator=gen) * 0.1
     m0, p0 = [torch.randn(s, generator=gen) for s in sizes], [torch.randn(s, generator=gen) for s in sizes]
     scales, wscales = torch.rand(W, generator=gen) + 0.1, torch.rand(W, generator=gen) + 0.1
@@ -135,8 +135,8 @@ def test_the_passes_agree_at_every_isa_level(wd):
         for update in (True, False):
             e, ms, ps, flat = e0.clone(), [x.clone() for x in m0], [x.clone() for x in p0], torch.zeros(n)
             t = zero_one.table([0, sizes[0], sizes[0] + sizes[1]], sizes, "cpu")
-            t.fill({"grad": [None if k == 1 else grads[k] for k in range(3)], "denom": dens, "param": ps,
-                    "momentum": ms}, [(0.9, 0.1, wd, -1e-2, 0.0)] * 3)
+            t.fill({"grad": [None if k == 1 else grads[k] for k in range(3)], "var": variances, "param": ps,
+                    "momentum": ms}, [(0.9, 0.1, wd, -1e-2, 0.0, 0.3, 1.25, 1e-8)] * 3)
             bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
             enc = [mid - lo for lo, mid, _ in splits]
             fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]

@@ -74,3 +74,30 @@ def test_the_warmups_averaging_buffer_is_freed_at_the_freeze_and_made_again_for_
         opt.load_state_dict(warm)  # back in the warm-up: its next step averages again
         _steps(opt, net, 1)
         assert opt.reducer()._scratch is not None and opt.reducer()._scratch.numel() == largest, name
+
+
+def test_past_the_freeze_the_stale_denominator_is_computed_not_kept():
+    # one frozen quantity per coordinate (issue 56): exp_avg_sq, from which every pass computes
+    # max(sqrt(v), floor) / sqrt(bc2) + eps; counted from outside, OnebitAdam on one rank holds the
+    # momentum, the variance, the two error buffers (W = 1: the server's is as large as the worker's)
+    # and the last messages, nothing model-sized more
+    from onebit import OnebitAdam, ZeroOneAdam
+
+    net = _net()
+    n = sum(p.numel() for p in net.parameters())
+    opt = OnebitAdam(net.parameters(), lr=1e-3, freeze_step=3)
+    _steps(opt, net, 6)
+    assert opt.compressing
+    (bucket,) = opt.reducer().buckets
+    N = bucket.worker_error.numel()
+    four = 4 * n + 4 * n + 4 * N + 4 * N  # exp_avg (the bucket), exp_avg_sq, the two errors
+    assert four <= bytes_per_parameter(opt) * n < four + 0.5 * n  # + step counters, masks' None, messages
+    d = opt.stale_denominator(0, *opt.compressed_params()[0])
+    assert not any(t.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+                   for t in opt.state[next(net.parameters())].values() if torch.is_tensor(t))
+    net2 = _net()
+    zoa = ZeroOneAdam(net2.parameters(), lr=1e-3, var_freeze_step=3)
+    _steps(zoa, net2, 6)
+    before = bytes_per_parameter(zoa)
+    zoa.stale_denominator(0, *zoa.compressed_params()[0])  # made for its caller, not kept
+    assert bytes_per_parameter(zoa) == before

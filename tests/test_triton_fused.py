@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from helpers import fused_steps, torch_local
+from helpers import denominator_scalars, frozen_variances, fused_steps, stale_denominators, torch_local
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels.fused import adam
@@ -40,9 +40,9 @@ def _bucket(W: int, seed: int, none_grad: int | None = 2):
     grads = [torch.randn(s, generator=g) * 3 for s in SIZES]
     if none_grad is not None:
         grads[none_grad] = None
-    denoms = [torch.rand(s, generator=g) + 0.01 for s in SIZES]
+    variances = frozen_variances(SIZES, g)
     params = [torch.randn(s, generator=g) for s in SIZES]
-    return offsets, n, N, u, e, grads, denoms, params
+    return offsets, n, N, u, e, grads, variances, params
 
 
 def _rows(t: int = 3):
@@ -54,9 +54,9 @@ def _rows(t: int = 3):
     return out
 
 
-def _table(offsets, N, grads, denoms, params, rows, device="cpu"):
+def _table(offsets, N, grads, variances, params, rows, device="cpu"):
     table = adam.table(offsets, SIZES, device)
-    table.fill({"grad": grads, "denom": denoms, "param": params}, rows)
+    table.fill({"grad": grads, "var": variances, "param": params}, [r + denominator_scalars() for r in rows])
     return table
 
 
@@ -76,18 +76,19 @@ def test_tiles_cover_each_program_with_its_parameters():
 @pytest.mark.parametrize("W", [1, 3])
 def test_pass_a_is_the_plain_fold_and_worker(W, device):
     """On CUDA too, against the plain ops on CPU: bitwise the same float32 operations."""
-    offsets, n, N, u, e, grads, denoms, params = _bucket(W, seed=W)
+    offsets, n, N, u, e, grads, variances, params = _bucket(W, seed=W)
     rows = _rows()
     layout = Layout(N, W)
     want_u = u.clone()
+    denoms = stale_denominators(variances)
     for (b1, w, *_), off, size, gr, d in zip(rows, offsets, SIZES, grads, denoms, strict=True):
         F.fold_preconditioned_(want_u[off:off + size], gr, d, b1)
         assert w == 1.0 - b1
     want = worker_compress(want_u, e.clone(), W, update_error=False, backend="torch")
     got_u, got_e = _to(device, u, e)
     msg = torch.empty_like(want, device=device)
-    grads, denoms, params = _to(device, *grads), _to(device, *denoms), _to(device, *params)
-    adam.fold_worker(got_u, got_e, layout, msg, _table(offsets, N, grads, denoms, params, rows, device))
+    grads, variances, params = _to(device, *grads), _to(device, *variances), _to(device, *params)
+    adam.fold_worker(got_u, got_e, layout, msg, _table(offsets, N, grads, variances, params, rows, device))
     got_u, got_e, msg = got_u.cpu(), got_e.cpu(), msg.cpu()
     assert torch.equal(got_u, want_u)
     assert torch.equal(got_e, e)  # the worker error update is deferred to pass B
@@ -99,7 +100,7 @@ def test_pass_a_is_the_plain_fold_and_worker(W, device):
 @pytest.mark.parametrize("W", [1, 3])
 @pytest.mark.parametrize("clip", [1.0, math.inf])
 def test_pass_b_is_the_plain_decompress_and_update(W, clip, device):
-    offsets, n, N, u, e, grads, denoms, params = _bucket(W, seed=10 + W)
+    offsets, n, N, u, e, grads, variances, params = _bucket(W, seed=10 + W)
     rows = _rows(t=7)
     layout = Layout(N, W)
     g = torch.Generator().manual_seed(99)
@@ -109,7 +110,7 @@ def test_pass_b_is_the_plain_decompress_and_update(W, clip, device):
     want_u, want_e = u.clone(), e.clone()
     decompress(gathered, want_u, W, worker_error=want_e, worker_message=msg, backend="torch")
     got_u, got_e, got_p = *_to(device, u, e), _to(device, *params)
-    table = _table(offsets, N, _to(device, *grads), _to(device, *denoms), got_p, rows, device)
+    table = _table(offsets, N, _to(device, *grads), _to(device, *variances), got_p, rows, device)
     adam.decompress_update(gathered.to(device), layout, got_u, got_e, msg.to(device), table, clip)
     got_u, got_e, got_p = got_u.cpu(), got_e.cpu(), [p.cpu() for p in got_p]
     assert torch.equal(got_u, want_u)
@@ -132,13 +133,13 @@ def test_pass_b_is_the_plain_decompress_and_update(W, clip, device):
 
 def test_pass_b_with_a_non_finite_scale_keeps_the_error():
     W = 3
-    offsets, n, N, u, e, grads, denoms, params = _bucket(W, seed=5)
+    offsets, n, N, u, e, grads, variances, params = _bucket(W, seed=5)
     layout = Layout(N, W)
     msg = worker_compress(u, e.clone(), W, update_error=False, backend="torch")
     gathered = msg.clone()
     gathered.view(torch.float32)[(layout.scale_offset + layout.segment_bytes) // 4] = float("nan")  # chunk 1
     got_u, got_e, got_p = u.clone(), e.clone(), [p.clone() for p in params]
-    table = _table(offsets, N, grads, denoms, got_p, _rows())
+    table = _table(offsets, N, grads, variances, got_p, _rows())
     adam.decompress_update(gathered, layout, got_u, got_e, msg, table, 1.0)
     assert torch.equal(got_e, e)
     chunk = layout.C

@@ -19,7 +19,14 @@ import math
 
 import pytest
 import torch
-from helpers import addcmul_fuses, fused_steps, torch_local
+from helpers import (
+    addcmul_fuses,
+    denominator_scalars,
+    frozen_variances,
+    fused_steps,
+    stale_denominators,
+    torch_local,
+)
 
 from onebit.kernels import Layout, decompress, message_bits, message_scales, padded_numel, worker_compress
 from onebit.kernels.fused import zero_one as tz
@@ -37,32 +44,35 @@ def _bucket(W: int, seed: int):
     e = torch.randn(N, generator=g) * 0.1
     grads = [torch.randn(s, generator=g) * 3 for s in SIZES]
     grads[2] = None
-    denoms = [torch.rand(s, generator=g) + 0.01 for s in SIZES]
+    variances = frozen_variances(SIZES, g)
     params = [torch.randn(s, generator=g) for s in SIZES]
     moms = [torch.randn(s, generator=g) * 0.1 for s in SIZES]
-    return offsets, n, N, e, grads, denoms, params, moms
+    return offsets, n, N, e, grads, variances, params, moms
 
 
-def _table(offsets, N, grads, denoms, params, moms, rows=ROWS, sizes=SIZES, sync=False, device="cpu"):
+def _table(offsets, N, grads, variances, params, moms, rows=ROWS, sizes=SIZES, sync=False, device="cpu",
+           den=None):
     table = tz.table(offsets, sizes, device, sync=sync)
-    table.fill(dict(zip(table.addresses, (grads, denoms, params, moms), strict=True)), rows)
+    scalars = denominator_scalars() if den is None else den
+    rows = [r + (0.0,) * (5 - len(r)) + scalars for r in rows]
+    table.fill(dict(zip(table.addresses, (grads, variances, params, moms), strict=True)), rows)
     return table
 
 
-def _x(n, grads, denoms):
+def _x(n, grads, variances):
     return torch.cat([torch.zeros(d.numel()) if g is None else g / d
-                      for g, d in zip(grads, denoms, strict=True)])
+                      for g, d in zip(grads, stale_denominators(variances), strict=True)])
 
 
 @pytest.mark.parametrize("W", [1, 3])
 def test_pass_a_is_the_plain_worker_of_g_over_d(W):
-    offsets, n, N, e, grads, denoms, params, moms = _bucket(W, W)
+    offsets, n, N, e, grads, variances, params, moms = _bucket(W, W)
     layout = Layout(N, W)
     want = empty_message(layout, W, torch.device("cpu"))
-    worker_compress(_x(n, grads, denoms), e.clone(), W, out=want, update_error=False)
+    worker_compress(_x(n, grads, variances), e.clone(), W, out=want, update_error=False)
     got = empty_message(layout, W, torch.device("cpu"))
     e0 = e.clone()
-    tz.worker(e, n, layout, got, _table(offsets, N, grads, denoms, params, moms))
+    tz.worker(e, n, layout, got, _table(offsets, N, grads, variances, params, moms))
     assert torch.equal(e, e0)  # nothing stored
     assert torch.equal(message_bits(got, layout), message_bits(want, layout))
     torch.testing.assert_close(message_scales(got, layout), message_scales(want, layout), rtol=2e-7, atol=0)
@@ -71,9 +81,9 @@ def test_pass_a_is_the_plain_worker_of_g_over_d(W):
 @pytest.mark.parametrize("W", [1, 3])
 @pytest.mark.parametrize("bad_scale", [False, True])
 def test_pass_b_is_the_plain_decompress_fold_and_stale_step(W, bad_scale):
-    offsets, n, N, e, grads, denoms, params, moms = _bucket(W, 10 + W)
+    offsets, n, N, e, grads, variances, params, moms = _bucket(W, 10 + W)
     layout = Layout(N, W)
-    x = _x(n, grads, denoms)
+    x = _x(n, grads, variances)
     msg = empty_message(layout, W, torch.device("cpu"))
     worker_compress(x, e.clone(), W, out=msg, update_error=False)
     gathered = empty_message(layout, W, torch.device("cpu"))
@@ -87,10 +97,10 @@ def test_pass_b_is_the_plain_decompress_fold_and_stale_step(W, bad_scale):
     # the plain path: decompress into the accumulator (x), fold, stale step, each op rounded
     acc, e_plain = x.clone(), e.clone()
     decompress(gathered, acc, W, worker_error=e_plain, worker_message=msg)
-    ms_plain, ps_plain = [], []
+    ms_plain, ps_plain, dens = [], [], stale_denominators(variances)
     for k, (off, s) in enumerate(zip(offsets, SIZES, strict=True)):
         b1, w, wd, nlr = ROWS[k]
-        mean, d, p = acc[off:off + s], denoms[k], params[k]
+        mean, d, p = acc[off:off + s], dens[k], params[k]
         rounded = moms[k] * b1 + (w * mean) * d
         m = moms[k].clone().mul_(b1).addcmul_(mean, d, value=w)  # the fma where addcmul_ fuses
         terms = (moms[k] * b1).abs() + ((w * mean) * d).abs()  # one rounding of each term apart
@@ -103,7 +113,7 @@ def test_pass_b_is_the_plain_decompress_fold_and_stale_step(W, bad_scale):
         ms_plain.append(m)
         ps_plain.append(p + nlr * v)
     flat = torch.zeros(n)
-    tz.step(gathered, layout, e, msg, n, _table(offsets, N, grads, denoms, params, moms), clip)
+    tz.step(gathered, layout, e, msg, n, _table(offsets, N, grads, variances, params, moms), clip)
     assert torch.equal(flat, torch.zeros(n))
     assert torch.equal(e, e_plain)  # bitwise; with a non-finite scale not updated at all
     fuses = addcmul_fuses()
@@ -123,25 +133,26 @@ def test_the_fold_is_the_c_passes_and_the_devices_addcmul(device):
     from onebit.kernels import _chunks, cpu_simd
 
     W = 3
-    offsets, n, N, e, grads, denoms, params, moms = _bucket(W, 40)
+    offsets, n, N, e, grads, variances, params, moms = _bucket(W, 40)
     layout = Layout(N, W)
     gathered = empty_message(layout, W, torch.device("cpu"))
     g = torch.Generator().manual_seed(7)
     gathered.copy_(torch.randint(0, 256, gathered.shape, generator=g).to(torch.uint8))
     message_scales(gathered, layout).copy_(torch.rand(W, generator=g) + 0.1)
     msg = empty_message(layout, W, torch.device("cpu"))
-    worker_compress(_x(n, grads, denoms), e.clone(), W, out=msg, update_error=False)
+    worker_compress(_x(n, grads, variances), e.clone(), W, out=msg, update_error=False)
     acc = torch.zeros(n)
     decompress(gathered, acc, W)
     def to(ts):
         return [None if t is None else t.to(device, copy=True) for t in ts]
 
-    got_m, got_p, dev_g, dev_d = to(moms), to(params), to(grads), to(denoms)  # alive while the table is
+    got_m, got_p, dev_g, dev_d = to(moms), to(params), to(grads), to(variances)  # alive while the table is
     table = _table(offsets, N, dev_g, dev_d, got_p, got_m, device=device)
+    dens = stale_denominators(variances)
     tz.step(gathered.to(device), layout, e.clone().to(device), msg.to(device), n, table, math.inf)
     for k, (off, s) in enumerate(zip(offsets, SIZES, strict=True)):
         b1, w = ROWS[k][0], ROWS[k][1]
-        mean, d = acc[off:off + s].to(device), denoms[k].to(device)
+        mean, d = acc[off:off + s].to(device), dens[k].to(device)
         want = moms[k].to(device, copy=True).mul_(b1).addcmul_(mean, d, value=w)
         if addcmul_fuses(device):
             assert torch.equal(got_m[k], want), k
@@ -149,7 +160,7 @@ def test_the_fold_is_the_c_passes_and_the_devices_addcmul(device):
             raise AssertionError("CUDA's addcmul_ rounds twice here: docs/ALGORITHMS.md 6.4 says it fuses")
     if device == "cpu" and cpu_simd.available():  # the C passes over the same bucket: bitwise
         c_m, c_p = [m.clone() for m in moms], [p.clone() for p in params]
-        t = _table(offsets, N, grads, denoms, c_p, c_m)
+        t = _table(offsets, N, grads, variances, c_p, c_m)
         splits = [_chunks.split(layout, n, j) for j in range(W)]
         bits = message_bits(gathered, layout)
         tz.zoa_step_all(bits, message_scales(gathered, layout).contiguous(), None, None, layout.C,
@@ -232,8 +243,10 @@ def test_the_local_step_is_the_each_op_rounded_local_step():
     moms = [torch.randn(s, generator=g) * 0.1 for s in sizes]
     grads = [torch.randn(s, generator=g) for s in sizes]
     grads[2] = None
-    denoms = [torch.rand(s, generator=g) + 1e-3 for s in sizes]
-    denoms[3][::7] = 1e-12
+    variances = [torch.rand(s, generator=g) ** 2 for s in sizes]
+    variances[3][::7] = 0.0  # d = eps = 1e-12 there (no floor)
+    den = denominator_scalars(0.0, 1.0, 1e-12)
+    denoms = stale_denominators(variances, 0.0, 1.0, 1e-12)
     rows = [(0.9, 0.1, 0.01, -1e-2)] * 2 + [(0.8, 0.2, 0.0, -3e-3)] * 3
     clip = 0.5
     want_m, want_p = [], []
@@ -247,7 +260,7 @@ def test_the_local_step_is_the_each_op_rounded_local_step():
         want_p.append(params[k] + nlr * v)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     n = sum(sizes)
-    table = _table(offsets, -(-n // 8) * 8, grads, denoms, params, moms, rows, sizes)
+    table = _table(offsets, -(-n // 8) * 8, grads, variances, params, moms, rows, sizes, den=den)
     tz.local_step(table, n, clip)
     for got, want in zip(moms + params, want_m + want_p, strict=True):
         assert torch.equal(got, want)
@@ -257,7 +270,7 @@ def test_the_local_step_is_the_each_op_rounded_local_step():
 def test_the_sync_passes_are_the_plain_synchronisation(W):
     # phase 2's synchronisation: pass A encodes p - sync_params (bits exact), pass B gives the plain
     # decompress's error, m = (mean d) / (-lrs), sync_params + mean and p = sync_params, bitwise
-    offsets, n, N, e, _, denoms, params, moms = _bucket(W, 20 + W)
+    offsets, n, N, e, _, variances, params, moms = _bucket(W, 20 + W)
     g = torch.Generator().manual_seed(W)
     syncs = [q + torch.randn(q.numel(), generator=g) * 1e-3 for q in params]
     layout = Layout(N, W)
@@ -265,7 +278,9 @@ def test_the_sync_passes_are_the_plain_synchronisation(W):
     want = empty_message(layout, W, torch.device("cpu"))
     worker_compress(x, e.clone(), W, out=want, update_error=False)
     rows = [(0.9, 0.1, 0.01, -0.037)] * 3 + [(0.8, 0.2, 0.0, -0.011)] * 4  # the last: -lrs
-    table = _table(offsets, N, syncs, denoms, params, moms, [tz.sync_rows(r[3]) for r in rows], sync=True)
+    table = _table(offsets, N, syncs, variances, params, moms, [(0.0, 0.0, 0.0, 0.0, r[3]) for r in rows],
+                   sync=True)
+    denoms = stale_denominators(variances)
     got = empty_message(layout, W, torch.device("cpu"))
     tz.worker(e, n, layout, got, table, sync=True)
     assert torch.equal(message_bits(got, layout), message_bits(want, layout))

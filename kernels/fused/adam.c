@@ -2,10 +2,11 @@
 
 /* ---- OnebitAdam's compression stage with its element-wise maths inside the codec's passes (as
    onebit.optimizers._fused does on a GPU). A bucket's table: tensor k covers flat elements
-   [start[k], start[k] + count[k]); its gradient (0: a zero gradient), frozen denominator and
-   parameter at the addresses g[k], d[k], p[k]; its group's float32 scalars sc[5k .. 5k + 4]:
-   b1, 1 - b1, decay (1 - lr * wd), -lr, bc1. The maths and its order are
-   onebit.kernels.cpu_fused's: u = u * b1 + (w * g) / d; p = p * decay + (-lr) * clamp(u / bc1). */
+   [start[k], start[k] + count[k]); its gradient (0: a zero gradient), frozen variance v and
+   parameter at the addresses g[k], d[k], p[k]; its float32 scalars sc[SC k ..]: b1, 1 - b1, decay
+   (1 - lr * wd), -lr, bc1, then its stale denominator's floor, r, eps (native.h's den_run: d from v).
+   The maths and its order are onebit.kernels.cpu_fused's: u = u * b1 + (w * g) / d;
+   p = p * decay + (-lr) * clamp(u / bc1). */
 #define FOLD_LOOP if (g) { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1 + (w * g[i]) / d[i]; } \
                   else { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1; } /* no gradient: u.mul_(b1) only */
 #define UPDATE_LOOP for (int64_t i = 0; i < n; i++) { float v = u[i] / bc1; v = v < lo ? lo : v; v = v > hi ? hi : v; p[i] = p[i] * decay + nlr * v; }
@@ -22,18 +23,21 @@ __attribute__((target("avx2,fma"))) static void update_256(float* p, const float
 
 static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
   int64_t lo, hi;
+  float d[DEN_RUN] __attribute__((aligned(64)));
   for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
        kk++) {
-    if (hi <= lo) continue;
-    int64_t o = lo - t->start[kk];
-    const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
-    const float* d = (const float*)t->d[kk] + o;
-    float b1 = t->sc[5 * kk], w = t->sc[5 * kk + 1];
+    const float* sc = t->sc + SC * kk;
+    float b1 = sc[0], w = sc[1];
+    for (int64_t r = lo; r < hi; r += DEN_RUN) { /* run by run: the run's d from v */
+      int64_t n = hi - r < DEN_RUN ? hi - r : DEN_RUN, o = r - t->start[kk];
+      const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
+      den_run(isa, d, (const float*)t->d[kk] + o, sc, n);
 #ifdef ONEBIT_X86
-    if (isa >= 2) { fold_512(flat + lo, g, d, b1, w, hi - lo); continue; }
-    if (isa == 1) { fold_256(flat + lo, g, d, b1, w, hi - lo); continue; }
+      if (isa >= 2) { fold_512(flat + r, g, d, b1, w, n); continue; }
+      if (isa == 1) { fold_256(flat + r, g, d, b1, w, n); continue; }
 #endif
-    fold_c(flat + lo, g, d, b1, w, hi - lo);
+      fold_c(flat + r, g, d, b1, w, n);
+    }
   }
 }
 
@@ -43,7 +47,7 @@ static void update_range(int isa, const float* flat, int64_t a, int64_t b, const
        kk++) {
     if (hi <= lo) continue;
     float* p = (float*)t->p[kk] + (lo - t->start[kk]);
-    const float* sc = t->sc + 5 * kk;
+    const float* sc = t->sc + SC * kk;
 #ifdef ONEBIT_X86
     if (isa >= 2) { update_512(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
     if (isa == 1) { update_256(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
@@ -54,17 +58,22 @@ static void update_range(int isa, const float* flat, int64_t a, int64_t b, const
 
 #ifdef ONEBIT_X86
 /* A run of n elements (a multiple of 8) inside one tensor with a gradient: the fold and the encode
-   in one loop, the folded u stored and used from the register; bitwise fold_512 then
-   blocks_avx512 over the run (the same operations, the same float64 accumulation order). */
+   in one loop, the folded u stored and used from the register; bitwise den_run, fold_512 then
+   blocks_avx512 over the run (the same operations, the same float64 accumulation order): d from v
+   as den_fill computes it (max(floor, s) is s where s is NaN, and s for equal zeros: C's
+   s < floor ? floor : s). */
 __attribute__((target("avx512f")))
-static double fold_encode_run512(float* u, const float* g, const float* d, const float* e, uint8_t* bits, float b1,
-                                 float w, int64_t n) {
-  const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w);
+static double fold_encode_run512(float* u, const float* g, const float* v, const float* e, uint8_t* bits,
+                                 const float* sc, int64_t n) {
+  const float b1 = sc[0], w = sc[1];
+  const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w), vf = _mm512_set1_ps(sc[SC_FLOOR]),
+               vr = _mm512_set1_ps(sc[SC_FLOOR + 1]), ve = _mm512_set1_ps(sc[SC_FLOOR + 2]);
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(_mm512_loadu_ps(v + i))), vr), ve);
     __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(u + i), vb),
-                             _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), _mm512_loadu_ps(d + i)));
+                             _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), d));
     _mm512_storeu_ps(u + i, x);
     __m512 z = _mm512_add_ps(x, _mm512_loadu_ps(e + i));
     __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
@@ -73,7 +82,9 @@ static double fold_encode_run512(float* u, const float* g, const float* d, const
     sq512(z, &a0, &a1);
   }
   if (i < n) { /* the last 8 */
-    for (int64_t k = i; k < n; k++) u[k] = u[k] * b1 + (w * g[k]) / d[k];
+    float d[8];
+    den_fill_c(d, v + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
+    for (int64_t k = i; k < n; k++) u[k] = u[k] * b1 + (w * g[k]) / d[k - i];
     __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, u + i), _mm512_maskz_loadu_ps(0xFF, e + i));
     __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
     bits[i / 8] = REV[m & 255];
@@ -125,7 +136,7 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
         if (kk >= 0) { /* one loop (fold_encode_run512) */
           int64_t o = off + i - tab.start[kk];
           r = fold_encode_run512(flat + off + i, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, e + off + i,
-                                 bits + j * stride + i / 8, tab.sc[5 * kk], tab.sc[5 * kk + 1], len);
+                                 bits + j * stride + i / 8, tab.sc + SC * kk, len);
           acc += r;
           continue;
         }
@@ -180,15 +191,38 @@ void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start
 
 /* ---- The per-tensor passes of OnebitAdam's unfused compression step (where the fused passes above
    decline: masks, block scales, a mesh, overlap; onebit.kernels.cpu_fused binds them): the fold
-   u = u * b1 + (w * g) / d (fold_c's loop) and the update p = p * decay + (-lr) clamp(u / bc1)
+   u = u * b1 + (w * g) / d (fold_c's loop; d from the variance v, floor, r, eps: den_fill) and the update p = p * decay + (-lr) clamp(u / bc1)
    (update_c's loop), each one pass over a tensor. */
-void onebit_fold(float* u, const float* g, const float* d, float b1, float w, int64_t n, int isa, int threads) {
-  void (*f)(float*, const float*, const float*, float, float, int64_t) = fold_c;
+/* The stale denominators themselves, out = max(sqrt(v), floor) * r + eps (den_fill's loop): what the
+   plain path reads where no pass computes them in place (onebit.kernels.preconditioning). */
+void onebit_stale_denominator(float* out, const float* v, float floor, float r, float eps, int64_t n, int isa,
+                              int threads) {
+  void (*f) DEN_ARGS = ONEBIT_PICK(den_fill, isa);
+  ONEBIT_PARALLEL(n, threads, f(out + a, v + a, floor, r, eps, len))
+}
+
+typedef void (*fold_fn)(float*, const float*, const float*, float, float, int64_t);
+
+/* the fold over n elements, d from v run by run (dsc: floor, r, eps) */
+static void fold_v(int isa, fold_fn f, float* u, const float* g, const float* v, const float* dsc, float b1, float w,
+                   int64_t n) {
+  float d[DEN_RUN] __attribute__((aligned(64)));
+  for (int64_t i = 0; i < n; i += DEN_RUN) {
+    int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
+    ONEBIT_PICK(den_fill, isa)(d, v + i, dsc[0], dsc[1], dsc[2], len);
+    f(u + i, g + i, d, b1, w, len);
+  }
+}
+
+void onebit_fold(float* u, const float* g, const float* v, float floor, float r, float eps, float b1, float w,
+                 int64_t n, int isa, int threads) {
+  fold_fn f = fold_c;
 #ifdef ONEBIT_X86
   if (isa >= 2) f = fold_512;
   else if (isa == 1) f = fold_256;
 #endif
-  ONEBIT_PARALLEL(n, threads, f(u + a, g + a, d + a, b1, w, len))
+  const float dsc[3] = {floor, r, eps};
+  ONEBIT_PARALLEL(n, threads, fold_v(isa, f, u + a, g + a, v + a, dsc, b1, w, len))
 }
 
 void onebit_stale_update(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n,

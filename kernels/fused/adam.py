@@ -1,7 +1,8 @@
 """OnebitAdam's compression step inside the codec's two passes, in every backend that has it.
 
 The step, per bucket (flat momentum ``u``, worker error ``e``; per tensor its gradient ``g``, frozen
-denominator ``d`` and parameter ``p``; per group b1, lr, wd, bc1):
+variance ``v`` (its stale denominator ``d`` computed from it as it is read: :mod:`.table`) and
+parameter ``p``; per group b1, lr, wd, bc1):
 
 - worker pass: ``u = u * b1 + ((1 - b1) * g) / d`` (``g = 0`` for a None gradient), then the worker's
   encode of ``pad(u) + e`` (packed signs and the scale, as ``worker_compress(update_error=False)``);
@@ -30,7 +31,19 @@ from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
 from . import _native
-from .table import BLOCK_BYTES, WARPS, Table, address, elements, grad_denom, owned, programs, scalar, tiles
+from .table import (
+    BLOCK_BYTES,
+    DENOMINATOR,
+    WARPS,
+    Table,
+    address,
+    elements,
+    grad_denom,
+    owned,
+    programs,
+    scalar,
+    tiles,
+)
 
 if AVAILABLE:
     from ..triton_kernels import (
@@ -44,10 +57,11 @@ if AVAILABLE:
         ticket,
     )
 
-ADDRESSES = ("grad", "denom", "param")
-SCALARS = ("b1", "w1", "decay", "neg_lr", "bc1")  # b1, 1 - b1, 1 - lr wd, -lr, bc1
-_GRAD, _DENOM, _PARAM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
-_B1, _W1, _DECAY, _NEG_LR, _BC1 = (constexpr(SCALARS.index(c)) for c in SCALARS)
+ADDRESSES = ("grad", "var", "param")
+# b1, 1 - b1, 1 - lr wd, -lr, bc1; the stale denominator's floor, r, eps
+SCALARS = ("b1", "w1", "decay", "neg_lr", "bc1", *DENOMINATOR)
+_GRAD, _VAR, _PARAM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
+_B1, _W1, _DECAY, _NEG_LR, _BC1 = (constexpr(SCALARS.index(c)) for c in SCALARS[:5])
 
 
 def table(offsets: list[int], numels: list[int], device) -> Table:
@@ -55,11 +69,12 @@ def table(offsets: list[int], numels: list[int], device) -> Table:
     return Table(offsets, numels, ADDRESSES, SCALARS, device)
 
 
-def rows(group: dict, t: int) -> tuple[float, ...]:
-    """A group's scalars at step ``t`` (``SCALARS``)."""
+def rows(group: dict, t: int, denominator: tuple[float, float, float]) -> tuple[float, ...]:
+    """A tensor's scalars at step ``t`` (``SCALARS``): its group's, then its stale denominator's
+    ``(floor, r, eps)``."""
     b1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
     bc1 = 1.0 - b1**t if group["bias_correction"] else 1.0
-    return (b1, 1.0 - b1, 1.0 - lr * wd if wd else 1.0, -lr, bc1)
+    return (b1, 1.0 - b1, 1.0 - lr * wd if wd else 1.0, -lr, bc1, *denominator)
 
 
 # ---- Triton ------------------------------------------------------------------------------------
@@ -76,8 +91,8 @@ def _fold_worker_kernel(
     pid = tl.program_id(0)
     g, i, idx, live, in_x = elements(n, total_bytes, BLOCK_BYTES)
     u = tl.load(u_ptr + idx, mask=in_x, other=0.0)
-    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, _GRAD, _DENOM,
-                           BLOCK_BYTES)
+    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, _GRAD,
+                           _VAR, BLOCK_BYTES)
     b1 = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
     w = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):  # each element's group scalars
@@ -173,13 +188,13 @@ class TritonPasses:
 
 def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
                     n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
-    """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``) and encode ``flat + e`` into
+    """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``, d from v) and encode ``flat + e`` into
     the message rows in the same pass, for every chunk of a bucket in one call: chunk j's elements
     ``[j C, j C + n_enc[j])`` encoded into ``bits[j]`` (a message's ``[W, C / 8]`` rows), its fold
     to ``j C + n_fold[j]``; returns each chunk's float64 sum of squares, bitwise what W calls, each
     with the other chunks empty, return."""
     t = table
-    args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("denom"), t.scal.data_ptr(), t.K)
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"), t.scal.data_ptr(), t.K)
     return _native.encode_all("adam.fold_encode_all", library().onebit_fold_encode_all, flat, e, bits, C,
                               n_enc, n_fold, args, isa)
 

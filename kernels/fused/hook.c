@@ -57,7 +57,7 @@ double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_
 
 /* ---- The DDP hook's passes (freeze_step) inside the codec's, as OnebitAdam's above: the table's
    entry k is a parameter with momentum, flat elements [start[k], start[k] + count[k]), its momentum
-   at g[k], its frozen denominators at d[k], its factor at sc[5k]; elsewhere the bucket holds the
+   at g[k], its frozen denominators at d[k], its factor at sc[SC k]; elsewhere the bucket holds the
    gradient as it is. Before the encode, run by run: x = (g + m k) / d (hook_pre above) and the
    float64 sum of g^2 over every element (the local norm); after the decode: out = out * d - m k
    (onebit.kernels.cpu_fused.hook_post's order). */
@@ -79,7 +79,7 @@ static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_
     int64_t o = lo - t->start[kk];
     float* g = flat + lo;
     const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
-    s += pre_any(isa, g, m, d, t->sc[5 * kk], hi - lo);
+    s += pre_any(isa, g, m, d, t->sc[SC * kk], hi - lo);
     pos = hi;
   }
   if (b > pos) s += sq_any(isa, flat + pos, b - pos);
@@ -93,7 +93,7 @@ static void post_range(int isa, float* flat, int64_t a, int64_t b, const table_t
     if (hi <= lo) continue;
     int64_t o = lo - t->start[kk];
     const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
-    float f = t->sc[5 * kk];
+    float f = t->sc[SC * kk];
 #ifdef ONEBIT_X86
     if (isa >= 2) { post_512(flat + lo, m, d, f, hi - lo); continue; }
     if (isa == 1) { post_256(flat + lo, m, d, f, hi - lo); continue; }

@@ -4,10 +4,15 @@ the codec's buffers.
 A bucket's K tensors lie end to end in its flat buffer: tensor k covers flat elements ``[start[k],
 start[k] + count[k])``. Per tensor the table holds the addresses of the tensors the step reads or
 writes (int64 ``addr`` [A, K], one row per named column, 0 for a None gradient: a zero one) and
-its group's float32 scalars (``scal`` [K, 5], named columns, unused ones 0). Each step names its
+its float32 scalars (``scal`` [K, 8], named columns, unused ones 0). Each step names its
 columns (``ADDRESSES``, ``SCALARS`` in its file); the C reads a row of ``addr`` as an array and
-``scal`` as 5 floats per tensor (``kernels/native/native.h``'s ``table_t``), the Triton kernels the
-same two tensors on the device (``addr + column * K + k``, ``scal + k * 5 + column``).
+``scal`` as 8 floats per tensor (``kernels/native/native.h``'s ``table_t``, ``SC``), the Triton
+kernels the same two tensors on the device (``addr + column * K + k``, ``scal + k * 8 + column``).
+
+A step that reads a frozen variance ``v`` (address column ``var``) has its stale denominator's
+scalars in the last three columns (``DENOMINATOR``: the tensor's floor, ``r = 1 / sqrt(bc2)``,
+``eps``) and computes ``d = max(sqrt(v), floor) * r + eps`` as it reads ``v`` (docs/ALGORITHMS.md
+6.2: the optimizers keep ``v`` only).
 
 The Triton passes also read which tensors each program's 1024 elements meet (:func:`tiles`); the
 C walks the table itself (``table_first`` / ``table_part``)."""
@@ -20,20 +25,25 @@ import torch
 
 from .._triton import constexpr, jit, tl
 
-SCALARS = 5  # float32 scalars per tensor
+SCALARS = 8  # float32 scalars per tensor
+DENOMINATOR = ("floor", "r", "eps")  # the last three scalar columns of a step that reads ``var``
 BLOCK_BYTES = 128  # bytes of packed bits per program of a fused Triton pass (1024 elements)
 WARPS = 4  # the gathered gradients, denominators and scalars would spill at the codec's 4096
 _S = constexpr(SCALARS)
+_FLOOR = constexpr(SCALARS - 3)
 
 
 class Table:
     """A bucket's table (see the module): ``offsets``/``numels`` of its tensors, the step's address
-    column names and scalar column names (at most 5), on ``device``."""
+    column names and scalar column names (at most 8; a step with a ``var`` column ends them with
+    ``DENOMINATOR``), on ``device``."""
 
     def __init__(self, offsets: list[int], numels: list[int], addresses: tuple[str, ...],
                  scalars: tuple[str, ...], device) -> None:
         if len(scalars) > SCALARS:
             raise ValueError(f"scalars: expected at most {SCALARS} names, got {len(scalars)}")
+        if "var" in addresses and tuple(scalars[SCALARS - 3:]) != DENOMINATOR:
+            raise ValueError(f"scalars: a step that reads var ends its scalars with {DENOMINATOR}")
         self.offsets, self.numels = list(offsets), list(numels)
         self.addresses, self.scalars = tuple(addresses), tuple(scalars)
         self.K, self.device = len(self.offsets), torch.device(device)
@@ -118,10 +128,12 @@ def elements(n, total_bytes, BLOCK_BYTES: tl.constexpr):
 
 
 @jit
-def grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, GRAD: tl.constexpr,
-               DENOM: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+def grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K,
+               GRAD: tl.constexpr, VAR: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     # the program's elements' gradients (0 where a tensor's gradient is None: address 0, and outside
-    # every tensor) and denominators (1 outside every tensor), read through columns GRAD and DENOM
+    # every tensor) and stale denominators (1 outside every tensor), read through columns GRAD and VAR:
+    # d = max(sqrt(v), floor) * r + eps, each operation rounded (docs/ALGORITHMS.md 6.2; the
+    # launchers turn contraction off)
     grad = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
     den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
@@ -129,10 +141,18 @@ def grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K
         mine = mine & in_x
         ga = tl.load(addr_ptr + GRAD * K + k)
         gp = ga.to(tl.pointer_type(tl.float32))
-        dp = address(addr_ptr, DENOM, K, k)
         grad = tl.where(mine, tl.load(gp + off, mask=mine & ((off * 0 + ga) != 0), other=0.0), grad)
-        den = tl.where(mine, tl.load(dp + off, mask=mine, other=1.0), den)
+        den = tl.where(mine, denominator(addr_ptr, scal_ptr, VAR, K, k, off, mine), den)
     return grad, den
+
+
+@jit
+def denominator(addr_ptr, scal_ptr, VAR: tl.constexpr, K, k, off, mine):
+    # tensor k's stale denominators at offsets off (where mine; elsewhere those of v = 1), from its
+    # variance in column VAR: max(sqrt(v), floor) * r + eps, each operation rounded
+    v = tl.load(address(addr_ptr, VAR, K, k) + off, mask=mine, other=1.0)
+    d = tl.maximum(tl.sqrt_rn(v), scalar(scal_ptr, k, _FLOOR), propagate_nan=tl.PropagateNan.ALL)
+    return d * scalar(scal_ptr, k, _FLOOR + 1) + scalar(scal_ptr, k, _FLOOR + 2)
 
 
 @jit

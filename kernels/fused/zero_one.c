@@ -2,7 +2,8 @@
 
 /* ---- ZeroOneAdam's phase-1 compressed step with its element-wise maths inside the codec's passes
    (kernels/fused/zero_one.py binds them). The table's address columns grad (sync_params when
-   synchronising), denom, param, momentum; the scalars b1, 1 - b1, wd, -lr, nl per tensor. The unfused
+   synchronising), var (the frozen variance v), param, momentum; the scalars b1, 1 - b1, wd, -lr, nl,
+   then the stale denominator's floor, r, eps per tensor (d from v run by run: native.h's den_run). The unfused
    step's order: x = g / d (0 without a gradient) into the accumulator; its compressed mean;
    m = fma((1 - b1) * mean, d, m * b1) (docs/ALGORITHMS.md 6.4: torch's addcmul_ where it fuses, the
    Triton kernels' tl.fma); p = p + (-lr) * clamp(m / d) (+ wd * p inside the bracket with weight decay;
@@ -61,11 +62,12 @@ __attribute__((target("avx2,fma"))) static void zoa_div_256(ZOA_DIV_ARGS) { ZOA_
 __attribute__((target("avx2,fma"))) static void zoa_step_256(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 #endif
 
-/* sync: phase 2's synchronisation, g[k] then the address of tensor k's sync_params (sc[5 k + 4]: nl) */
+/* sync: phase 2's synchronisation, g[k] then the address of tensor k's sync_params (sc[SC k + 4]: nl);
+   d[k]: tensor k's frozen variance */
 typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; int K, sync; } zoa_t;
 
 /* table tensor kk's part of flat elements [a, b): [lo, hi) (empty where hi <= lo), its offset o there
-   and its gradient g (0: none) and denominator d at that offset; 0 past [a, b) */
+   and its gradient g (0: none) and variance d at that offset; 0 past [a, b) */
 typedef struct { int64_t lo, hi, o; const float *g, *d; } seg_t;
 static int zoa_seg(const zoa_t* t, int64_t a, int64_t b, int kk, seg_t* s) {
   if (!table_part(t->start, t->count, t->K, a, b, kk, &s->lo, &s->hi)) return 0;
@@ -81,6 +83,7 @@ static int zoa_first(const zoa_t* t, int64_t a, int* k) { return table_first(t->
 /* x over flat elements [a, b) into x[0, b - a) */
 static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* t, int* k) {
   seg_t s;
+  float d[DEN_RUN] __attribute__((aligned(64)));
   for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
     if (s.hi <= s.lo) continue;
     if (t->sync) { /* x = p - sync_params */
@@ -92,11 +95,16 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
       zos_diff_c(x + (s.lo - a), p, s.g, s.hi - s.lo);
       continue;
     }
+    for (int64_t r = 0; r < s.hi - s.lo; r += DEN_RUN) { /* run by run: the run's d from v */
+      int64_t n = s.hi - s.lo - r < DEN_RUN ? s.hi - s.lo - r : DEN_RUN;
+      const float* g = s.g ? s.g + r : 0;
+      if (g) den_run(isa, d, s.d + r, t->sc + SC * kk, n);
 #ifdef ONEBIT_X86
-    if (isa >= 2) { zoa_div_512(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
-    if (isa == 1) { zoa_div_256(x + (s.lo - a), s.g, s.d, s.hi - s.lo); continue; }
+      if (isa >= 2) { zoa_div_512(x + (s.lo - a) + r, g, d, n); continue; }
+      if (isa == 1) { zoa_div_256(x + (s.lo - a) + r, g, d, n); continue; }
 #endif
-    zoa_div_c(x + (s.lo - a), s.g, s.d, s.hi - s.lo);
+      zoa_div_c(x + (s.lo - a) + r, g, d, n);
+    }
   }
 }
 
@@ -105,25 +113,29 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
 static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64_t a, int64_t b, const zoa_t* t,
                            float lo_c, float hi_c, int* k) {
   seg_t s;
+  float d[DEN_RUN] __attribute__((aligned(64)));
   for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
-    if (s.hi <= s.lo) continue;
-    float *m = (float*)t->m[kk] + s.o, *p = (float*)t->p[kk] + s.o, *ee = e ? e + s.lo : 0;
-    const float *sc = t->sc + 5 * kk, *mv = mean + (s.lo - a);
-    int64_t n = s.hi - s.lo;
-    if (t->sync) {
-      float* sp = (float*)t->g[kk] + s.o;
+    const float* sc = t->sc + SC * kk;
+    for (int64_t r = s.lo; r < s.hi; r += DEN_RUN) { /* run by run: the run's d from v */
+      int64_t n = s.hi - r < DEN_RUN ? s.hi - r : DEN_RUN, o = r - s.lo;
+      float *m = (float*)t->m[kk] + s.o + o, *p = (float*)t->p[kk] + s.o + o, *ee = e ? e + r : 0;
+      const float *mv = mean + (r - a), *g = s.g ? s.g + o : 0;
+      den_run(isa, d, s.d + o, sc, n);
+      if (t->sync) {
+        float* sp = (float*)t->g[kk] + s.o + o;
 #ifdef ONEBIT_X86
-      if (isa >= 2) { zos_sync_512(mv, s.d, ee, ws, m, sp, p, sc[4], n); continue; }
-      if (isa == 1) { zos_sync_256(mv, s.d, ee, ws, m, sp, p, sc[4], n); continue; }
+        if (isa >= 2) { zos_sync_512(mv, d, ee, ws, m, sp, p, sc[4], n); continue; }
+        if (isa == 1) { zos_sync_256(mv, d, ee, ws, m, sp, p, sc[4], n); continue; }
 #endif
-      zos_sync_c(mv, s.d, ee, ws, m, sp, p, sc[4], n);
-      continue;
+        zos_sync_c(mv, d, ee, ws, m, sp, p, sc[4], n);
+        continue;
+      }
+#ifdef ONEBIT_X86
+      if (isa >= 2) { zoa_step_512(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
+      if (isa == 1) { zoa_step_256(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
+#endif
+      zoa_step_c(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n);
     }
-#ifdef ONEBIT_X86
-    if (isa >= 2) { zoa_step_512(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
-    if (isa == 1) { zoa_step_256(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
-#endif
-    zoa_step_c(mv, s.g, s.d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n);
   }
 }
 
@@ -134,9 +146,9 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
 void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
                            const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                            const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
-                           const int64_t* p, int K, int sync, int isa, int threads) {
+                           const int64_t* p, const float* sc, int K, int sync, int isa, int threads) {
   enum { RUN = 4096 };
-  zoa_t tab = {start, count, g, d, 0, p, 0, K, sync};
+  zoa_t tab = {start, count, g, d, 0, p, sc, K, sync};
   blocks_fn f = pick(isa);
   const int P = threads;
   int used = 1;
@@ -218,15 +230,31 @@ ONEBIT_VARIANTS(local, LOCAL_ARGS,
 ONEBIT_VARIANTS(local_wd, LOCAL_ARGS,
                 for (int64_t i = 0; i < n; i++) { m[i] = m[i] * b1 + w * g[i]; STALE_V p[i] = p[i] + nlr * (v + wd * p[i]); })
 
-/* wd 0: the step without its term (the plain ops add nothing: 0 * inf would be NaN) */
-void onebit_stale_step(float* p, const float* m, const float* d, float lo, float hi, float wd, float nlr, int64_t n,
-                       int isa, int threads) {
-  void (*f) STALE_ARGS = wd != 0.0f ? ONEBIT_PICK(stale_wd, isa) : ONEBIT_PICK(stale, isa);
-  ONEBIT_PARALLEL(n, threads, f(p + a, m + a, d + a, lo, hi, wd, nlr, len))
+/* the step over n elements, d from v run by run (dsc: floor, r, eps); g NULL: the stale step */
+static void zoa_v(int isa, void (*stale_f) STALE_ARGS, void (*local_f) LOCAL_ARGS, float* p, float* m, const float* g,
+                  const float* v, const float* dsc, float b1, float w, float lo, float hi, float wd, float nlr,
+                  int64_t n) {
+  float d[DEN_RUN] __attribute__((aligned(64)));
+  for (int64_t i = 0; i < n; i += DEN_RUN) {
+    int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
+    ONEBIT_PICK(den_fill, isa)(d, v + i, dsc[0], dsc[1], dsc[2], len);
+    if (g) local_f(p + i, m + i, g + i, d, b1, w, lo, hi, wd, nlr, len);
+    else stale_f(p + i, m + i, d, lo, hi, wd, nlr, len);
+  }
 }
 
-void onebit_local_step(float* p, float* m, const float* g, const float* d, float b1, float w, float lo, float hi,
+/* wd 0: the step without its term (the plain ops add nothing: 0 * inf would be NaN); d from the
+   variance v (floor, r, eps: den_fill) */
+void onebit_stale_step(float* p, const float* m, const float* v, float floor, float r, float eps, float lo, float hi,
                        float wd, float nlr, int64_t n, int isa, int threads) {
+  void (*f) STALE_ARGS = wd != 0.0f ? ONEBIT_PICK(stale_wd, isa) : ONEBIT_PICK(stale, isa);
+  const float dsc[3] = {floor, r, eps};
+  ONEBIT_PARALLEL(n, threads, zoa_v(isa, f, 0, p + a, (float*)m + a, 0, v + a, dsc, 0.0f, 0.0f, lo, hi, wd, nlr, len))
+}
+
+void onebit_local_step(float* p, float* m, const float* g, const float* v, float floor, float r, float eps, float b1,
+                       float w, float lo, float hi, float wd, float nlr, int64_t n, int isa, int threads) {
   void (*f) LOCAL_ARGS = wd != 0.0f ? ONEBIT_PICK(local_wd, isa) : ONEBIT_PICK(local, isa);
-  ONEBIT_PARALLEL(n, threads, f(p + a, m + a, g + a, d + a, b1, w, lo, hi, wd, nlr, len))
+  const float dsc[3] = {floor, r, eps};
+  ONEBIT_PARALLEL(n, threads, zoa_v(isa, 0, f, p + a, m + a, g + a, v + a, dsc, b1, w, lo, hi, wd, nlr, len))
 }

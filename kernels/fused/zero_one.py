@@ -1,7 +1,8 @@
 """ZeroOneAdam's phase-1 compressed step and phase-2 synchronisation inside the codec's two passes,
 and its phase-2 local step in one pass over every parameter, in every backend that has them.
 
-Phase 1's step, per bucket (per tensor its gradient ``g``, frozen denominator ``d``, momentum ``m`` and
+Phase 1's step, per bucket (per tensor its gradient ``g``, stale denominator ``d`` (computed from the
+variance ``v`` as it is read: :mod:`.table`), momentum ``m`` and
 parameter ``p``; per group b1, lr, wd): unfused, it writes ``x = g / d`` (0 without a gradient) into the
 accumulator, all-reduces it compressed, folds the mean into the momentum (``m.mul_(b1).addcmul_(mean, d,
 value=1 - b1)``), zeroes the accumulator and takes the stale step ``p -= lr * (clamp(m / d) [+ wd p])``
@@ -34,17 +35,31 @@ from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
 from . import _native
-from .table import BLOCK_BYTES, WARPS, Table, address, elements, grad_denom, owned, programs, scalar, tiles
+from .table import (
+    BLOCK_BYTES,
+    DENOMINATOR,
+    WARPS,
+    Table,
+    address,
+    denominator,
+    elements,
+    grad_denom,
+    owned,
+    programs,
+    scalar,
+    tiles,
+)
 
 if AVAILABLE:
     from ..triton_kernels import Launch, _partials, _segments_finite, decoded_rows, encode_rows, ticket
 
-ADDRESSES = ("grad", "denom", "param", "momentum")
-SYNC_ADDRESSES = ("sync_params", "denom", "param", "momentum")
-SCALARS = ("b1", "w1", "wd", "neg_lr", "nl")  # b1, 1 - b1, wd, -lr; nl (synchronising): -(sum of lr)
-_GRAD, _DENOM, _PARAM, _MOM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
+ADDRESSES = ("grad", "var", "param", "momentum")
+SYNC_ADDRESSES = ("sync_params", "var", "param", "momentum")
+SCALARS = ("b1", "w1", "wd", "neg_lr", "nl", *DENOMINATOR)  # b1, 1 - b1, wd, -lr; nl (synchronising): -(sum
+# of lr); floor, r, eps
+_GRAD, _VAR, _PARAM, _MOM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
 _SYNC = constexpr(SYNC_ADDRESSES.index("sync_params"))
-_B1, _W1, _WD, _NEG_LR, _NL = (constexpr(SCALARS.index(c)) for c in SCALARS)
+_B1, _W1, _WD, _NEG_LR, _NL = (constexpr(SCALARS.index(c)) for c in SCALARS[:5])
 
 
 def table(offsets: list[int], numels: list[int], device, sync: bool = False) -> Table:
@@ -52,24 +67,27 @@ def table(offsets: list[int], numels: list[int], device, sync: bool = False) -> 
     return Table(offsets, numels, SYNC_ADDRESSES if sync else ADDRESSES, SCALARS, device)
 
 
-def rows(group: dict) -> tuple[float, ...]:
-    """A group's scalars for phase 1's step and the local step."""
+def rows(group: dict, denominator: tuple[float, float, float]) -> tuple[float, ...]:
+    """A tensor's scalars for phase 1's step and the local step: its group's, then its stale
+    denominator's ``(floor, r, eps)``."""
     b1 = group["betas"][0]
-    return (b1, 1.0 - b1, group["weight_decay"], -group["lr"], 0.0)
+    return (b1, 1.0 - b1, group["weight_decay"], -group["lr"], 0.0, *denominator)
 
 
-def sync_rows(nl: float) -> tuple[float, ...]:
-    """A group's scalars for the synchronisation (``nl``: minus its learning rates summed)."""
-    return (0.0, 0.0, 0.0, 0.0, nl)
+def sync_rows(nl: float, denominator: tuple[float, float, float]) -> tuple[float, ...]:
+    """A tensor's scalars for the synchronisation (``nl``: minus its group's learning rates summed)."""
+    return (0.0, 0.0, 0.0, 0.0, nl, *denominator)
 
 
 # ---- Triton ------------------------------------------------------------------------------------
 
 @jit
-def _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES: tl.constexpr):
+def _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K,
+       BLOCK_BYTES: tl.constexpr):
     # x = g / d of the program's elements (0 where a tensor's gradient is None, and outside every
     # tensor): the accumulator the unfused step all-reduces
-    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, _GRAD, _DENOM,
+    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, _GRAD,
+                           _VAR,
                            BLOCK_BYTES)
     return tl.div_rn(grad, den)
 
@@ -90,7 +108,7 @@ def _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, B
 
 @jit
 def _zoa_worker_kernel(
-    e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
+    e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K,
     n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word,
     BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr,
 ):
@@ -100,7 +118,7 @@ def _zoa_worker_kernel(
     if SYNC:
         x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
     else:
-        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
     encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
                 length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
@@ -123,7 +141,7 @@ def _zoa_step_kernel(
     if SYNC:
         x = _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
     else:
-        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+        x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
     sw = tl.load(w_words_ptr + scale_word)
     if ok:
@@ -131,10 +149,9 @@ def _zoa_step_kernel(
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
         off, mine = owned(idx, k, start_ptr, count_ptr)
         mine = mine & in_x
-        dp = address(addr_ptr, _DENOM, K, k) + off
         mp = address(addr_ptr, _MOM, K, k) + off
         pp = address(addr_ptr, _PARAM, K, k) + off
-        d = tl.load(dp, mask=mine, other=1.0)
+        d = denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine)
         if SYNC:
             sp = address(addr_ptr, _SYNC, K, k) + off
             m = tl.div_rn(mean * d, scalar(scal_ptr, k, _NL))
@@ -164,7 +181,8 @@ def worker_launches(e, msg, words, partial, ticket_, table: Table, n: int, layou
     t = tiles(table, layout.N)
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
     return [Launch(_zoa_worker_kernel, programs(layout.N),
-                   (e, msg, partial, ticket_, t.lo, t.hi, table.start, table.count, table.addr, table.K, n,
+                   (e, msg, partial, ticket_, t.lo, t.hi, table.start, table.count, table.addr, table.scal,
+                    table.K, n,
                     layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.N, words, layout.W,
                     seg_words, scale_word),
                    dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync), WARPS)]
@@ -229,12 +247,11 @@ def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_pt
         mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
         ga = tl.load(addr_ptr + _GRAD * K + k)
         gp = ga.to(tl.pointer_type(tl.float32)) + off
-        dp = address(addr_ptr, _DENOM, K, k) + off
         pp = address(addr_ptr, _PARAM, K, k) + off
         mp = address(addr_ptr, _MOM, K, k) + off
         g = tl.load(gp, mask=mine & ((off * 0 + ga) != 0), other=0.0)
         m = tl.load(mp, mask=mine, other=0.0)
-        d = tl.load(dp, mask=mine, other=1.0)
+        d = denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine)
         p = tl.load(pp, mask=mine, other=0.0)
         m = m * scalar(scal_ptr, k, _B1)
         m = tl.where(ga != 0, m + scalar(scal_ptr, k, _W1) * g, m)
@@ -272,7 +289,8 @@ def zoa_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: i
     receives ``x`` (the padded rest's data, for the caller's plain encode). ``sync``: phase 2's
     synchronisation, ``x = p - sync_params``."""
     t = table
-    args = (t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("denom"), t.ptr("param"), t.K,
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("var"), t.ptr("param"),
+            t.scal.data_ptr(), t.K,
             int(sync))
     return _native.encode_all("zero_one.zoa_encode_all", library().onebit_zoa_encode_all, flat, e, bits, C,
                               n_enc, n_fold, args, isa)
@@ -292,7 +310,7 @@ def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | Non
     library().onebit_zoa_step_all(
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if e is None else e.data_ptr(),
         None if worker_scales is None else worker_scales.data_ptr(), C, len(n), counts.data_ptr(),
-        t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("denom"), t.ptr("momentum"),
+        t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("var"), t.ptr("momentum"),
         t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa), torch.get_num_threads())
 
 
@@ -304,7 +322,7 @@ def zoa_step_range(mean: torch.Tensor, a: int, b: int, table: Table, clip: float
         raise ValueError("zero_one.zoa_step_range: expected b - a contiguous float32 means")
     t = table
     library().onebit_zoa_step_range(mean.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(),
-                                    t.addr[0].data_ptr(), t.ptr("denom"), t.ptr("momentum"), t.ptr("param"),
+                                    t.addr[0].data_ptr(), t.ptr("var"), t.ptr("momentum"), t.ptr("param"),
                                     t.scal.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa))
 
 

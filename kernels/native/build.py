@@ -27,7 +27,9 @@ _HERE = Path(__file__).resolve().parent
 SOURCES = (_HERE / "codec.c", _HERE.parent / "fused" / "adam.c", _HERE.parent / "fused" / "zero_one.c",
            _HERE.parent / "fused" / "hook.c")
 HEADERS = (_HERE / "native.h",)
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+# -fno-math-errno: sqrtf is the instruction (vectorised; correctly rounded either way), not a call
+# that sets errno
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 def _cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for d in (os.path.join(base, "onebit"), os.path.join(tempfile.gettempdir(), f"onebit-{os.getuid()}")):
@@ -100,7 +102,7 @@ SIGNATURES = {
     "onebit_fold_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p i32 i32 i32",
     "onebit_decompress_update_all": "-: p i64 p p p p i64 i32 p p p p p i32 f32 f32 i32 i32",
     "onebit_update": "-: p i64 i64 p p p p i32 f32 f32 i32",
-    "onebit_zoa_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p i32 i32 i32 i32",
+    "onebit_zoa_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p p i32 i32 i32 i32",
     "onebit_zoa_step_all": "-: p i64 p p p i64 i32 p p p p p p p p i32 f32 f32 i32 i32 i32",
     "onebit_zoa_step_range": "-: p i64 i64 p p p p p p p i32 f32 f32 i32 i32",
     "onebit_hook_pre": "f64: p p p f32 i64 i32 i32",
@@ -108,10 +110,11 @@ SIGNATURES = {
     "onebit_hook_decompress": "-: p p i64 p p p i64 i64 i64 i64 p p p p p i32 i32 i32",
     "onebit_hook_pre_range": "f64: p i64 i64 p p p p p i32 i32",
     "onebit_hook_post_range": "-: p i64 i64 p p p p p i32 i32",
-    "onebit_fold": "-: p p p f32 f32 i64 i32 i32",
+    "onebit_fold": "-: p p p f32 f32 f32 f32 f32 i64 i32 i32",
+    "onebit_stale_denominator": "-: p p f32 f32 f32 i64 i32 i32",
     "onebit_stale_update": "-: p p f32 f32 f32 f32 f32 i64 i32 i32",
-    "onebit_stale_step": "-: p p p f32 f32 f32 f32 i64 i32 i32",
-    "onebit_local_step": "-: p p p p f32 f32 f32 f32 f32 f32 i64 i32 i32",
+    "onebit_stale_step": "-: p p p f32 f32 f32 f32 f32 f32 f32 i64 i32 i32",
+    "onebit_local_step": "-: p p p p f32 f32 f32 f32 f32 f32 f32 f32 f32 i64 i32 i32",
     "onebit_hook_pre_only": "-: p p p f32 i64 i32 i32",
     "onebit_hook_post": "-: p p p f32 i64 i32 i32",
     "onebit_frozen_adam": "-: p p p p p f32 f32 f32 f32 f32 f32 i64 i32 i32",

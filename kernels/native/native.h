@@ -106,8 +106,8 @@ static inline void chunk_sums(const int64_t* n_enc, int W, const double* part, i
 }
 
 /* A bucket's table for the fused passes: tensor k covers flat elements [start[k], start[k] + count[k]);
-   the addresses g[k], d[k], p[k] (their meaning is the pass's: see each fused file) and the group's
-   float32 scalars sc[5k .. 5k + 4]. */
+   the addresses g[k], d[k], p[k] (their meaning is the pass's: see each fused file) and the tensor's
+   float32 scalars sc[SC k .. SC k + SC - 1] (onebit.kernels.fused.table). */
 typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int K; } table_t;
 
 /* A per-tensor element-wise pass in three variants from one loop (LOOP: over i in [0, n) of the
@@ -124,6 +124,22 @@ typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int 
 #define ONEBIT_VARIANTS(NAME, ARGS, LOOP) static void NAME##_c ARGS { LOOP }
 #define ONEBIT_PICK(NAME, isa) NAME##_c
 #endif
+
+/* Per tensor, SC float32 scalars; a step that reads a frozen variance v (at d[k]) has the stale
+   denominator's floor, r and eps at SC_FLOOR, SC_FLOOR + 1, SC_FLOOR + 2, and computes d from v run
+   by run (at most DEN_RUN elements into a buffer on the stack): d = max(sqrt(v), floor) * r + eps,
+   each operation rounded (docs/ALGORITHMS.md 6.2; kernels/preconditioning.py's stale_denominator). */
+#define SC 8
+#define SC_FLOOR 5
+#define DEN_RUN 1024
+#define DEN_ARGS (float* restrict out, const float* restrict v, float floor, float r, float eps, int64_t n)
+#define DEN_LOOP for (int64_t i = 0; i < n; i++) { float s = sqrtf(v[i]); s = s < floor ? floor : s; out[i] = s * r + eps; }
+ONEBIT_VARIANTS(den_fill, DEN_ARGS, DEN_LOOP)
+
+/* the stale denominators of v[0, n), n <= DEN_RUN, of the tensor whose scalars are sc, into out */
+static inline void den_run(int isa, float* out, const float* v, const float* sc, int64_t n) {
+  ONEBIT_PICK(den_fill, isa)(out, v, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n);
+}
 
 /* TOTAL = the float64 sum of what BODY adds into `s` on each thread's range [a, b) of [0, n) (whole
    units of UNIT elements, the last thread to n): the threads' sums kept apart and added in thread
