@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..kernels import decompress
 from ..kernels._checks import check_number
 from ..kernels.layout import padded_numel
 from ._failure import guard
@@ -69,10 +70,15 @@ class Bucket:
     offsets: list[int]
     numels: list[int]
     n: int  # elements of the tensors in the bucket
-    flat: torch.Tensor  # float32 [n], or [N] with the padding: what is compressed (momentum)
+    # float32 [n], or [N] with the padding: what is compressed (momentum); None while the bucket is
+    # kept as ``message``
+    flat: torch.Tensor | None
     worker_error: torch.Tensor  # float32 [N]
     server_error: torch.Tensor  # float32 [N / W]
     views: list[torch.Tensor] = field(default_factory=list)
+    # (gathered, layout): the last compressed all-reduce's gathered message, which decodes to what
+    # ``flat`` held after it (sign times its chunk's scale), kept instead of ``flat``
+    message: tuple | None = None
 
     @property
     def numel(self) -> int:
@@ -84,6 +90,10 @@ class BucketedReducer:
 
     ``views[i]`` is tensor i's slice of its bucket, shaped like it. ``compressed_mean_()``
     replaces every bucket by its 1-bit mean over ``group`` (with error feedback);
+    ``keep_as_message(b, gathered, layout)`` keeps bucket ``b``'s values as that mean's message
+    instead (its float buffer freed: 1/32 of the bytes), and reading ``views`` decodes every
+    bucket so kept back into a float buffer (``materialise``; ``on_materialise``, if set, is called
+    after, ``on_release(b)`` where a bucket's buffer was freed: the owner rebinds its state);
     ``average(b, tensors)`` returns the full-precision mean over the group of tensors laid
     out like bucket ``b`` (a view of the scratch buffer, valid until the next call).
 
@@ -117,7 +127,8 @@ class BucketedReducer:
         self.shapes = [torch.Size(s) for s in shapes]
         numels = [s.numel() for s in self.shapes]
         self.buckets: list[Bucket] = []
-        self.views: list[torch.Tensor] = [torch.empty(0)] * len(numels)
+        self._views: list[torch.Tensor | None] = [torch.empty(0)] * len(numels)
+        self.on_release = self.on_materialise = None  # the owner's callbacks (the optimizer's state)
         W = self.world_size
         for indices in plan_buckets(numels, 4, bucket_cap_mb):
             sizes = [numels[i] for i in indices]
@@ -138,7 +149,7 @@ class BucketedReducer:
             for i, off, size in zip(indices, offsets, sizes, strict=True):
                 view = flat[off : off + size].view(self.shapes[i])
                 bucket.views.append(view)
-                self.views[i] = view
+                self._views[i] = view
             self.buckets.append(bucket)
         self._largest = max((b.numel for b in self.buckets), default=0)
         self._device = device
@@ -147,9 +158,70 @@ class BucketedReducer:
         self.allreduce = compressed_allreduce
         self._scratch: torch.Tensor | None = None  # made by average, freed by release_scratch
 
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """Tensor i's slice of its bucket (every bucket kept as a message decoded first)."""
+        if any(b.message is not None for b in self.buckets):
+            self.materialise()
+        return self._views
+
+    def keep_as_message(self, bucket: Bucket, gathered: torch.Tensor, layout) -> None:
+        """Keep ``bucket``'s values as ``gathered`` (the compressed all-reduce's gathered message
+        that its float buffer now holds decoded, of ``layout``) and free that buffer. Not for
+        buckets whose buffer holds padding data (``flat_padding``)."""
+        if bucket.flat is not None and bucket.flat.numel() != bucket.n:
+            raise ValueError("keep_as_message: the bucket's padding is data (flat_padding)")
+        if layout.N != bucket.worker_error.numel():
+            raise ValueError(f"keep_as_message: expected a message of {bucket.worker_error.numel()} "
+                             f"elements, got {layout.N}")
+        bucket.message, bucket.flat, bucket.views = (gathered, layout), None, []
+        for i in bucket.indices:
+            self._views[i] = None
+        if self.on_release is not None:
+            self.on_release(bucket)
+
+    def decoded(self, bucket: Bucket, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``bucket``'s values as float32 [n]: its buffer, or its message decoded into ``out`` (a new
+        tensor where None): the decode is exactly the buffer the all-reduce left."""
+        if bucket.message is None:
+            return bucket.flat[: bucket.n]
+        gathered, layout = bucket.message
+        if out is None:
+            out = torch.empty(bucket.n, dtype=torch.float32, device=self._device)
+        if bucket.n:
+            decompress(gathered, out, layout.W, padded=layout.N)
+        return out
+
+    def materialise(self) -> None:
+        """Every bucket kept as a message back in a float buffer of its own (its views made again),
+        then ``on_materialise``."""
+        done = False
+        for b in self.buckets:
+            if b.message is None:
+                continue
+            flat = self.decoded(b)
+            b.flat, b.message, done = flat, None, True
+            for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
+                view = flat[off : off + size].view(self.shapes[i])
+                b.views.append(view)
+                self._views[i] = view
+        if done and self.on_materialise is not None:
+            self.on_materialise()
+
+    def flat_tail(self, bucket: Bucket) -> torch.Tensor:
+        """The padding part of ``bucket``'s buffer (data with ``flat_padding``; empty otherwise)."""
+        if bucket.flat is None:
+            return torch.empty(0, dtype=torch.float32, device=self._device)
+        return bucket.flat[bucket.n :]
+
     def compressed_mean_(self) -> None:
         """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
         group = self.compress_group
+        self.materialise()
         for b in self.buckets:
             with counting(self.traffic):  # the call's seconds (telemetry) go to this counter too
                 if self.block is None:  # the signature a benchmark's local allreduce may have

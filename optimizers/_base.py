@@ -368,7 +368,18 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
             bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
             traffic=self.traffic,
         )
+        self._reducer.on_release = self._flat_state_released
+        self._reducer.on_materialise = self._bind_state
         self._bind_state()
+
+    def _flat_state_released(self, bucket) -> None:
+        """The reducer keeps ``bucket`` as its last message (``BucketedReducer.keep_as_message``): its
+        parameters' flat state leaves ``self.state`` (``state_dict()`` decodes it into the checkpoint;
+        reading the reducer's views decodes it back, ``_bind_state``)."""
+        (flat_name,) = self.FLAT_STATE
+        pairs = self.compressed_params()
+        for i in bucket.indices:
+            self.state[pairs[i][0]].pop(flat_name, None)
 
     def _bind_state(self) -> None:
         """Point every compressed parameter's flat state at its view of the reducer's buckets and

@@ -121,14 +121,16 @@ class AdamStep:
     device)."""
 
     STEP, FUSED = "adam", adam
+    MESSAGE = True  # the momentum kept as each bucket's last message between steps (see step)
 
     def __init__(self, reducer) -> None:
         self.reducer = reducer
-        device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+        device = reducer.device
         self.backend = backends.select(device, self.STEP).name
         self.tables = [self._table(b, device) for b in reducer.buckets]
         self.last: list = [None] * len(reducer.buckets)  # (gathered, layout, flat._version) per bucket
         self.ready: list | None = None  # the prepared messages, until step or abandon
+        self.scratch: torch.Tensor | None = None  # a kept bucket's momentum decoded for its step
 
     def _table(self, bucket, device) -> Table:
         return self.FUSED.table(list(bucket.offsets), list(bucket.numels), device)
@@ -140,9 +142,9 @@ class AdamStep:
                     "param": [p for _, p, _ in items]},
                    [adam.rows(g, t, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None):
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None):
         if self.backend == "native":
-            return adam.NativePasses(table, clip, msg)
+            return adam.NativePasses(table, clip, msg, kept=kept, n=n)
         return adam.TritonPasses(table, clip)
 
     def forget(self) -> None:
@@ -150,7 +152,7 @@ class AdamStep:
         self.last = [None] * len(self.reducer.buckets)
 
     def _restorable(self) -> bool:
-        return all(last is not None and last[2] == b.flat._version
+        return all(b.flat is not None and last is not None and last[2] == b.flat._version
                    for b, last in zip(self.reducer.buckets, self.last, strict=True) if b.numel)
 
     def _W(self) -> int:
@@ -191,8 +193,26 @@ class AdamStep:
                 adam.NativePasses.decode(gathered, layout, b.flat)
                 self.last[k] = (gathered, layout, b.flat._version)
 
+    def _momentum(self, b) -> torch.Tensor:
+        """Bucket ``b``'s momentum as float32 for its step: its buffer, or (a kept message) in the C
+        passes nothing (they decode the message as they read it), in Triton's the message decoded into
+        the scratch buffer (as large as the largest bucket, kept)."""
+        if b.message is None:
+            return b.flat
+        if self.backend == "native":
+            return torch.empty(0, dtype=torch.float32, device=self.reducer.device)
+        largest = max(x.numel for x in self.reducer.buckets)
+        if self.scratch is None or self.scratch.numel() < largest:
+            self.scratch = torch.empty(largest, dtype=torch.float32, device=self.reducer.device)
+        return self.reducer.decoded(b, self.scratch[: b.numel])
+
     def step(self, opt, pairs, t: int) -> None:
-        """Every bucket's step (the worker pass already done where ``prepare`` ran)."""
+        """Every bucket's step (the worker pass already done where ``prepare`` ran). With ``MESSAGE``
+        each bucket's momentum is then kept as the step's gathered message: after a compressed
+        step the momentum is exactly that message's decode (sign times its chunk's scale), so the
+        next step decodes it into the scratch buffer and runs the same passes on it, bitwise the
+        run that keeps the float32 buffer (the buffer's 4 bytes per parameter become 1/8 + the
+        scales; ``prepare`` then declines: the agreement reads the gradients itself)."""
         reducer, ready = self.reducer, self.ready
         self.ready = None
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
@@ -202,12 +222,17 @@ class AdamStep:
                 continue
             if ready is None:
                 self._fill(opt, pairs, t, b, table)
-            passes = self._passes(table, clip, None if ready is None else ready[k])
+            native_kept = self.backend == "native" and b.message is not None
+            passes = self._passes(table, clip, None if ready is None else ready[k],
+                                  kept=b.message if native_kept else None, n=b.numel)
+            u = self._momentum(b)
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
-                compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, reducer.group,
+                compressed_allreduce_passes(u, b.worker_error, b.server_error, reducer.group,
                                             passes, local=local)
             reducer.count_compressed(b)
-            if self.backend == "native":
+            if self.MESSAGE:
+                reducer.keep_as_message(b, passes.gathered, passes.layout)
+            elif self.backend == "native":
                 self.last[k] = (passes.gathered, passes.layout, b.flat._version)
 
 
@@ -217,6 +242,7 @@ class ZeroOneStep(AdamStep):
     accumulator's padded rests, which the C passes use)."""
 
     STEP, FUSED, SYNC = "zoa", zero_one, False
+    MESSAGE = False  # the accumulator is not a momentum: it stays a float32 buffer
 
     def _table(self, bucket, device) -> Table:
         return zero_one.table(list(bucket.offsets), list(bucket.numels), device, sync=self.SYNC)
@@ -229,7 +255,7 @@ class ZeroOneStep(AdamStep):
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
                    [zero_one.rows(g, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None):
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None):
         if self.backend == "native":
             kind = zero_one.NativeSyncPasses if self.SYNC else zero_one.NativePasses
             return kind(table, clip, msg)
@@ -306,8 +332,7 @@ def plan(opt, attr: str, reducer, kind):
     """The fused step ``kind(reducer)`` kept in ``opt``'s attribute ``attr`` while the reducer lives
     and its step's backend stays the one it was built for."""
     cached = getattr(opt, attr, None)
-    device = reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
-    backend = backends.select(device, kind.STEP).name
+    backend = backends.select(reducer.device, kind.STEP).name
     if cached is None or cached.reducer is not reducer or cached.backend != backend:
         cached = kind(reducer)
         setattr(opt, attr, cached)

@@ -43,10 +43,11 @@ class StateIO:
             "worker_errors": [we for we, _ in reducer.errors()],
             "server_errors": [se for _, se in reducer.errors()],
             # with FLAT_PADDING the padding is data the next call compresses
-            "flat_tails": [b.flat[b.n :] for b in reducer.buckets],
+            "flat_tails": [reducer.flat_tail(b) for b in reducer.buckets],
             "counters": {name: getattr(self, name) for name in self.COUNTERS + ("skipped_steps",)},
             "traffic": self.traffic.state(),
         }
+        self._add_kept_momenta(state_dict, reducer)
         sharding = self._sharding
         if sharding is not None:  # DTensor parameters: their state as DTensors (what DCP saves per slice)
             params = [p for g in self.param_groups for p in g["params"]]
@@ -57,6 +58,24 @@ class StateIO:
                         local = entry[name].clone() if name in self.FLAT_STATE else entry[name]
                         entry[name] = sharding.wrap(local, params[key])
         return state_dict
+
+    def _add_kept_momenta(self, state_dict: dict, reducer) -> None:
+        """The flat state of the buckets kept as messages (``BucketedReducer.keep_as_message``: not in
+        ``self.state`` then), decoded into new tensors: a checkpoint holds it as float32 either way."""
+        kept = [b for b in reducer.buckets if b.message is not None]
+        if not kept or "param_groups" not in state_dict:  # (rank_state: no per-parameter state)
+            return
+        (flat_name,) = self.FLAT_STATE
+        params = [p for g in self.param_groups for p in g["params"]]
+        key_of = {id(p): key for key, p in enumerate(params)}
+        pairs = self.compressed_params()
+        for b in kept:
+            flat = reducer.decoded(b)
+            for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
+                key = key_of[id(pairs[i][0])]
+                entry = dict(state_dict["state"].get(key, {}))  # torch's entry is self.state's own dict
+                entry[flat_name] = flat[off : off + size].view(reducer.shapes[i])
+                state_dict["state"][key] = entry
 
     def _stash_loaded_state(self, state_dict: dict) -> dict:
         state_dict = dict(state_dict)
@@ -129,14 +148,14 @@ class StateIO:
                 we.copy_(we_saved)
                 se.copy_(se_saved)
             for b, tail in zip(reducer.buckets, extra.get("flat_tails", []), strict=False):
-                b.flat[b.n :].copy_(tail)
+                reducer.flat_tail(b).copy_(tail)
             # this rank's own state, loaded after another's (a framework's rank-0 checkpoint, then
             # onebit's per-rank file): nothing foreign is left to report
             self._foreign_state = False
         else:
             reducer.reset_errors()
             for b in reducer.buckets:
-                b.flat[b.n :].zero_()
+                reducer.flat_tail(b).zero_()
             self._foreign_state = True  # said once for the group at the next step (_say_foreign_state)
         if extra is not None:
             for name, value in extra.get("counters", {}).items():

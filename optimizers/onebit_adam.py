@@ -26,8 +26,11 @@ class OnebitAdam(WarmupThenCompress):
 
     Groups with ``non_freeze=True`` keep full-precision averaging and a live variance.
     A parameter whose ``.grad`` is None counts as having a zero gradient on this rank.
-    Optimizer state per parameter: ``exp_avg`` and ``exp_avg_sq`` (float32, 8 bytes per
-    element) plus the bucket's error buffers (about 4 + 4/W bytes per element).
+    Optimizer state per parameter: ``exp_avg_sq`` (float32, 4 bytes per element; the stale
+    denominator is computed from it where it is read), the momentum ``exp_avg`` (float32; in the
+    compression stage, between fused steps, kept as its last 1-bit message: 1/8 byte, and
+    ``state_dict()`` decodes it) and the bucket's error buffers (about 4 + 4/W bytes per element):
+    ``onebit.memory.bytes_per_parameter(opt)`` counts them.
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
 

@@ -45,7 +45,7 @@ def _train(fused: bool, rank: int, local: bool = False, backend: str | None = No
             used.append(_fused.applies(opt, opt.reducer(), opt.compressed_params()))
             opt.step()
     red = opt.reducer()
-    return ([p.detach().clone() for p in params], [b.flat.clone() for b in red.buckets],
+    return ([p.detach().clone() for p in params], [red.decoded(b).clone() for b in red.buckets],
             [e.clone() for pair in red.errors() for e in pair], used)
 
 
@@ -119,9 +119,20 @@ def _local(tensor, we, se, group=None):
 _local.local_compute = True
 
 
-def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip", local: bool = True):
+def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip", local: bool = True,
+              message: bool = False):
     """Six steps, step 4 with an infinite gradient on ``bad_rank``: the states before and after
-    it, the final state, and how often the gradients were read for the agreement."""
+    it, the final state, and how often the gradients were read for the agreement. ``message``: the
+    momentum kept as its last message between fused steps (``AdamStep.MESSAGE``; False: the float32
+    buffer, which lets ``prepare`` run)."""
+    kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, message
+    try:
+        return _skipping_run(fused, rank, bad_rank, policy, local)
+    finally:
+        _fused.AdamStep.MESSAGE = kept
+
+
+def _skipping_run(fused: bool, rank: int, bad_rank: int, policy: str, local: bool):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = OnebitAdam(params, lr=1e-2, freeze_step=2, bucket_cap_mb=0.2, nonfinite=policy)
@@ -137,7 +148,7 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
                 p.grad = torch.randn(p.shape, generator=g)
             if step == 4 and rank == bad_rank:
                 params[4].grad[123] = float("inf")
-            state = [t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]
+            state = [t.clone() for t in [p.detach() for p in params] + [red.decoded(b) for b in red.buckets]
                      + [e for pair in red.errors() for e in pair]]
             said = step == 4 and policy == "skip" and rank == 0  # the skip's warning: group rank 0's
             warned = pytest.warns(RuntimeWarning, match="step skipped on every") if said else nullcontext()
@@ -148,12 +159,27 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
                 assert policy == "raise" and step == 4
             if step == 4:
                 states.append(state)
-                states.append([t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]
+                kept = [red.decoded(b) for b in red.buckets]
+                states.append([t.clone() for t in [p.detach() for p in params] + kept
                                + [e for pair in red.errors() for e in pair]])
-    final = [t.clone() for t in [p.detach() for p in params] + [b.flat for b in red.buckets]]
+    final = [t.clone() for t in [p.detach() for p in params] + [red.decoded(b) for b in red.buckets]]
     return states, final, len(reads), opt.skipped_steps
 
 
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_skipped_step_with_the_momentum_kept_as_a_message_changes_nothing(policy):
+    # the momentum kept as its last message: prepare declines (the agreement reads the gradients
+    # every step), the skipped step writes nothing, and the run is bitwise the float32 buffer's
+    (before, after), final, reads, skipped = _skipping(True, policy=policy, message=True)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+    (before1, _), final1, reads1, skipped1 = _skipping(True, policy=policy, message=False)
+    assert skipped == skipped1 == (1 if policy == "skip" else 0)
+    assert reads == 6 and reads1 == 3
+    for a, b in zip(before + final, before1 + final1, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
@@ -178,14 +204,18 @@ def test_a_skipped_step_restores_the_prepared_momentum_bitwise(policy):
 def _skip_body():
     import torch.distributed as dist
 
-    return _skipping(True, dist.get_rank(), bad_rank=2, local=False), _skipping(False, dist.get_rank(), 2,
-                                                                                 local=False)
+    rank = dist.get_rank()
+    return (_skipping(True, rank, bad_rank=2, local=False), _skipping(False, rank, 2, local=False),
+            _skipping(True, rank, 2, local=False, message=True))
 
 
 def test_a_skip_on_one_rank_restores_every_rank(ranks):
     results = ranks(3).run(_skip_body)
-    for ((before, after), final, reads, skipped), (_, final0, reads0, skipped0) in results:
+    for ((before, after), final, reads, skipped), (_, final0, reads0, skipped0), kept in results:
         assert skipped == skipped0 == 1 and reads == 3 and reads0 == 6
+        (kept_before, kept_after), kept_final, _, _ = kept  # the momentum kept as its message: bitwise
+        for a, b in zip(kept_before + [*kept_after, *kept_final], before + [*after, *final], strict=True):
+            assert torch.equal(a, b)
         for a, b in zip(before, after, strict=True):
             assert torch.equal(a, b)
         for a, b in zip(final, final0, strict=True):
@@ -206,7 +236,8 @@ def _one_tensor():
     return p, opt, reads
 
 
-def test_a_loaded_momentum_is_not_restored_from_an_old_message():
+def test_a_loaded_momentum_is_not_restored_from_an_old_message(monkeypatch):
+    monkeypatch.setattr(_fused.AdamStep, "MESSAGE", False)  # prepare needs the float32 buffer
     # a checkpoint's load writes the momentum: the next step reads the gradients again (the
     # message it kept no longer decodes to the momentum)
     p, opt, reads = _one_tensor()
@@ -220,15 +251,16 @@ def test_a_loaded_momentum_is_not_restored_from_an_old_message():
     opt.load_state_dict(sd)
     p.grad = torch.randn(70001)
     p.grad[5] = float("nan")
-    before = opt.reducer().buckets[0].flat.clone()
+    before = opt.reducer().decoded(opt.reducer().buckets[0]).clone()
     with pytest.warns(RuntimeWarning, match="step skipped on every rank"):
         opt.step()
     assert len(reads) == 3 and opt.skipped_steps == 1
-    assert torch.equal(opt.reducer().buckets[0].flat, before)
+    assert torch.equal(opt.reducer().decoded(opt.reducer().buckets[0]), before)
     assert torch.equal(before, sd["state"][0]["exp_avg"])
 
 
-def test_an_unfused_step_in_between_is_not_undone_from_an_older_message():
+def test_an_unfused_step_in_between_is_not_undone_from_an_older_message(monkeypatch):
+    monkeypatch.setattr(_fused.AdamStep, "MESSAGE", False)  # prepare needs the float32 buffer
     # an unfused step writes the momentum: the fused step's message no longer decodes to it (the
     # optimizer forgets it, and the momentum's version moved), so the next skip restores nothing
     # from it and leaves the unfused step's momentum
@@ -238,17 +270,18 @@ def test_an_unfused_step_in_between_is_not_undone_from_an_older_message():
         with fused_steps(None if fused else "plain"):
             p.grad = torch.randn(70001)
             opt.step()
-        flats.append(opt.reducer().buckets[0].flat.clone())
+        flats.append(opt.reducer().decoded(opt.reducer().buckets[0]).clone())
     before, middle = flats[-2:]
     assert not torch.equal(middle, before)
     p.grad = torch.randn(70001)
     p.grad[9] = float("inf")
     with pytest.warns(RuntimeWarning, match="step skipped on every rank"):
         opt.step()
-    assert opt.skipped_steps == 1 and torch.equal(opt.reducer().buckets[0].flat, middle)
+    assert opt.skipped_steps == 1 and torch.equal(opt.reducer().decoded(opt.reducer().buckets[0]), middle)
 
 
 def test_a_prepare_that_raises_halfway_restores_the_momentum(monkeypatch):
+    monkeypatch.setattr(_fused.AdamStep, "MESSAGE", False)  # prepare needs the float32 buffer
     # the second bucket's encode fails after the first bucket was folded: the step raises and the
     # momentum of every bucket is as it was
     torch.manual_seed(0)
@@ -261,7 +294,7 @@ def test_a_prepare_that_raises_halfway_restores_the_momentum(monkeypatch):
         for p in params:
             p.grad = torch.randn(p.shape)
         opt.step()
-    before = [b.flat.clone() for b in red.buckets]
+    before = [red.decoded(b).clone() for b in red.buckets]
     assert opt._fused_cache.backend == "native"
     calls, encode = [], adam.NativePasses.encode_all
 
@@ -278,4 +311,4 @@ def test_a_prepare_that_raises_halfway_restores_the_momentum(monkeypatch):
         opt.step()
     assert len(calls) == 2
     for a, b in zip(red.buckets, before, strict=True):
-        assert torch.equal(a.flat, b)
+        assert torch.equal(red.decoded(a), b)

@@ -167,7 +167,7 @@ def _train(fused: bool, rank: int, world: int, steps: int = 6, local: bool = Fal
             used.append(_fused.applies(opt, opt.reducer(), opt.compressed_params()))
             opt.step()
     red = opt.reducer()
-    return ([p.detach().cpu() for p in params], [b.flat.cpu() for b in red.buckets],
+    return ([p.detach().cpu() for p in params], [red.decoded(b).cpu() for b in red.buckets],
             [e.cpu() for pair in red.errors() for e in pair], used)
 
 

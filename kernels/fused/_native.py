@@ -32,14 +32,18 @@ def check_step(name: str, bits, scales, e, worker_scales, C: int, n: list[int], 
                          "contiguous float32 flat and e, and per chunk n (a multiple of 8) <= C")
 
 
-def encode_all(name: str, fn, flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int,
-               n_enc: list[int], n_fold: list[int], table_args: tuple, isa: int | None) -> list[float]:
+def encode_all(name: str, fn, flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tensor, C: int,
+               n_enc: list[int], n_fold: list[int], table_args: tuple, isa: int | None,
+               n: int | None = None) -> list[float]:
     """The call of a worker pass over every chunk of a bucket (chunk j's ``[j C, j C + n_enc[j])``
     encoded into ``bits[j]``, its step's maths to ``j C + n_fold[j]``): each chunk's float64 sum of
-    squares, its threads' partial sums added in thread order."""
+    squares, its threads' partial sums added in thread order. ``flat`` None: the pass holds no float
+    values (a momentum kept as a message, in ``table_args``), the bucket's ``n`` elements."""
     W = len(n_enc)
-    if not (_f32(flat) and _f32(e) and rows_ok(bits, C, W) and len(n_fold) == W
-            and all(a % 8 == 0 and 0 <= a <= b <= C and (b == 0 or (j * C + b <= flat.numel()
+    size = flat.numel() if flat is not None else n
+    if not ((flat is None or _f32(flat)) and size is not None and _f32(e) and rows_ok(bits, C, W)
+            and len(n_fold) == W
+            and all(a % 8 == 0 and 0 <= a <= b <= C and (b == 0 or (j * C + b <= size
                                                                   and j * C + a <= e.numel()))
                     for j, (a, b) in enumerate(zip(n_enc, n_fold, strict=True)))):
         raise ValueError(f"{name}: expected contiguous float32 flat and e, bits [W, C / 8] with contiguous "
@@ -47,21 +51,52 @@ def encode_all(name: str, fn, flat: torch.Tensor, e: torch.Tensor, bits: torch.T
     enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
     threads = torch.get_num_threads()
     sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
-    fn(flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W, enc.data_ptr(), fold.data_ptr(),
-       sums.data_ptr(), part.data_ptr(), *table_args, _isa(isa), threads)
+    fn(None if flat is None else flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W,
+       enc.data_ptr(), fold.data_ptr(), sums.data_ptr(), part.data_ptr(), *table_args, _isa(isa), threads)
     return sums.tolist()
+
+
+class Tails:
+    """A bucket's values where only its padded rests' data (fewer than 8 elements per chunk, at
+    ``[mid, min(hi, n))`` of :func:`onebit.kernels._chunks.split`) are held, 8 floats per chunk: what
+    the padded rests' code reads and writes in place of the flat buffer where the fused passes hold
+    no float values (a momentum kept as a message)."""
+
+    def __init__(self, layout, n: int) -> None:
+        self.n, self.values = n, torch.zeros(8 * layout.W, dtype=torch.float32)
+        self.starts = {_chunks.split(layout, n, j)[1]: j for j in range(layout.W)}
+
+    def numel(self) -> int:
+        return self.n
+
+    def _part(self, key: slice) -> torch.Tensor:
+        j = self.starts.get(key.start)
+        if j is None or key.stop - key.start > 8 or key.step not in (None, 1):
+            raise IndexError(f"Tails: [{key.start}, {key.stop}) is not a padded rest's data")
+        return self.values[8 * j : 8 * j + key.stop - key.start]
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        return self._part(key)
+
+    def __setitem__(self, key: slice, value) -> None:
+        self._part(key).copy_(value)
 
 
 class NativePasses:
     """``compressed_allreduce_passes``' worker and finish for a fused step's C passes. A step's
     subclass gives ``encode_all(flat, e, bits, C, n_enc, n_fold)`` (the worker pass of every chunk:
     the sums), ``step_all(bits, scales, flat, e, ws, C, n)`` (the decompress pass of every chunk) and
-    ``tail(flat, a, b)`` (its maths over a padded rest's decoded elements). ``msg``: the message a
-    ``prepare`` already built (the worker pass then does nothing)."""
+    ``tail(values, a, b)`` (its maths over a padded rest's decoded elements ``values[a:b]``). ``msg``:
+    the message a ``prepare`` already built (the worker pass then does nothing). ``kept``: the
+    ``(gathered, layout)`` that holds the values instead of the flat buffer (the call's ``flat`` is
+    then empty; ``n`` the bucket's elements): the passes decode it as they read it (OnebitAdam's
+    momentum kept as its last message, optimizers/_fused.py)."""
 
-    def __init__(self, table, clip: float, msg: torch.Tensor | None = None) -> None:
+    def __init__(self, table, clip: float, msg: torch.Tensor | None = None, kept=None,
+                 n: int | None = None) -> None:
         self.table, self.clip = table, clip
         self.gathered = self.layout = None
+        self.kept, self.n, self.tails = kept, n, None
         if msg is not None:  # the prepared message (collectives._async.worker_message)
             def ready(layout):
                 if msg.numel() != layout.message_bytes:
@@ -69,6 +104,13 @@ class NativePasses:
                 return msg
 
             self.ready = ready
+
+    def old(self):
+        """The kept message's (bits [W, C / 8], scales [W] contiguous), or None."""
+        if self.kept is None:
+            return None
+        gathered, layout = self.kept
+        return message_bits(gathered, layout), message_scales(gathered, layout).contiguous()
 
     @staticmethod
     def decode(gathered, layout, flat) -> None:
@@ -82,32 +124,49 @@ class NativePasses:
             if hi > mid:
                 _chunks.decode_tail(bits, scales, flat, None, None, layout, j, lo, mid, hi)
 
+    def _values(self, flat, layout):
+        """What the padded rests' code reads: ``flat``, or this call's :class:`Tails`."""
+        if self.kept is None:
+            return flat
+        if self.tails is None:
+            self.tails = Tails(layout, self.n)
+        return self.tails
+
     def worker(self, flat, worker_error, layout, msg) -> None:
         """``worker_compress(update_error=False)`` of what the step encodes, no block scales, as
         :func:`onebit.kernels.native.codec.worker_compress` computes it (every chunk in one C call)."""
-        n, splits = flat.numel(), [_chunks.split(layout, flat.numel(), j) for j in range(layout.W)]
-        sums = self.encode_all(flat, worker_error, message_bits(msg, layout), layout.C,
+        values = self._values(flat, layout)
+        n = values.numel()
+        splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
+        source = None if self.kept is not None else flat
+        sums = self.encode_all(source, worker_error, message_bits(msg, layout), layout.C,
                                [mid - lo for lo, mid, _ in splits],
                                [max(0, min(hi, n) - lo) for lo, _, hi in splits])
 
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
             return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
 
-        _chunks.encode_chunks(flat, worker_error, layout, msg, piece)
+        _chunks.encode_chunks(values, worker_error, layout, msg, piece)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         """decompress (with the deferred worker error where the scales are finite) with the step's
         maths inside (every chunk in one C call, then the padded rests)."""
         self.gathered, self.layout = gathered, layout  # kept: a restore decodes them (abandon)
-        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
+        values = self._values(flat, layout)
+        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), values.numel()
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout)
         splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
         e, ws = (worker_error, s_w.contiguous()) if update else (None, None)
-        self.step_all(bits, scales.contiguous(), flat, e, ws, layout.C, [mid - lo for lo, mid, _ in splits])
+        counts = [mid - lo for lo, mid, _ in splits]
+        if self.kept is None:
+            self.step_all(bits, scales.contiguous(), flat, e, ws, layout.C, counts)
+        else:  # the worker pass left z = u + e in the error: the pass needs it either way
+            self.step_all(bits, scales.contiguous(), None, worker_error, s_w.contiguous(), layout.C, counts,
+                          update=update)
         for j, (lo, mid, hi) in enumerate(splits):  # the padded rests: the plain path's arithmetic
             if hi == mid:
                 continue
-            _chunks.decode_tail(bits, scales, flat, e, s_w, layout, j, lo, mid, hi)
+            _chunks.decode_tail(bits, scales, values, e, s_w, layout, j, lo, mid, hi)
             if mid < n:
-                self.tail(flat, mid, min(hi, n))
+                self.tail(values, mid, min(hi, n))

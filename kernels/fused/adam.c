@@ -21,7 +21,8 @@ __attribute__((target("avx2,fma"))) static void update_256(float* p, const float
 #endif
 
 
-static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
+/* the fold over flat elements [a, b), u pointing at element a's momentum */
+static void fold_range(int isa, float* u, int64_t a, int64_t b, const table_t* t, int* k) {
   int64_t lo, hi;
   float d[DEN_RUN] __attribute__((aligned(64)));
   for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
@@ -33,15 +34,17 @@ static void fold_range(int isa, float* flat, int64_t a, int64_t b, const table_t
       const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
       den_run(isa, d, (const float*)t->d[kk] + o, sc, n);
 #ifdef ONEBIT_X86
-      if (isa >= 2) { fold_512(flat + r, g, d, b1, w, n); continue; }
-      if (isa == 1) { fold_256(flat + r, g, d, b1, w, n); continue; }
+      if (isa >= 2) { fold_512(u + (r - a), g, d, b1, w, n); continue; }
+      if (isa == 1) { fold_256(u + (r - a), g, d, b1, w, n); continue; }
 #endif
-      fold_c(flat + r, g, d, b1, w, n);
+      fold_c(u + (r - a), g, d, b1, w, n);
     }
   }
 }
 
-static void update_range(int isa, const float* flat, int64_t a, int64_t b, const table_t* t, float lo_c, float hi_c, int* k) {
+/* the update over flat elements [a, b), u pointing at element a's decoded mean */
+static void update_range(int isa, const float* u, int64_t a, int64_t b, const table_t* t, float lo_c, float hi_c,
+                         int* k) {
   int64_t lo, hi;
   for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
        kk++) {
@@ -49,10 +52,10 @@ static void update_range(int isa, const float* flat, int64_t a, int64_t b, const
     float* p = (float*)t->p[kk] + (lo - t->start[kk]);
     const float* sc = t->sc + SC * kk;
 #ifdef ONEBIT_X86
-    if (isa >= 2) { update_512(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
-    if (isa == 1) { update_256(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
+    if (isa >= 2) { update_512(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
+    if (isa == 1) { update_256(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
 #endif
-    update_c(p, flat + lo, sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo);
+    update_c(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo);
   }
 }
 
@@ -61,10 +64,11 @@ static void update_range(int isa, const float* flat, int64_t a, int64_t b, const
    in one loop, the folded u stored and used from the register; bitwise den_run, fold_512 then
    blocks_avx512 over the run (the same operations, the same float64 accumulation order): d from v
    as den_fill computes it (max(floor, s) is s where s is NaN, and s for equal zeros: C's
-   s < floor ? floor : s). */
+   s < floor ? floor : s). keep_z: z = u + e stored over e where z is finite (the momentum kept as a
+   message: onebit_decompress_update_all). */
 __attribute__((target("avx512f")))
-static double fold_encode_run512(float* u, const float* g, const float* v, const float* e, uint8_t* bits,
-                                 const float* sc, int64_t n) {
+static double fold_encode_run512(float* u, const float* g, const float* v, float* e, uint8_t* bits,
+                                 const float* sc, int64_t n, int keep_z) {
   const float b1 = sc[0], w = sc[1];
   const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w), vf = _mm512_set1_ps(sc[SC_FLOOR]),
                vr = _mm512_set1_ps(sc[SC_FLOOR + 1]), ve = _mm512_set1_ps(sc[SC_FLOOR + 2]);
@@ -76,6 +80,8 @@ static double fold_encode_run512(float* u, const float* g, const float* v, const
                              _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), d));
     _mm512_storeu_ps(u + i, x);
     __m512 z = _mm512_add_ps(x, _mm512_loadu_ps(e + i));
+    if (keep_z) /* where z - z == 0: z finite */
+      _mm512_mask_storeu_ps(e + i, _mm512_cmp_ps_mask(_mm512_sub_ps(z, z), _mm512_setzero_ps(), _CMP_EQ_OQ), z);
     __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
     bits[i / 8] = REV[m & 255];
     bits[i / 8 + 1] = REV[m >> 8];
@@ -86,6 +92,9 @@ static double fold_encode_run512(float* u, const float* g, const float* v, const
     den_fill_c(d, v + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
     for (int64_t k = i; k < n; k++) u[k] = u[k] * b1 + (w * g[k]) / d[k - i];
     __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, u + i), _mm512_maskz_loadu_ps(0xFF, e + i));
+    if (keep_z)
+      _mm512_mask_storeu_ps(e + i, 0xFF & _mm512_cmp_ps_mask(_mm512_sub_ps(z, z), _mm512_setzero_ps(), _CMP_EQ_OQ),
+                            z);
     __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
     bits[i / 8] = REV[m & 255];
     __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
@@ -111,18 +120,21 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
    tail) up to j C + n_fold[j]; sums[j] its float64 total: each thread's runs in order, the threads'
    partial sums in thread order (chunk_part: one thread below 65536 elements, as cpu_simd._threads),
    so a chunk's sum does not depend on the other chunks. part: the caller's W * threads doubles. */
-void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
                             const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                             const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
-                            const float* sc, int K, int isa, int threads) {
+                            const float* sc, int K, const uint8_t* old_bits, int64_t old_stride,
+                            const float* old_scales, float* tails, int isa, int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, 0, sc, K};
   blocks_fn f = pick(isa);
+  decompress_fn dec = pick_decompress(isa);
   const int P = threads;
   int used = 1;
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
+    float ub[RUN] __attribute__((aligned(64)));
     if (t == 0) used = T;
     for (int j = 0; j < W; j++) {
       int64_t off = j * C, lo, hi;
@@ -131,18 +143,24 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
       k = 0;
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
+        float* u = flat ? flat + off + i : ub;
+        if (!flat) dec(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
 #ifdef ONEBIT_X86
         int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
         if (kk >= 0) { /* one loop (fold_encode_run512) */
           int64_t o = off + i - tab.start[kk];
-          r = fold_encode_run512(flat + off + i, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, e + off + i,
-                                 bits + j * stride + i / 8, tab.sc + SC * kk, len);
+          r = fold_encode_run512(u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, e + off + i,
+                                 bits + j * stride + i / 8, tab.sc + SC * kk, len, !flat);
           acc += r;
           continue;
         }
 #endif
-        fold_range(isa, flat, off + i, off + i + len, &tab, &k);
-        f(flat + off + i, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        fold_range(isa, u, off + i, off + i + len, &tab, &k);
+        f(u, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        if (!flat) { /* z = u + e (the encode's) kept over e where finite: the decompress pass reads it */
+          float* ez = e + off + i;
+          for (int64_t q = 0; q < len; q++) { float z = u[q] + ez[q]; ez[q] = z - z == 0.0f ? z : ez[q]; }
+        }
         acc += r;
       }
       part[(size_t)j * P + t] = acc;
@@ -150,7 +168,14 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
   }
   for (int j = 0; j < W; j++) {
     int k = 0;
-    if (n_fold[j] > n_enc[j]) fold_range(isa, flat, j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
+    if (n_fold[j] <= n_enc[j]) continue;
+    float* u = flat ? flat + j * C + n_enc[j] : tails + 8 * j;
+    if (!flat) { /* the padded rest's data (fewer than 8 elements): its old values from the message */
+      float byte[8];
+      dec(old_bits + j * old_stride + n_enc[j] / 8, old_scales + j, 0, byte, 0, 0, 0, 8, 8);
+      for (int64_t q = 0; q < n_fold[j] - n_enc[j]; q++) u[q] = byte[q];
+    }
+    fold_range(isa, u, j * C + n_enc[j], j * C + n_fold[j], &tab, &k);
   }
   chunk_sums(n_enc, W, part, P, used, sums);
 }
@@ -158,35 +183,58 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
 /* The decompress pass of all W chunks of a bucket in one parallel region, the update inside: run by
    run, the decode (with the deferred worker error where e is not NULL), then the parameters the run
    covers updated. Chunk j's elements [j C, j C + n[j]) from bits + j stride, scale s[j], worker
-   scale ws[j]. */
+   scale ws[j]. flat NULL: the momentum is kept as the last message (old_bits + j old_stride,
+   old_scales[j]) and the worker pass left z = u + e in e (onebit_fold_encode_all); the decoded mean
+   goes to a run buffer the update reads. update: whether the error is updated (every scale finite):
+   e = z - ws sgn(z), decompress's own arithmetic on z (out 0: 0 + z is z, the sign of a zero aside,
+   which copysign(ws, z + 0) ignores); where not, e = z - u with u folded again from the message
+   (the worker's u, bitwise): the error the float32 buffer's run keeps, to its last rounding, and
+   exactly where z was not finite (the worker pass left e there; u is not finite there either,
+   but for a u + e past float32's range). */
 void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const float* s, float* flat, float* e,
                                   const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
-                                  const int64_t* count, const int64_t* p, const float* sc, int K, float lo_c,
-                                  float hi_c, int isa, int threads) {
+                                  const int64_t* count, const int64_t* g, const int64_t* d, const int64_t* p,
+                                  const float* sc, int K, float lo_c, float hi_c, const uint8_t* old_bits,
+                                  int64_t old_stride, const float* old_scales, int update, int isa, int threads) {
   enum { RUN = 4096 };
-  table_t tab = {start, count, 0, 0, p, sc, K};
+  table_t tab = {start, count, g, d, p, sc, K};
   decompress_fn f = pick_decompress(isa);
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
+    float ub[RUN] __attribute__((aligned(64)));
     for (int j = 0; j < W; j++) {
-      int k = 0;
+      int k = 0, kf = 0;
       int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
-        f(bits + j * stride + i / 8, s + j, 0, flat + off + i, e ? e + off + i : 0, e ? ws + j : 0, 0, len, len);
-        update_range(isa, flat, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+        if (flat) {
+          f(bits + j * stride + i / 8, s + j, 0, flat + off + i, e ? e + off + i : 0, e ? ws + j : 0, 0, len, len);
+          update_range(isa, flat + off + i, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+          continue;
+        }
+        if (update) {
+          memset(ub, 0, (size_t)len * sizeof(float));
+        } else { /* e back from z: z - u */
+          f(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
+          fold_range(isa, ub, off + i, off + i + len, &tab, &kf);
+          float* ez = e + off + i; /* where u is not finite, z was not: e was kept */
+          for (int64_t q = 0; q < len; q++) ez[q] = ub[q] - ub[q] == 0.0f ? ez[q] - ub[q] : ez[q];
+        }
+        f(bits + j * stride + i / 8, s + j, 0, ub, update ? e + off + i : 0, update ? ws + j : 0, 0, len, len);
+        update_range(isa, ub, off + i, off + i + len, &tab, lo_c, hi_c, &k);
       }
     }
   }
 }
 
-/* The update alone over flat elements [a, b) (a chunk's tail, decoded by the caller). */
-void onebit_update(const float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count, const int64_t* p,
+/* The update alone over flat elements [a, b) (a chunk's tail, decoded by the caller), u pointing at
+   element a's decoded mean. */
+void onebit_update(const float* u, int64_t a, int64_t b, const int64_t* start, const int64_t* count, const int64_t* p,
                    const float* sc, int K, float lo_c, float hi_c, int isa) {
   table_t tab = {start, count, 0, 0, p, sc, K};
   int k = 0;
-  update_range(isa, flat, a, b, &tab, lo_c, hi_c, &k);
+  update_range(isa, u, a, b, &tab, lo_c, hi_c, &k);
 }
 
 /* ---- The per-tensor passes of OnebitAdam's unfused compression step (where the fused passes above

@@ -176,51 +176,70 @@ class TritonPasses:
 
     def __init__(self, table: Table, clip: float) -> None:
         self.table, self.clip = table, clip
+        self.gathered = self.layout = None
 
     def worker(self, flat, worker_error, layout, msg) -> None:
         fold_worker(flat, worker_error, layout, msg, self.table)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
+        self.gathered, self.layout = gathered, layout  # kept: the momentum's message
         decompress_update(gathered, layout, flat, worker_error, msg, self.table, self.clip)
 
 
 # ---- native C (kernels/fused/adam.c) -----------------------------------------------------------
 
-def fold_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
-                    n_fold: list[int], table: Table, isa: int | None = None) -> list[float]:
-    """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``, d from v) and encode ``flat + e`` into
-    the message rows in the same pass, for every chunk of a bucket in one call: chunk j's elements
-    ``[j C, j C + n_enc[j])`` encoded into ``bits[j]`` (a message's ``[W, C / 8]`` rows), its fold
-    to ``j C + n_fold[j]``; returns each chunk's float64 sum of squares, bitwise what W calls, each
-    with the other chunks empty, return."""
+def fold_encode_all(flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
+                    n_fold: list[int], table: Table, isa: int | None = None, old=None,
+                    tails: torch.Tensor | None = None, n: int | None = None) -> list[float]:
+    """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``, d from v) and encode
+    ``flat + e`` into the message rows in the same pass, for every chunk of a bucket in one call:
+    chunk j's elements ``[j C, j C + n_enc[j])`` encoded into ``bits[j]`` (a message's ``[W, C / 8]``
+    rows), its fold to ``j C + n_fold[j]``; returns each chunk's float64 sum of squares, bitwise what W
+    calls, each with the other chunks empty, return. ``old``: the ``(bits, scales)`` of the message that
+    holds the momentum instead (``flat`` None, the bucket's ``n`` elements): each run decoded from it as
+    it is read, ``z = u + e`` (the encode's) stored over ``e`` for the decompress pass, and the padded
+    rests' folded data, 8 floats per chunk, into ``tails``."""
     t = table
-    args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"), t.scal.data_ptr(), t.K)
+    if old is not None and (tails is None or not _f32(tails) or tails.numel() < 8 * len(n_enc)):
+        raise ValueError("adam.fold_encode_all: a kept message needs 8 W float32 tails")
+    kept = (None, 0, None, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr(),
+                                                      tails.data_ptr())
+    args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"), t.scal.data_ptr(), t.K,
+            *kept)
     return _native.encode_all("adam.fold_encode_all", library().onebit_fold_encode_all, flat, e, bits, C,
-                              n_enc, n_fold, args, isa)
+                              n_enc, n_fold, args, isa, n=n)
 
 
-def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor,
+def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor | None,
                           e: torch.Tensor | None, worker_scales: torch.Tensor | None, C: int, n: list[int],
-                          table: Table, clip: float, isa: int | None = None) -> None:
+                          table: Table, clip: float, isa: int | None = None, old=None,
+                          update: bool = True) -> None:
     """Decompress (with the deferred worker error where ``e`` is given) then, in the same pass,
     ``p = p * decay + (-lr) * clamp(u / bc1, -clip, clip)`` for the tensors covered, for every chunk
     of a bucket in one call: chunk j's elements ``[j C, j C + n[j])`` from ``bits[j]`` with
-    ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no error update)."""
+    ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no error update). ``old``: the ``(bits,
+    scales)`` of the message that holds the momentum (``flat`` None; ``e`` holds the worker pass's
+    ``z = u + e``): with ``update`` the error from z, else ``z - u`` (u folded again from the message),
+    and the decoded mean is not stored."""
+    if (flat is None) != (old is not None):
+        raise ValueError("adam.decompress_update_all: expected flat or a kept message, not both")
     _native.check_step("adam.decompress_update_all", bits, scales, e, worker_scales, C, n, flat)
     counts, t = torch.tensor(n, dtype=torch.int64), table
+    kept = (None, 0, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr())
     library().onebit_decompress_update_all(
-        bits.data_ptr(), bits.stride(0), scales.data_ptr(), flat.data_ptr(),
+        bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if flat is None else flat.data_ptr(),
         None if e is None else e.data_ptr(), None if worker_scales is None else worker_scales.data_ptr(),
-        C, len(n), counts.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.ptr("param"),
-        t.scal.data_ptr(), t.K, -clip, clip, _isa(isa), torch.get_num_threads())
+        C, len(n), counts.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"),
+        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, *kept, int(update), _isa(isa),
+        torch.get_num_threads())
 
 
-def update(flat: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:
-    """The update alone for flat elements ``[a, b)``."""
-    if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
-        raise ValueError("adam.update: expected contiguous float32 flat covering [a, b)")
+def update(u: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:
+    """The update alone for flat elements ``[a, b)``, their decoded mean ``u`` (``b - a`` elements)."""
+    if not (_f32(u) and 0 <= a <= b and u.numel() == b - a):
+        raise ValueError("adam.update: expected b - a contiguous float32 values for flat elements [a, b)")
     t = table
-    library().onebit_update(flat.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(), t.ptr("param"),
+    library().onebit_update(u.data_ptr(), a, b, t.start.data_ptr(), t.count.data_ptr(), t.ptr("param"),
                             t.scal.data_ptr(), t.K, -clip, clip, _isa(isa))
 
 
@@ -228,10 +247,13 @@ class NativePasses(_native.NativePasses):
     """``compressed_allreduce_passes``' worker and finish in the C passes."""
 
     def encode_all(self, flat, e, bits, C, n_enc, n_fold) -> list[float]:
-        return fold_encode_all(flat, e, bits, C, n_enc, n_fold, self.table)
+        old = self.old()
+        tails = None if old is None else self.tails.values
+        return fold_encode_all(flat, e, bits, C, n_enc, n_fold, self.table, old=old, tails=tails, n=self.n)
 
-    def step_all(self, bits, scales, flat, e, ws, C, n) -> None:
-        decompress_update_all(bits, scales, flat, e, ws, C, n, self.table, self.clip)
+    def step_all(self, bits, scales, flat, e, ws, C, n, update: bool = True) -> None:
+        decompress_update_all(bits, scales, flat, e, ws, C, n, self.table, self.clip, old=self.old(),
+                              update=update)
 
-    def tail(self, flat, a: int, b: int) -> None:
-        update(flat, a, b, self.table, self.clip)
+    def tail(self, values, a: int, b: int) -> None:
+        update(values[a:b], a, b, self.table, self.clip)
