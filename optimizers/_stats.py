@@ -13,6 +13,7 @@ from typing import Any
 
 from ..collectives._group import warn_collective
 from ._freeze import DEFAULT_FREEZE
+from ._memory import bytes_per_parameter
 
 
 class Telemetry:
@@ -32,7 +33,10 @@ class Telemetry:
         Time (:mod:`onebit.collectives.telemetry`): ``seconds_codec`` (encode, server reduce,
         decode), ``seconds_comm`` (the compressed calls' collectives, waiting included),
         ``seconds_full``, ``seconds_control`` (saved with the state), and each as
-        ``ms_per_step_*``: per update since the previous ``stats()`` call."""
+        ``ms_per_step_*``: per update since the previous ``stats()`` call. Memory:
+        ``state_bytes_per_parameter``, the optimizer's state counted from outside as
+        :func:`onebit.memory.bytes_per_parameter` counts it (every tensor reachable from the
+        optimizer, parameters and gradients left out; docs/optimizers.md's table)."""
         out = {name: getattr(self, name) for name in self.COUNTERS}
         out.pop("freeze_state", None)
         left = self.steps_to_compression()
@@ -45,6 +49,7 @@ class Telemetry:
                    bytes_sent=self.traffic.compressed + self.traffic.full + self.traffic.control
                    + self.traffic.intra)
         out.update(self._seconds())
+        out["state_bytes_per_parameter"] = bytes_per_parameter(self)
         schedule = self.schedule
         default = schedule.auto is None and schedule.fixed == DEFAULT_FREEZE
         # the reference's default freeze is what keeps this run from compressing

@@ -101,3 +101,12 @@ def test_past_the_freeze_the_stale_denominator_is_computed_not_kept():
     before = bytes_per_parameter(zoa)
     zoa.stale_denominator(0, *zoa.compressed_params()[0])  # made for its caller, not kept
     assert bytes_per_parameter(zoa) == before
+
+
+def test_stats_reports_the_state_bytes_per_parameter_counted_from_outside():
+    from onebit import OnebitAdam
+
+    net = _net()
+    opt = OnebitAdam(net.parameters(), lr=1e-3, freeze_step=2)
+    _steps(opt, net, 3)
+    assert opt.stats()["state_bytes_per_parameter"] == bytes_per_parameter(opt) > 8.0
