@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from helpers import compiled_local, fused_steps
+from helpers import compiled_local, fused_steps, torch_local
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.memory import bytes_per_parameter
@@ -20,7 +20,8 @@ from onebit.optimizers import OnebitAdam, _fused
 SHAPES = [(37, 5), (9000,), (3,), (64, 17), (5000,)]  # buckets of several tensors, n not a multiple of 16
 
 
-def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None, load=None):
+def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None, load=None,
+         device: str = "cpu"):
     """OnebitAdam on this rank's gradients (the freeze at 2, buckets of about 7,800 elements, two
     groups, a missing gradient at step 3) with ``AdamStep.MESSAGE = message``; the fused steps on
     ``backend`` except at ``plain_at`` (the unfused path). Returns the parameters, the decoded
@@ -33,16 +34,16 @@ def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None,
     kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, message
     try:
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in SHAPES]
         groups = [{"params": params[:2], "weight_decay": 0.1},
                   {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99)}]
         opt = OnebitAdam(groups, lr=1e-2, freeze_step=2, bucket_cap_mb=0.03, bias_correction=True)
-        if not dist.is_initialized():
-            opt.reducer().allreduce = compiled_local  # one rank's whole compute: the fused steps run
+        if not dist.is_initialized():  # one rank's whole compute: the fused steps run
+            opt.reducer().allreduce = compiled_local if device == "cpu" else torch_local
         g = torch.Generator().manual_seed(1000 + rank)
         saved = None
         for step in range(steps):
-            grads = [None if (step == 3 and i == 2) else torch.randn(p.shape, generator=g)
+            grads = [None if (step == 3 and i == 2) else torch.randn(p.shape, generator=g).to(device)
                      for i, p in enumerate(params)]
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
@@ -53,8 +54,8 @@ def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None,
                     opt.load_state_dict(load)
                 saved = copy.deepcopy(opt.state_dict())
         red = opt.reducer()
-        return ([p.detach().clone() for p in params], [red.decoded(b).clone() for b in red.buckets],
-                [e.clone() for pair in red.errors() for e in pair],
+        return ([p.detach().cpu() for p in params], [red.decoded(b).cpu() for b in red.buckets],
+                [e.cpu() for pair in red.errors() for e in pair],
                 all(b.message is not None and b.flat is None for b in red.buckets),
                 bytes_per_parameter(opt), saved)
     finally:
@@ -92,6 +93,15 @@ def test_the_momentum_kept_as_a_message_is_bitwise_the_float32_run_on_four_ranks
     for other in results[1:]:  # and every rank holds the same parameters and momenta
         for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_the_momentum_kept_as_a_message_is_bitwise_the_float32_run_in_cudas_triton_passes():
+    # one rank's whole compute on CUDA tensors (the Triton passes; the message decoded into the
+    # scratch buffer), an unfused step in between
+    message, buffer = (_run("triton", m, plain_at=(4,), device="cuda") for m in (True, False))
+    _assert_same(message, buffer)
+    assert message[3] and not buffer[3]
 
 
 @pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
