@@ -6,6 +6,7 @@ denominator (docs/ALGORITHMS.md 6 and 8.2). Pure tensor maths, shared by the 1-b
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,6 +43,7 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     return v.sqrt()
 
 
+@functools.lru_cache(maxsize=256)  # a few values per run, asked per tensor and step
 def inverse_sqrt_bc2(bc2: float) -> float:
     """``1 / sqrt(bc2)`` as the stale denominator multiplies by it: ``sqrt(bc2)`` rounded to float32,
     its reciprocal divided in float32 (what a GPU's ``d.div_(sqrt(bc2))`` computes; the fused passes

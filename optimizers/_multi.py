@@ -43,18 +43,18 @@ def by_group(rows):
     return list(out.values())
 
 
-def in_batches(items, numel, limit: int = 1 << 24):
-    """``items`` in consecutive batches of at most ``limit`` elements in all (``numel(item)`` each; an
-    item larger than that alone): the multi-tensor ops over stale denominators made per batch, so
-    those transients never hold more than ``limit`` float32 at once (docs/ALGORITHMS.md 6.2)."""
+def in_batches(pairs, limit: int = 1 << 24):
+    """``(k, (p, g))`` of the compressed parameters ``pairs`` in consecutive batches of at most
+    ``limit`` elements in all (a larger parameter alone): the multi-tensor ops over stale
+    denominators made per batch, so those transients never hold more than ``limit`` float32 at once
+    (docs/ALGORITHMS.md 6.2)."""
     batch, size = [], 0
-    for item in items:
-        n = numel(item)
-        if batch and size + n > limit:
+    for k, (p, g) in enumerate(pairs):
+        if batch and size + p.numel() > limit:
             yield batch
             batch, size = [], 0
-        batch.append(item)
-        size += n
+        batch.append((k, (p, g)))
+        size += p.numel()
     if batch:
         yield batch
 

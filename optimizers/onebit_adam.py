@@ -166,7 +166,7 @@ class OnebitAdam(WarmupThenCompress):
         if not _multi.applies(views):
             return False
         if self.preconditioned:  # the denominators made batch by batch (bounded transients)
-            for batch in _multi.in_batches(list(enumerate(pairs)), lambda item: item[1][0].numel()):
+            for batch in _multi.in_batches(pairs):
                 rows = [(g, views[k], p.grad, self.stale_denominator(k, p, g)) for k, (p, g) in batch]
                 for g, us, grads, denoms in _multi.by_group(rows):
                     _multi.fold_preconditioned_(us, grads, denoms, g["betas"][0])

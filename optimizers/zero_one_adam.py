@@ -294,7 +294,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 or any(g.get("exp_avg_mask") is not None for _, g in pairs)):
             return False
         if self.preconditioned:  # the denominators made batch by batch (bounded transients)
-            for batch in _batches(pairs):
+            for batch in _multi.in_batches(pairs):
                 rows = [(g, self.state[p]["exp_avg"], views[k], self.stale_denominator(k, p, g))
                         for k, (p, g) in batch]
                 for g, ms, xs, denoms in _multi.by_group(rows):
@@ -309,7 +309,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _stale_step_all(self, pairs) -> bool:
         if not self._multi(pairs):
             return False
-        for batch in _batches(pairs):
+        for batch in _multi.in_batches(pairs):
             rows = [(g, p, self.state[p]["exp_avg"], self.stale_denominator(k, p, g)) for k, (p, g) in batch]
             for g, ps, ms, denoms in _multi.by_group(rows):
                 _multi.stale_step_(ps, ms, denoms, lr=g["lr"], weight_decay=g["weight_decay"],
@@ -325,7 +325,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
             return True
         if not self._multi(pairs) or any(d is not None for d in masks):
             return False
-        for batch in _batches(pairs):
+        for batch in _multi.in_batches(pairs):
             rows = [(g, p, self.state[p]["exp_avg"], p.grad, self.stale_denominator(k, p, g))
                     for k, (p, g) in batch]
             for g, ps, ms, grads, denoms in _multi.by_group(rows):
@@ -374,9 +374,3 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def _reference_maths(self) -> bool:
         """compression="momentum" without floor or clip: the reference's update, bitwise."""
         return not self.preconditioned and self.variance_floor is None and self.update_clip is None
-
-
-def _batches(pairs):
-    """``(k, (p, g))`` of the compressed parameters in batches whose stale denominators, made for the
-    multi-tensor ops, stay bounded (:func:`onebit.optimizers._multi.in_batches`)."""
-    return _multi.in_batches(list(enumerate(pairs)), lambda item: item[1][0].numel())

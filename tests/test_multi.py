@@ -198,3 +198,12 @@ def test_optimizers_multi_tensor_path_matches_per_tensor_path_on_cuda(cls, kwarg
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert math.isfinite(float(sum(p.sum() for p in multi)))
+
+
+def test_in_batches_bounds_the_denominators_made_at_once_and_keeps_the_order():
+    from onebit.optimizers._multi import in_batches
+
+    pairs = [(torch.zeros(n), {}) for n in (5, 3, 9, 2, 2, 20, 1)]
+    batches = list(in_batches(pairs, limit=10))
+    assert [[k for k, _ in b] for b in batches] == [[0, 1], [2], [3, 4], [5], [6]]  # 20 > 10: alone
+    assert all(pairs[k][0] is p for b in batches for k, (p, _) in b)
