@@ -52,20 +52,21 @@ def _count(name: str, args) -> float:
 
     model, others = _model(), []
     freeze, cap = args.freeze, args.bucket_mb
+    kw = {} if args.error_dtype == "default" else {"error_dtype": getattr(torch, args.error_dtype)}
     if name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif name == "adamw_ddp_hook":
         model = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        state = OnebitCompressHookState(optimizer=opt, freeze_step=freeze)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=freeze, **kw)
         model.register_comm_hook(state, onebit_compress_hook)
         others.append(state)
     elif name == "onebit_adam":
-        opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=freeze, bucket_cap_mb=cap)
+        opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=freeze, bucket_cap_mb=cap, **kw)
     elif name == "onebit_lamb":
-        opt = OnebitLamb(model.parameters(), lr=1e-3, freeze_step=freeze)  # one bucket (no bucket_cap_mb)
+        opt = OnebitLamb(model.parameters(), lr=1e-3, freeze_step=freeze, **kw)  # one bucket
     else:
-        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=freeze, bucket_cap_mb=cap)
+        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=freeze, bucket_cap_mb=cap, **kw)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(args.steps):
         x = torch.randn(16, SIZES[0], generator=g)
@@ -87,18 +88,22 @@ def main() -> None:
     p.add_argument("--freeze", type=int, default=5)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--bucket-mb", type=float, default=0.5)
+    p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="the error buffers' dtype ('default': the library's)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "memory.csv"))
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
     res = ranks_json(__file__, args.ranks, ["--freeze", str(args.freeze), "--steps", str(args.steps),
-                                            "--bucket-mb", str(args.bucket_mb)])
+                                            "--bucket-mb", str(args.bucket_mb),
+                                            "--error-dtype", args.error_dtype])
     n = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:], strict=True))
     print(f"# {args.ranks} gloo ranks, {n / 1e6:.2f}M parameters in 8 tensors, {args.steps} steps (freeze at "
-          f"{args.freeze}), buckets of {args.bucket_mb} MB; bytes of state per parameter, rank 0")
+          f"{args.freeze}), buckets of {args.bucket_mb} MB, error buffers {args.error_dtype}; bytes of state "
+          f"per parameter, rank 0")
     print(markdown_table(["", "bytes per parameter"], [[k, f"{v:.2f}"] for k, v in res.items()]))
     meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps, freeze=args.freeze,
-                      bucket_mb=args.bucket_mb)
+                      bucket_mb=args.bucket_mb, error_dtype=args.error_dtype)
     rows = [{**meta, "optimizer": k, "bytes_per_parameter": round(v, 3)} for k, v in res.items()]
     write_csv(args.csv, rows)
 

@@ -56,8 +56,8 @@ def emulate_world(opt, W: int) -> None:
     reducer = opt.reducer()
     for b in reducer.buckets:
         N = padded_numel(b.n, W, None)
-        b.worker_error = torch.zeros(N, dtype=torch.float32, device=b.flat.device)
-        b.server_error = torch.zeros(N // W, dtype=torch.float32, device=b.flat.device)
+        b.worker_error = torch.zeros(N, dtype=reducer.error_dtype, device=b.flat.device)
+        b.server_error = torch.zeros(N // W, dtype=reducer.error_dtype, device=b.flat.device)
     reducer.allreduce = local_rank(W)  # the reducer's only collective
 
 
@@ -74,13 +74,15 @@ def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
 
 def build(name: str, args, device):
     params = make_params(args.blocks, args.d_model, device)
+    kw = {} if args.error_dtype == "default" else {"error_dtype": getattr(torch, args.error_dtype)}
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     if name == "zero_one_adam":  # phase 1: variance steps at t = 1, 2, 4, 8, ..., compressed steps between
         opt = ZeroOneAdam(params, lr=1e-4, weight_decay=0.01, var_freeze_step=10**6, var_update_scaler=1,
-                          bucket_cap_mb=args.bucket_cap_mb)
+                          bucket_cap_mb=args.bucket_cap_mb, **kw)
     else:
-        opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb)
+        opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb,
+                         **kw)
     emulate_world(opt, args.world)
     return opt
 
@@ -99,6 +101,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--world", type=int, default=4, help="the emulated group size W (rank 0's compute)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam's bucket size")
+    p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="the 1-bit optimizers' error buffers ('default': the library's)")
     p.add_argument("--unfused", action="store_true",
                    help="OnebitAdam without its fused passes (use_backend('plain', steps=the fused steps): "
                         "Triton's on a GPU, the C ones on a CPU)")
@@ -151,6 +155,7 @@ def main() -> None:
     tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""
     rows = [{**meta, "parameters": n, "world": args.world, "bucket_mb": args.bucket_cap_mb,
+             "error_dtype": args.error_dtype,
              "optimizer": name + (tag if name != "adamw_fused" else ""),
              "ms_median": f"{ms:.3f}",
              "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]

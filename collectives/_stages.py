@@ -11,6 +11,10 @@ on the transport's threads) and every rank in one process
 (:mod:`onebit.collectives._pipeline`) runs the same three stages per slice of every chunk, on the
 kernels' pieces. A fused client's ``passes`` replace encode's and decode's compute with its own
 (``passes.worker``, ``passes.finish``: :func:`onebit.collectives.allreduce.compressed_allreduce_passes`).
+
+A bfloat16 worker error is widened to float32 once for the call (encode reads it, decode updates it)
+and stored back after decode, rounded stochastically with the worker's scales
+(:mod:`onebit.kernels.rounding`); the server's, inside ``server_reduce``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels import decompress, server_reduce, worker_compress
-from ..kernels.layout import Layout, empty_message
+from ..kernels.layout import Layout, empty_message, message_scales
+from ..kernels.rounding import WORKER, narrow_, widen
 
 
 def flat_target(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,7 +40,9 @@ class Stages:
 
     def __init__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                  layout: Layout, passes=None, backend: str | None = None, flat: torch.Tensor | None = None):
-        self.tensor, self.worker_error, self.server_error = tensor, worker_error, server_error
+        self.tensor, self.server_error = tensor, server_error
+        self.stored = worker_error  # the caller's buffer; self.worker_error: it in float32 for the call
+        self.worker_error = widen(worker_error)
         self.layout, self.passes, self.backend = layout, passes, backend
         self.flat = flat_target(tensor) if flat is None else flat
         self.msg: torch.Tensor | None = None
@@ -68,5 +75,8 @@ class Stages:
                        backend=self.backend, block=layout.block)
         else:
             passes.finish(gathered, layout, self.flat, self.worker_error, self.msg)
+        if self.stored is not self.worker_error:
+            scales = message_scales(self.msg, layout)
+            narrow_(self.stored, self.worker_error, scales, layout.block_len, WORKER)
         if not self.tensor.is_contiguous():
             self.tensor.copy_(self.flat.view(self.tensor.shape))

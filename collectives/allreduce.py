@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..kernels import Layout, message_scales
 from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
 from ..kernels.layout import check_block, pad_unit, padded_numel
+from ..kernels.rounding import ERROR_DTYPES, check_error_dtype
 from . import _async, _pipeline
 from ._failure import guard
 from ._group import all_gather_single, group_size, verify_agreement
@@ -41,13 +42,14 @@ def validate(tensor, worker_error, server_error, W: int, block: int | None = Non
     unit = pad_unit(W, block)
     per = "8" if block is None else "block"
     check_buffer(
-        "worker_error", worker_error, device, torch.float32, at_least=n, multiple_of=unit,
-        what=f"float32 of length N >= numel ({n}) with N % ({per} * world_size) == 0 ({unit})",
+        "worker_error", worker_error, device, ERROR_DTYPES, at_least=n, multiple_of=unit,
+        what=f"float32 or bfloat16 of length N >= numel ({n}) with N % ({per} * world_size) == 0 "
+             f"({unit})",
     )
     N = worker_error.numel()
     check_buffer(
-        "server_error", server_error, device, torch.float32, length=N // W,
-        what=f"float32 of length N / world_size = {N // W}",
+        "server_error", server_error, device, ERROR_DTYPES, length=N // W,
+        what=f"float32 or bfloat16 of length N / world_size = {N // W}",
     )
     return N
 
@@ -69,9 +71,12 @@ def compressed_allreduce(
     Args:
         tensor: float32, bfloat16 or float16, any shape, ``n`` elements. Afterwards it holds
             the same values (bitwise) on every rank of the group. Returned.
-        worker_error: float32 ``[N]``, ``N >= n`` and ``N % (8 * W) == 0``
+        worker_error: float32 or bfloat16 ``[N]``, ``N >= n`` and ``N % (8 * W) == 0``
             (``padded_numel(n, W)`` is the smallest); this rank's error feedback, in place.
-        server_error: float32 ``[N / W]``: the error feedback of the chunk this rank serves.
+            bfloat16: updated in float32 and stored with stochastic rounding
+            (:mod:`onebit.kernels.rounding`, docs/ALGORITHMS.md 12): half the memory.
+        server_error: float32 or bfloat16 ``[N / W]``: the error feedback of the chunk this rank
+            serves.
         group: process group (default: the world). ``W == 1`` (or no initialised process
             group) is the identity and leaves the errors untouched. A 2-D DeviceMesh (nodes x
             ranks per node, as ``init_device_mesh(device, (nodes, per_node))`` or
@@ -162,21 +167,22 @@ def error_buffer_numel(numel: int, group=None, block: int | None = None) -> int:
 
 
 def error_buffers(numel: int, group=None, *, block: int | None = None,
-                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  device: torch.device | str | None = None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(worker_error, server_error)`` for ``compressed_allreduce`` of ``numel`` elements on
     ``group`` (a ProcessGroup, None for the default group, or a 1-D or 2-D DeviceMesh), zeros
-    in float32 on ``device`` (default: the CPU). With W ranks: ``padded_numel(numel, W, block)``
-    and that over W; on a 2-D mesh of M nodes x L ranks, for this rank's shard:
-    ``padded_numel(ceil(numel / L), M, block)`` and that over M."""
+    of ``dtype`` (float32 or bfloat16) on ``device`` (default: the CPU). With W ranks:
+    ``padded_numel(numel, W, block)`` and that over W; on a 2-D mesh of M nodes x L ranks, for this
+    rank's shard: ``padded_numel(ceil(numel / L), M, block)`` and that over M."""
     numel = check_int("numel", numel, low=0)
     block = check_block(block)
+    dtype = check_error_dtype(dtype)
     N = error_buffer_numel(numel, group, block)
     if is_mesh(group) and hierarchy(group) is not None:
         servers = hierarchy(group).nodes
     else:
         servers = group_size(group.get_group() if is_mesh(group) else group)
-    return (torch.zeros(N, dtype=torch.float32, device=device),
-            torch.zeros(N // servers, dtype=torch.float32, device=device))
+    return (torch.zeros(N, dtype=dtype, device=device), torch.zeros(N // servers, dtype=dtype, device=device))
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
@@ -243,8 +249,10 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     object with ``all_to_all(recv, msg)`` and ``all_gather(out, seg)`` that complete before
     returning (a process group torch.distributed does not know: onebit.collectives.torchft)."""
     layout = Layout(worker_error.numel(), W, block)
-    if transport is None and passes is None and not tensor.is_cuda:
+    staged = worker_error.dtype != torch.float32 or server_error.dtype != torch.float32
+    if transport is None and passes is None and not tensor.is_cuda and not staged:
         K = _pipeline.slices(layout)  # block scales on CPU: in slices whose compute overlaps the wire
+        # (float32 errors: the slices' passes take them as they are)
         if K > 1:
             flat = flat_target(tensor)
             scales = _pipeline.allreduce(flat, worker_error, server_error, group, layout, K)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..kernels import decompress
 from ..kernels._checks import check_number
 from ..kernels.layout import padded_numel
+from ..kernels.rounding import check_error_dtype
 from ._failure import guard
 from ._group import group_size
 from .allreduce import compressed_allreduce
@@ -73,8 +74,8 @@ class Bucket:
     # float32 [n], or [N] with the padding: what is compressed (momentum); None while the bucket is
     # kept as ``message``
     flat: torch.Tensor | None
-    worker_error: torch.Tensor  # float32 [N]
-    server_error: torch.Tensor  # float32 [N / W]
+    worker_error: torch.Tensor  # float32 or bfloat16 (error_dtype) [N]
+    server_error: torch.Tensor  # the same dtype, [N / W]
     views: list[torch.Tensor] = field(default_factory=list)
     # (gathered, layout): the last compressed all-reduce's gathered message, which decodes to what
     # ``flat`` held after it (sign times its chunk's scale), kept instead of ``flat``
@@ -100,7 +101,9 @@ class BucketedReducer:
     With ``flat_padding`` the flat buffers include the padding to N, which is then
     compressed as data and keeps what the previous call left there (1-bit LAMB's
     reference behaviour); otherwise the padding is implicit zeros. ``block``: block scales
-    for every compressed all-reduce (see compressed_allreduce). ``traffic`` counts the bytes
+    for every compressed all-reduce (see compressed_allreduce). ``error_dtype``: the error
+    buffers' (float32, or bfloat16 stored with stochastic rounding:
+    onebit.kernels.rounding). ``traffic`` counts the bytes
     this reducer's calls send (the owning optimizer's counter).
     """
 
@@ -115,8 +118,10 @@ class BucketedReducer:
         block: int | None = None,
         traffic: Traffic | None = None,
         mesh=None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.group = group
+        self.error_dtype = check_error_dtype(error_dtype)
         # a 2-D mesh: the compressed all-reduces are hierarchical (full-precision averaging
         # stays on ``group``, all the mesh's ranks); error buffers sized for this rank's shard
         self.mesh = mesh
@@ -143,8 +148,8 @@ class BucketedReducer:
             flat = torch.zeros(length, dtype=torch.float32, device=device)
             bucket = Bucket(
                 indices, offsets, sizes, n, flat,
-                torch.zeros(N, dtype=torch.float32, device=device),
-                torch.zeros(N // servers, dtype=torch.float32, device=device),
+                torch.zeros(N, dtype=self.error_dtype, device=device),
+                torch.zeros(N // servers, dtype=self.error_dtype, device=device),
             )
             for i, off, size in zip(indices, offsets, sizes, strict=True):
                 view = flat[off : off + size].view(self.shapes[i])

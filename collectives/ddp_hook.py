@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..kernels._checks import check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
+from ..kernels.rounding import check_error_dtype
 from . import _hook_fused
 from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type
 from ._group import warn_collective
@@ -95,11 +96,14 @@ class OnebitCompressHookState:
             hook call per optimizer step). Clip with ``clip_grad_norm_`` of this state (or
             ``onebit.integrations``): the gradient DDP hands over carries the momentum's 1-bit
             noise, so its own norm is not the gradient's.
+        error_dtype: the error buffers' dtype: float32, or bfloat16 (half the bytes; stored with
+            stochastic rounding, docs/ALGORITHMS.md 12).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
-                 variance_floor: float = 0.1, freeze_step: int | None = None) -> None:
+                 variance_floor: float = 0.1, freeze_step: int | None = None, *,
+                 error_dtype: torch.dtype = torch.float32) -> None:
         # a 2-D DeviceMesh: each bucket's compressed all-reduce is hierarchical (1-bit between
         # nodes only); the full-precision iterations average over all the mesh's ranks
         self._mesh = process_group if is_mesh(process_group) else None
@@ -117,6 +121,7 @@ class OnebitCompressHookState:
         self._rank = None if deferred else rank_of(process_group)
         self.start_iter = check_int("start_iter", start_iter, low=1)
         self.block = check_block(block)
+        self.error_dtype = check_error_dtype(error_dtype)
         self.iter = 0
         self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layouts: dict[int, tuple[tuple[int, int], ...]] = {}  # bucket index -> its parameters' names
@@ -240,7 +245,9 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("_timing", Traffic())
         self.__dict__.setdefault("_mesh", None)
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
-        self.errors = {int(k): (w, s) for k, (w, s) in state["errors"].items()}
+        self.__dict__.setdefault("error_dtype", torch.float32)
+        dtype = self.error_dtype
+        self.errors = {int(k): (w.to(dtype), s.to(dtype)) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
         self.__dict__.setdefault("_frozen_adam", None)
         if frozen is not None:
@@ -290,7 +297,8 @@ class OnebitCompressHookState:
                                     "starts from zero (counted in stats()['resets'])",
                                     RuntimeWarning, self.process_group)
             device = buffer.device
-            found = (torch.zeros(N, device=device), torch.zeros(N // self._servers(), device=device))
+            found = (torch.zeros(N, device=device, dtype=self.error_dtype),
+                     torch.zeros(N // self._servers(), device=device, dtype=self.error_dtype))
             self.errors[index] = found
             self.layouts[index] = layout
         return found

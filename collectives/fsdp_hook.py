@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..kernels._checks import check_choice, check_group, check_instance, check_int, check_number
 from ..kernels.layout import check_block
+from ..kernels.rounding import check_error_dtype
 from . import _hook_fused
 from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, is_adam_type
 from ._fsdp_replicas import ReplicaReduction, fsdp_param_groups, is_hsdp
@@ -61,13 +62,15 @@ class OnebitAllReduceHook:
     1-bit compression after ``start_iter`` full-precision calls.
 
     ``block``: elements per scale (see ``OnebitCompressHookState``; default 64). ``state_dict()`` /
-    ``load_state_dict()`` checkpoint the error buffers and counters. ``process_group`` may be a
-    2-D DeviceMesh of the replicas (nodes x replicas per node): the compressed calls are then
-    hierarchical, 1-bit between nodes only.
+    ``load_state_dict()`` checkpoint the error buffers and counters. ``error_dtype``: float32,
+    or bfloat16 (half the bytes, stored with stochastic rounding: docs/ALGORITHMS.md 12).
+    ``process_group`` may be a 2-D DeviceMesh of the replicas (nodes x replicas per node): the
+    compressed calls are then hierarchical, 1-bit between nodes only.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, start_iter: int = 0,
-                 block: int | None = HOOK_BLOCK, *, reduce: str = "mean") -> None:
+                 block: int | None = HOOK_BLOCK, *, reduce: str = "mean",
+                 error_dtype: torch.dtype = torch.float32) -> None:
         self._mesh = process_group if is_mesh(process_group) else None
         process_group = flat_group(process_group)
         self.process_group = process_group
@@ -75,6 +78,7 @@ class OnebitAllReduceHook:
         self.start_iter = check_int("start_iter", start_iter)
         self.block = check_block(block)
         self.reduce = check_choice("reduce", reduce, REDUCTIONS)
+        self.error_dtype = check_error_dtype(error_dtype)
         self.iter = 0
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
@@ -127,8 +131,8 @@ class OnebitAllReduceHook:
             if self.worker_error is not None:
                 raise ValueError(f"reduce_output: expected {self.worker_error.numel()} elements padded "
                                  f"as before, got {reduce_output.numel()} (one hook per FSDP module)")
-            self.worker_error = torch.zeros(N, device=reduce_output.device)
-            self.server_error = torch.zeros(N // servers, device=reduce_output.device)
+            self.worker_error = torch.zeros(N, device=reduce_output.device, dtype=self.error_dtype)
+            self.server_error = torch.zeros(N // servers, device=reduce_output.device, dtype=self.error_dtype)
         errors = (self.worker_error, self.server_error)
         with counting(self._timing):
             if passes is None:
@@ -166,8 +170,9 @@ class OnebitAllReduceHook:
                              "1/nodes) of the worker's")
         self.iter, self.start_iter = int(state["iter"]), int(state["start_iter"])
         self.bytes_full, self.bytes_compressed = int(state["bytes_full"]), int(state["bytes_compressed"])
-        self.worker_error = None if worker is None else worker.clone()
-        self.server_error = None if server is None else server.clone()
+        dtype = getattr(self, "error_dtype", torch.float32)
+        self.worker_error = None if worker is None else worker.to(dtype, copy=True)
+        self.server_error = None if server is None else server.to(dtype, copy=True)
 
 
 class FSDPHooks(dict):
@@ -294,6 +299,7 @@ def register_fsdp_hooks(
     model: torch.nn.Module, process_group: dist.ProcessGroup | None = None, start_iter: int = 0,
     block: int | None = HOOK_BLOCK, *, reduce: str = "mean", optimizer: torch.optim.Optimizer | None = None,
     freeze_step: int | None = None, variance_floor: float = 0.1,
+    error_dtype: torch.dtype = torch.float32,
 ) -> FSDPHooks:
     """Give every FSDP module inside ``model`` its own :class:`OnebitAllReduceHook`; returns them
     by module name (an :class:`FSDPHooks`). Modules that manage no parameter of their own (a root
@@ -302,7 +308,8 @@ def register_fsdp_hooks(
     ``model`` sharded over a 2-D mesh ``("replicate", "shard")`` (HSDP): ``process_group`` may
     be left out (the mesh's replicate group; FSDP's own all-reduce across replicas is switched
     off). Sharded over a 1-D shard mesh: ``process_group`` is the replicate group (or a 2-D mesh
-    of replicas: hierarchical). ``optimizer`` + ``freeze_step``: module docstring."""
+    of replicas: hierarchical). ``optimizer`` + ``freeze_step``: module docstring. ``error_dtype``: the
+    error buffers' (float32, or bfloat16 with stochastic rounding: docs/ALGORITHMS.md 12)."""
     from torch.distributed.fsdp import FSDPModule
 
     check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
@@ -354,7 +361,8 @@ def register_fsdp_hooks(
         frozen = FrozenAdam(check_int("freeze_step", freeze_step, low=1),
                             check_number("variance_floor", variance_floor, low=0.0))
         start_iter = frozen.freeze_step
-    hooks = {name: OnebitAllReduceHook(process_group, start_iter, block, reduce=reduce) for name, _ in owned}
+    hooks = {name: OnebitAllReduceHook(process_group, start_iter, block, reduce=reduce,
+                                       error_dtype=error_dtype) for name, _ in owned}
     if hsdp:
         ReplicaReduction([m for _, m in owned]).full(False)
     for name, module in owned:

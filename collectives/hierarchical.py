@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..kernels._checks import check_buffer
 from ..kernels.layout import pad_unit, padded_numel
+from ..kernels.rounding import ERROR_DTYPES
 from ._failure import guard
 from ._group import all_gather_single
 from .mesh import Hierarchy
@@ -50,14 +51,15 @@ def validate_hierarchical(tensor: torch.Tensor, worker_error: torch.Tensor, serv
     unit = pad_unit(h.nodes, block)
     per = "8" if block is None else "block"
     check_buffer(
-        "worker_error", worker_error, tensor.device, torch.float32, at_least=s, multiple_of=unit,
-        what=(f"float32 of length N >= ceil(numel / per_node) ({s}) with N % ({per} * nodes) == 0 ({unit}): "
+        "worker_error", worker_error, tensor.device, ERROR_DTYPES, at_least=s, multiple_of=unit,
+        what=(f"float32 or bfloat16 of length N >= ceil(numel / per_node) ({s}) with "
+              f"N % ({per} * nodes) == 0 ({unit}): "
               f"padded_numel({s}, {h.nodes}{'' if block is None else f', {block}'}) = "
               f"{padded_numel(s, h.nodes, block)}; onebit.collectives.error_buffers(numel, mesh) makes both"),
     )
     N = worker_error.numel()
-    check_buffer("server_error", server_error, tensor.device, torch.float32, length=N // h.nodes,
-                 what=f"float32 of length N / nodes = {N // h.nodes}")
+    check_buffer("server_error", server_error, tensor.device, ERROR_DTYPES, length=N // h.nodes,
+                 what=f"float32 or bfloat16 of length N / nodes = {N // h.nodes}")
     return N
 
 

@@ -96,6 +96,8 @@ def optimizer_options(args) -> dict:
             kw[name] = None if text == "none" else (int(text) if name == "block" else float(text))
     if args.compression != "default":
         kw["compression"] = args.compression
+    if args.error_dtype != "default":
+        kw["error_dtype"] = getattr(torch, args.error_dtype)
     return kw
 
 
@@ -107,6 +109,8 @@ def add_optimizer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variance-floor", default="default", help="a ratio, 'none', or 'default'")
     p.add_argument("--update-clip", default="default", help="a bound, 'none', or 'default'")
     p.add_argument("--block", default="default", help="elements per scale, 'none', or 'default'")
+    p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="the error buffers' dtype")
 
 
 def make_optimizer(name: str, params, args):

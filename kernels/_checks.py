@@ -111,14 +111,14 @@ def check_tensor(
 
 
 def check_buffer(
-    name: str, t: object, device: torch.device, dtype: torch.dtype, *, length: int | None = None,
-    at_least: int = 0, multiple_of: int = 1, what: str | None = None,
+    name: str, t: object, device: torch.device, dtype: torch.dtype | tuple[torch.dtype, ...], *,
+    length: int | None = None, at_least: int = 0, multiple_of: int = 1, what: str | None = None,
 ) -> torch.Tensor:
-    """A flat, contiguous, in-place buffer of ``dtype`` on ``device`` whose length is
+    """A flat, contiguous, in-place buffer of ``dtype`` (or one of a tuple) on ``device`` whose length is
     ``length`` (when given), else ``>= at_least`` and a multiple of ``multiple_of``. The
     length is tested after the type, so any object may be passed. ``what`` words the
     expected length in the message."""
-    check_tensor(name, t, (dtype,))
+    check_tensor(name, t, dtype if isinstance(dtype, tuple) else (dtype,))
     assert isinstance(t, torch.Tensor)
     if t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (like tensor), got {t.device}")

@@ -18,8 +18,9 @@ import torch
 from . import backends, torch_kernels
 from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
 from ._warn import warn_user
-from .layout import Layout, check_block, empty_message, pad_unit, padded_numel
+from .layout import Layout, check_block, empty_message, message_scales, pad_unit, padded_numel
 from .native import codec as native
+from .rounding import ERROR_DTYPES, SERVER, WORKER, narrow_, widen
 
 _BACKENDS = (None, "torch", "native", "compiled", "triton")
 MIN_NUMEL = 1 << 20  # elements (padded N) from which CPU calls take the native codec by default
@@ -100,7 +101,8 @@ def worker_compress(
     finite). Returns the message (uint8, ``Layout(N, W).message_bytes``).
 
     Shapes: ``x`` float32/bfloat16/float16, contiguous, any shape, ``n`` elements;
-    ``worker_error`` float32 ``[N]``, ``N >= n``, ``N % (8*W) == 0``.
+    ``worker_error`` float32 or bfloat16 ``[N]``, ``N >= n``, ``N % (8*W) == 0`` (bfloat16: updated in
+    float32 and stored with stochastic rounding, :mod:`onebit.kernels.rounding`).
 
     Example (16 elements, W = 1): ``x = [4, -4, 2, -2, 2, 0, -0., 2, -2, 2, -2, 2, 0, 0, -0., 0]``,
     zero error: scale 2.0, bytes ``[0xAF, 0x5F]``, new error
@@ -115,13 +117,16 @@ def worker_compress(
     W = check_world_size(world_size)
     block = check_block(block)
     n = x.numel()
-    check_buffer("worker_error", worker_error, x.device, torch.float32, at_least=n,
+    check_buffer("worker_error", worker_error, x.device, ERROR_DTYPES, at_least=n,
                  multiple_of=pad_unit(W, block))
     layout = Layout(worker_error.numel(), W, block)
     impl = _backend(x.device, backend, block, layout)
     msg = _message_out("out", out, layout, W, x.device)
     if layout.N:
-        impl.worker_compress(x.view(-1), worker_error, layout, msg, update_error)
+        e = widen(worker_error)
+        impl.worker_compress(x.view(-1), e, layout, msg, update_error)
+        if update_error:
+            narrow_(worker_error, e, message_scales(msg, layout), layout.block_len, WORKER)
     return msg
 
 
@@ -139,22 +144,24 @@ def server_reduce(
     ``m = sum_r sgn_r * (s_r * (1/W)) + server_error``; ``s = ||m|| / sqrt(C)``; returns one
     segment with the packed ``sgn(m)`` and ``s``; ``server_error <- m - s*sgn(m)``. If any
     received scale or ``m`` is not finite, ``s`` is NaN and ``server_error`` is unchanged.
-    ``server_error``: float32 ``[C]``, ``C % 8 == 0`` (``C % block == 0`` with ``block``: then
-    every block of the chunk has its own scale).
+    ``server_error``: float32 or bfloat16 ``[C]``, ``C % 8 == 0`` (``C % block == 0`` with ``block``:
+    then every block of the chunk has its own scale).
     """
     W = check_world_size(world_size)
     block = check_block(block)
     check_tensor("received", received, (torch.uint8,))
     device = received.device
     unit = 8 if block is None else block
-    check_buffer("server_error", server_error, device, torch.float32, multiple_of=unit,
+    check_buffer("server_error", server_error, device, ERROR_DTYPES, multiple_of=unit,
                  what=f"a multiple of {unit}")
     layout = Layout(server_error.numel() * W, W, block)
     size = layout.message_bytes
     check_buffer("received", received, device, torch.uint8, length=size, what=f"{size} bytes")
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
-        _backend(device, backend, block, layout).server_reduce(received, server_error, layout, seg)
+        e = widen(server_error)
+        _backend(device, backend, block, layout).server_reduce(received, e, layout, seg)
+        narrow_(server_error, e, message_scales(seg, layout), layout.block_len, SERVER)
     return seg
 
 
@@ -185,7 +192,7 @@ def decompress(
     check_tensor("out", out, contiguous=True, device=gathered.device)
     n = out.numel()
     if worker_error is not None:
-        check_buffer("worker_error", worker_error, out.device, torch.float32, at_least=n, multiple_of=unit)
+        check_buffer("worker_error", worker_error, out.device, ERROR_DTYPES, at_least=n, multiple_of=unit)
         padded = worker_error.numel()
     N = padded_numel(n, W, block) if padded is None else check_int("padded", padded, low=n, multiple_of=unit)
     layout = Layout(N, W, block)
@@ -195,7 +202,9 @@ def decompress(
         check_buffer("worker_message", worker_message, out.device, torch.uint8, length=size,
                      what=f"{size} bytes")
     if N:
-        _backend(out.device, backend, block, layout).decompress(
-            gathered, layout, out.view(-1), worker_error, worker_message
-        )
+        e = None if worker_error is None else widen(worker_error)
+        impl = _backend(out.device, backend, block, layout)
+        impl.decompress(gathered, layout, out.view(-1), e, worker_message)
+        if e is not None:
+            narrow_(worker_error, e, message_scales(worker_message, layout), layout.block_len, WORKER)
     return out

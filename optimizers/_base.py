@@ -32,6 +32,7 @@ from ..collectives.mesh import flat_group, hierarchy, is_mesh
 from ..collectives.wire import Traffic, traffic
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ..kernels.layout import check_block
+from ..kernels.rounding import check_error_dtype
 from ._agreement import Agreement
 from ._clip import clip_grads_
 from ._overlap import BackwardOverlap
@@ -96,6 +97,7 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         nonfinite: str | None = "skip", auto_mask: float | None = None,
         compression: str = "preconditioned", variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT, block: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         # a 2-D DeviceMesh: hierarchical compressed all-reduces; everything else (full-precision
         # averaging, agreement checks) on the group of all its ranks
@@ -104,6 +106,7 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         group = flat_group(group)
         self.world_size = group_size(group)  # validates group before anything is built
         self.block = check_block(block)
+        self.error_dtype = check_error_dtype(error_dtype)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         self.auto_mask = check_fraction("auto_mask", auto_mask, optional=True)
@@ -366,7 +369,7 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         self._reducer = BucketedReducer(
             [p.shape for p in params], device, group=self.process_group, mesh=self._mesh,
             bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
-            traffic=self.traffic,
+            traffic=self.traffic, error_dtype=self.error_dtype,
         )
         self._reducer.on_release = self._flat_state_released
         self._reducer.on_materialise = self._bind_state

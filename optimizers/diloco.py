@@ -25,6 +25,7 @@ from ..collectives.telemetry import counting
 from ..collectives.wire import Traffic
 from ..kernels._checks import check_choice, check_instance, check_int, check_number
 from ..kernels.layout import check_block
+from ..kernels.rounding import check_error_dtype
 
 __all__ = ["DiLoCo"]
 
@@ -85,7 +86,8 @@ class DiLoCo:
     0.0 is the plain form, 1.0 the momentum form. After each sync the error buffers are
     multiplied by ``1 - (1 - error_decay) * (1 - g)``: ``error_decay`` for the plain form, 1 for
     the momentum form. ``momentum_form`` (deprecated): True is ``momentum_share=1.0``, False
-    ``0.0``.
+    ``0.0``. ``error_dtype``: the error buffers' dtype, float32 or bfloat16 (half the bytes: stored
+    with stochastic rounding, docs/ALGORITHMS.md 12; the decay then rounds to nearest, once per sync).
     """
 
     def __init__(
@@ -93,7 +95,7 @@ class DiLoCo:
         outer_optimizer: torch.optim.Optimizer, sync_every: int, group=None, compress: bool = True, *,
         block: int | None = 128, fragments: int = 1, fragment_order: str = "strided", delay: int = 0,
         mixing: float = 0.0, nonfinite: str = "skip", momentum_share: float | str = "auto",
-        error_decay: float = 0.5, momentum_form: bool | None = None,
+        error_decay: float = 0.5, momentum_form: bool | None = None, error_dtype: torch.dtype = torch.float32,
     ) -> None:
         check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
         check_instance("inner_optimizer", inner_optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
@@ -124,6 +126,7 @@ class DiLoCo:
         if self.error_decay > 1.0:
             raise ValueError(f"error_decay: expected a number in [0, 1], got {error_decay!r}")
         self.block = check_block(block)
+        self.error_dtype = check_error_dtype(error_dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model: expected parameters that require grad, found none")
@@ -147,7 +150,8 @@ class DiLoCo:
             self.theta = [p.detach().clone() for p in self.params]  # the global weights
         self._numel = [sum(self.params[i].numel() for i in idx) for idx in self.fragment_params]
         device = self.params[0].device
-        self._errors = [error_buffers(n, group, block=self.block, device=device) if compress else None
+        self._errors = [error_buffers(n, group, block=self.block, device=device, dtype=self.error_dtype)
+                        if compress else None
                         for n in self._numel]
         self.inner_steps = 0
         self.syncs = 0  # fragment syncs applied

@@ -68,6 +68,7 @@ class OnebitAdam(WarmupThenCompress):
         variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
         overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(
@@ -76,7 +77,8 @@ class OnebitAdam(WarmupThenCompress):
         )
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
-                         update_clip=update_clip, block=block)
+                         update_clip=update_clip, block=block,
+                         error_dtype=error_dtype)
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.updates = 0

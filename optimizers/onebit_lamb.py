@@ -100,6 +100,7 @@ class OnebitLamb(WarmupThenCompress):
         variance_floor: float | None = LAMB_VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff),
@@ -111,7 +112,8 @@ class OnebitLamb(WarmupThenCompress):
         check_order("factor_min", factor_min, "factor_max", factor_max)
         super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
-                         update_clip=update_clip, block=block)
+                         update_clip=update_clip, block=block,
+                         error_dtype=error_dtype)
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta

@@ -76,12 +76,14 @@ class ZeroOneAdam(OnebitOptimizerBase):
         variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
+        error_dtype: torch.dtype = torch.float32,
         overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
-                         update_clip=update_clip, block=block)
+                         update_clip=update_clip, block=block,
+                         error_dtype=error_dtype)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
         self.schedule = FreezeSchedule("var_freeze_step", var_freeze_step)

@@ -40,13 +40,14 @@ def _local(model):
     return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
 
 
-def _body_identity(steps: int, start_iter: int):
+def _body_identity(steps: int, start_iter: int, error_dtype=torch.float32):
     """Every hook call against the exact replica average of the same input: the difference is
-    exactly what error feedback carries over, mean_i(e_i - e_i') + (e_s - e_s')."""
+    exactly what error feedback carries over, mean_i(e_i - e_i') + (e_s - e_s') (bfloat16 errors:
+    to the rounding of the stored errors)."""
     mesh = _mesh()
     rep = mesh.get_group("replicate")
     model = _sharded_model(mesh)
-    hooks = register_fsdp_hooks(model, rep, start_iter=start_iter)
+    hooks = register_fsdp_hooks(model, rep, start_iter=start_iter, error_dtype=error_dtype)
     worst = {"compressed": 0.0, "full": 0.0, "identity": 0.0}
 
     def gather(t):
@@ -70,8 +71,8 @@ def _body_identity(steps: int, start_iter: int):
                 return
             we0, se0 = before if before is not None else (torch.zeros_like(hook.worker_error),
                                                           torch.zeros_like(hook.server_error))
-            carried = torch.stack(gather(we0 - hook.worker_error)).mean(0)
-            carried += torch.cat(gather(se0 - hook.server_error))
+            carried = torch.stack(gather(we0.float() - hook.worker_error.float())).mean(0)
+            carried += torch.cat(gather(se0.float() - hook.server_error.float()))
             worst["compressed"] = max(worst["compressed"], (out - exact).abs().max().item())
             gap = (out - exact - carried[:n]).abs().max() / exact.abs().max().clamp_min(1e-12)
             worst["identity"] = max(worst["identity"], gap.item())
@@ -84,18 +85,21 @@ def _body_identity(steps: int, start_iter: int):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         _step(model, opt, step)
-    return _local(model), worst, {k: h.stats() for k, h in hooks.items()}
+    dtypes = {e.dtype for h in hooks.values() for e in (h.worker_error, h.server_error)}
+    return _local(model), worst, {k: h.stats() for k, h in hooks.items()}, dtypes
 
 
-@pytest.mark.parametrize("start_iter", [0, 2])
-def test_fsdp_hook_against_exact_replica_average(ranks, start_iter):
-    got = ranks(4).run(_body_identity, 5, start_iter)
+@pytest.mark.parametrize(("start_iter", "error_dtype"), [(0, torch.float32), (2, torch.float32),
+                                                         (2, torch.bfloat16)])
+def test_fsdp_hook_against_exact_replica_average(ranks, start_iter, error_dtype):
+    got = ranks(4).run(_body_identity, 5, start_iter, error_dtype)
     # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1: replicas must stay bitwise identical
     assert torch.equal(got[0][0], got[2][0]) and torch.equal(got[1][0], got[3][0])
     assert not torch.equal(got[0][0], got[1][0])
-    for local, worst, stats in got:
-        assert torch.isfinite(local).all()
-        assert worst["identity"] < 1e-5  # compressed - exact == carried error, to rounding
+    for local, worst, stats, dtypes in got:
+        assert torch.isfinite(local).all() and dtypes == {error_dtype}
+        # compressed - exact == carried error, to float32 rounding (bfloat16's: 2^-8 of an error)
+        assert worst["identity"] < (1e-5 if error_dtype == torch.float32 else 1e-2)
         assert worst["compressed"] > 1e-3  # compression did change the average (the check has teeth)
         assert worst["full"] < 1e-6
         # one hook (own error buffers) per FSDP module with parameters; the root has none of its own

@@ -189,10 +189,12 @@ def test_bad_meshes_and_buffers_are_refused_with_what_to_do(ranks):
     for message, untouched in ranks(4).run(_body_bad, "3d"):
         assert message.startswith("group: expected a ProcessGroup or a 1-D or 2-D DeviceMesh") and untouched
     for message, untouched in ranks(4).run(_body_bad, "short"):
-        assert message.startswith("worker_error: expected float32 of length N >= ceil(numel / per_node) (25)")
+        assert message.startswith("worker_error: expected float32 or bfloat16 of length N >= ceil(numel / "
+                                  "per_node) (25)")
         assert "error_buffers(numel, mesh)" in message and untouched
     for message, untouched in ranks(4).run(_body_bad, "flat-buffers"):
-        assert message.startswith("server_error: expected float32 of length N / nodes = 32") and untouched
+        assert message.startswith("server_error: expected float32 or bfloat16 of length N / nodes = 32")
+        assert untouched
 
 
 def _body_one_d():
@@ -451,3 +453,30 @@ def test_the_fsdp_hook_on_a_mesh_of_replicas(ranks):
         assert torch.equal(local, got[0][0])  # every replica holds the same shard, bitwise
         for s in stats.values():
             assert s["iter"] == 5 and s["bytes_compressed"] > 0 and s["bytes_full"] > 0
+
+
+def _body_bfloat16(M, L, n, block, calls=3):
+    """The same calls with bfloat16 and float32 error buffers, from the same (bfloat16) values
+    before each call: the outputs bitwise equal, the stored errors the float32 ones rounded."""
+    mesh = _mesh(M, L)
+    r = dist.get_rank()
+    we, se = error_buffers(n, mesh, block=block, dtype=torch.bfloat16)
+    same, near = True, True
+    for c in range(calls):
+        x = _input(5, c, r, n, "heavy")
+        fw, fs = we.float(), se.float()
+        y = x.clone()
+        compressed_allreduce(x, we, se, mesh, block=block)
+        compressed_allreduce(y, fw, fs, mesh, block=block)
+        same = same and torch.equal(x, y)
+        for got, want in ((we, fw), (se, fs)):
+            lo = (want.view(torch.int32) & ~0xFFFF).view(torch.float32)
+            hi = ((want.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
+            near = near and bool(((got.float() == lo) | (got.float() == hi)).all())
+    return same, near, we.dtype, bool(we.ne(0).any())
+
+
+@pytest.mark.parametrize(("M", "L", "block"), [(2, 2, None), (3, 2, 8)])
+def test_bfloat16_error_buffers_on_a_mesh(ranks, M, L, block):
+    got = ranks(M * L).run(_body_bfloat16, M, L, 301, block)
+    assert got == [(True, True, torch.bfloat16, True)] * (M * L)

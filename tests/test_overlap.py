@@ -34,15 +34,16 @@ def _state(model, opt):
         [b.server_error.clone() for b in buckets]
 
 
-def _optimizer(kind: str, model, overlap: bool, block: int | None = None):
+def _optimizer(kind: str, model, overlap: bool, block: int | None = None, error_dtype=torch.float32):
     if kind == "onebit_adam":
         return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.002, overlap=overlap,
-                          block=block)
+                          block=block, error_dtype=error_dtype)
     # phase 1 for 10 updates: variance (full-precision) updates 1, 2, 4, 6, 8 (the interval doubles
     # after every 2: 1, 1, 2, 2, 4), compressed gradients on 3, 5, 7, 9, 10; then phase 2 (local
     # steps; syncs on 11, 12, 14: the sync interval doubles after every 2)
     return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=10, var_update_scaler=2,
-                       local_step_scaler=2, bucket_cap_mb=0.002, overlap=overlap, block=block)
+                       local_step_scaler=2, bucket_cap_mb=0.002, overlap=overlap, block=block,
+                       error_dtype=error_dtype)
 
 
 # the step indices (0-based) whose compressed all-reduces run from backward
@@ -50,10 +51,10 @@ FROM_BACKWARD = {"onebit_adam": lambda s: s >= 3, "zero_one_adam": lambda s: s +
 
 
 def _body(overlap: bool, steps: int, nan_at: tuple[int, int] | None, micro: int, kind: str = "onebit_adam",
-          block: int | None = None):
+          block: int | None = None, error_dtype=torch.float32):
     r = dist.get_rank()
     model = _model()
-    opt = _optimizer(kind, model, overlap, block)
+    opt = _optimizer(kind, model, overlap, block, error_dtype)
     # overlap=True runs the step's maths as separate passes; the synchronous step compared with it
     # does too (its fused passes, C on an x86 CPU, agree with them to float32 rounding:
     # tests/test_fused_cpu.py)
@@ -97,13 +98,20 @@ def _equal(a, b):
     return torch.equal(a[0], b[0]) and all(all(map(torch.equal, x, y)) for x, y in rest)
 
 
-@pytest.mark.parametrize(("kind", "W", "steps", "block"), [
-    ("onebit_adam", 2, 8, None), ("onebit_adam", 3, 8, None), ("zero_one_adam", 2, 14, None),
-    ("zero_one_adam", 3, 14, None), ("onebit_adam", 3, 8, 64), ("zero_one_adam", 2, 14, 16)])
-def test_overlap_is_bitwise_the_synchronous_step(ranks, kind, W, steps, block):
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(("kind", "W", "steps", "block", "error_dtype"), [
+    ("onebit_adam", 2, 8, None, None), ("onebit_adam", 3, 8, None, None),
+    ("zero_one_adam", 2, 14, None, None), ("zero_one_adam", 3, 14, None, None),
+    ("onebit_adam", 3, 8, 64, None), ("zero_one_adam", 2, 14, 16, None),
+    ("onebit_adam", 3, 8, None, BF16), ("zero_one_adam", 2, 14, 16, BF16)])
+def test_overlap_is_bitwise_the_synchronous_step(ranks, kind, W, steps, block, error_dtype):
     pool = ranks(W)
-    sync = pool.run(_body, False, steps, None, 1, kind, block)
-    over = pool.run(_body, True, steps, None, 1, kind, block)
+    dtype = error_dtype or torch.float32  # bfloat16 errors: widened and stored by the same passes either way
+    sync = pool.run(_body, False, steps, None, 1, kind, block, dtype)
+    over = pool.run(_body, True, steps, None, 1, kind, block, dtype)
+    assert all(e.dtype == dtype for e in over[0][0][2] + over[0][0][3])
     for r in range(W):
         assert _equal(over[r][0], sync[r][0])  # parameters, momentum/accumulator, both error buffers
         # the bytes counted are the same whether the all-reduces ran from backward or from step()

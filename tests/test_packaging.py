@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NATIVE = ("onebit/kernels/native/native.h", "onebit/kernels/native/codec.c", "onebit/kernels/native/build.py",
+NATIVE = ("onebit/kernels/native/native.h", "onebit/kernels/native/codec.c",
+          "onebit/kernels/native/rounding.c", "onebit/kernels/native/build.py",
           "onebit/kernels/fused/adam.c", "onebit/kernels/fused/zero_one.c", "onebit/kernels/fused/hook.c")
 
 

@@ -191,6 +191,26 @@ static inline int table_part(const int64_t* start, const int64_t* count, int K, 
     if (len > 0) { BODY; } \
   }
 
+/* Error buffers in bfloat16 with stochastic rounding (docs/ALGORITHMS.md 12; kernels/rounding.py): element i
+   of a buffer, updated with scale s, is stored as the top 16 bits of bits(e) + r_i, r_i the low 16 bits of
+   fmix32(key + i * 0x9E3779B9), key = fmix32(bits(s) ^ role); a NaN as its top 16 bits with the quiet bit
+   set. Unsigned arithmetic wraps: the same bits as the torch and Triton versions. */
+#define ROUND_GOLDEN 0x9E3779B9u
+static inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
+  return h;
+}
+static inline uint32_t round_key(float s, uint32_t role) {
+  uint32_t b;
+  memcpy(&b, &s, 4);
+  return fmix32(b ^ role);
+}
+/* one element: x the float32's bits, i its index in the buffer */
+static inline uint16_t round_bf16(uint32_t x, uint32_t key, uint32_t i) {
+  uint32_t r = fmix32(key + i * ROUND_GOLDEN) & 0xFFFFu;
+  return (x & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((x >> 16) | 0x40u) : (uint16_t)((x + r) >> 16);
+}
+
 /* the codec's passes (codec.c), by ISA level: 2 AVX-512, 1 AVX2 + FMA, 0 portable C */
 typedef void (*blocks_fn)(const float*, const float*, uint8_t*, double*, int64_t, int64_t);
 typedef void (*decompress_fn)(const uint8_t*, const float*, int64_t, float*, float*, const float*, int64_t, int64_t,
