@@ -14,7 +14,8 @@ kernels' pieces. A fused client's ``passes`` replace encode's and decode's compu
 
 A bfloat16 worker error is widened to float32 once for the call (encode reads it, decode updates it)
 and stored back after decode, rounded stochastically with the worker's scales
-(:mod:`onebit.kernels.rounding`); the server's, inside ``server_reduce``.
+(:mod:`onebit.kernels.rounding`), except for fused passes that say ``BFLOAT16_ERRORS`` (they read and
+store it run by run, bitwise the same); the server's, inside ``server_reduce``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Stages:
                  layout: Layout, passes=None, backend: str | None = None, flat: torch.Tensor | None = None):
         self.tensor, self.server_error = tensor, server_error
         self.stored = worker_error  # the caller's buffer; self.worker_error: it in float32 for the call
-        self.worker_error = widen(worker_error)
+        # (as it is where the fused passes read and store bfloat16 themselves)
+        own = passes is not None and getattr(passes, "BFLOAT16_ERRORS", False)
+        self.worker_error = worker_error if own else widen(worker_error)
         self.layout, self.passes, self.backend = layout, passes, backend
         self.flat = flat_target(tensor) if flat is None else flat
         self.msg: torch.Tensor | None = None

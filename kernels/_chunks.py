@@ -9,6 +9,7 @@ import torch
 
 from . import cpu_simd
 from .layout import Layout, message_bits, message_scales
+from .rounding import WORKER, narrow_plain, widen
 
 
 def split(layout: Layout, n: int, j: int) -> tuple[int, int, int]:
@@ -41,23 +42,27 @@ def encode_tail(x: torch.Tensor, e: torch.Tensor, layout: Layout, bits: torch.Te
     """Chunk j's padded rest ``[mid, hi)`` (``split``): its bits into ``bits[j]``, and its float64
     sums of squares (per block, or one), as the native codec encodes it."""
     xs, row = padded(x, mid, max(mid, min(hi, x.numel())), hi), bits[j, (mid - lo) // 8 : (hi - lo) // 8]
+    es = widen(e[mid:hi])  # a bfloat16 error: its rest widened (fewer than 8 W elements, or a block)
     if layout.block is None:
-        return torch.tensor([cpu_simd.encode_total(xs, e[mid:hi], row)], dtype=torch.float64)
-    return cpu_simd.encode_blocks(xs, e[mid:hi], row, layout.block)
+        return torch.tensor([cpu_simd.encode_total(xs, es, row)], dtype=torch.float64)
+    return cpu_simd.encode_blocks(xs, es, row, layout.block)
 
 
 def decode_tail(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                 worker_error: torch.Tensor | None, s_w: torch.Tensor | None, layout: Layout, j: int, lo: int,
                 mid: int, hi: int) -> None:
     """Chunk j's padded rest ``[mid, hi)``: the deferred worker error (``worker_error`` None: not
-    updated) and the decode of the elements ``out`` holds, as the native codec decodes it."""
+    updated; bfloat16: updated in float32, stored rounded as :mod:`onebit.kernels.rounding` stores a
+    whole buffer) and the decode of the elements ``out`` holds, as the native codec decodes it."""
     n = out.numel()
     end = max(mid, min(hi, n))
     values = padded(out, mid, end, hi)
-    e, ws = (None, None) if worker_error is None else (worker_error[mid:hi],
+    e, ws = (None, None) if worker_error is None else (widen(worker_error[mid:hi]),
                                                         piece_scales(s_w, layout, j, lo, mid, hi))
     row = bits[j, (mid - lo) // 8 : (hi - lo) // 8]
     cpu_simd.decompress(row, piece_scales(scales, layout, j, lo, mid, hi), values, layout.block, e, ws)
+    if e is not None and worker_error.dtype != torch.float32:
+        worker_error[mid:hi] = narrow_plain(e, s_w, layout.block_len, WORKER, offset=mid)
     if end > mid:
         out[mid:end] = values[: end - mid]
 

@@ -24,7 +24,6 @@ from ..kernels import backends
 from ..kernels.fused import adam, zero_one
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, message_scales
-from ..kernels.rounding import widen
 
 
 def plain(t: torch.Tensor) -> bool:
@@ -174,7 +173,7 @@ class AdamStep:
             self._fill(opt, pairs, t, b, table)
             layout = Layout(b.worker_error.numel(), W, None)
             msg = empty_message(layout, W, b.flat.device)
-            self._passes(table, 0.0).worker(b.flat, widen(b.worker_error), layout, msg)  # reads it only
+            self._passes(table, 0.0).worker(b.flat, b.worker_error, layout, msg)  # C: bfloat16 too
             finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
             ready.append(msg)
         if finite:

@@ -183,3 +183,70 @@ def test_diloco_with_bfloat16_errors(ranks):
     for bf, f32 in ranks(2).run(_diloco_both):
         assert all(e.dtype == torch.bfloat16 for e in bf[1]) and any(bool(e.ne(0).any()) for e in bf[1])
         assert max(_rel(a, b) for a, b in zip(bf[0], f32[0], strict=True)) < 5e-2
+
+
+def _in_pass_body(in_pass: bool, message: bool, nonfinite_at=None):
+    """OnebitAdam with bfloat16 errors on the fused C passes: the passes read and store the bfloat16
+    error themselves (``in_pass``), or the collective widens it for them and stores it after (the
+    path every other pass takes); the momentum kept as a message or as a float32 buffer."""
+    from onebit.kernels.fused import adam
+    from onebit.optimizers import _fused
+
+    kept = adam.NativePasses.BFLOAT16_ERRORS, _fused.AdamStep.MESSAGE
+    adam.NativePasses.BFLOAT16_ERRORS, _fused.AdamStep.MESSAGE = in_pass, message
+    try:
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        opt = OnebitAdam(params, lr=1e-2, freeze_step=2, bucket_cap_mb=0.03, error_dtype=torch.bfloat16,
+                         nonfinite=None if nonfinite_at is not None else "skip")
+        g = torch.Generator().manual_seed(1000 + rank)
+        before = None
+        for step in range(7):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            red = opt.reducer()
+            (k,) = [k for k, b in enumerate(red.buckets) if 3 in b.indices]  # the inf's bucket
+            if step == nonfinite_at:
+                before = [e.clone() for e in red.errors()[k]]
+                if rank == 1:
+                    params[3].grad[5, 7] = float("inf")
+            opt.step()
+            if step == nonfinite_at:
+                after = red.errors()[k]
+                return all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                           for a, b in zip(before, after, strict=True)) and bool(before[0].ne(0).any())
+        red = opt.reducer()
+        fused = all((b.message is not None) == message for b in red.buckets)  # the C passes ran
+        return ([p.detach().clone() for p in params], [red.decoded(b).clone() for b in red.buckets],
+                [e.clone() for pair in red.errors() for e in pair], fused)
+    finally:
+        adam.NativePasses.BFLOAT16_ERRORS, _fused.AdamStep.MESSAGE = kept
+
+
+def _in_pass_both(message: bool):
+    return _in_pass_body(True, message), _in_pass_body(False, message)
+
+
+@pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
+@pytest.mark.parametrize("message", [True, False])
+def test_the_c_passes_store_bfloat16_errors_bitwise_as_the_widened_call(ranks, message):
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+    for own, staged in ranks(4).run(_in_pass_both, message):
+        assert own[3] and staged[3]
+        for a, b in zip(own[0] + own[1] + own[2], staged[0] + staged[1] + staged[2], strict=True):
+            assert a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def _nonfinite_body():
+    return _in_pass_body(True, True, nonfinite_at=4), _in_pass_body(True, False, nonfinite_at=4)
+
+
+@pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
+def test_a_non_finite_gradient_leaves_the_bfloat16_errors_bitwise(ranks):
+    # without the check (nonfinite=None) the compressed step runs: the inf's bucket's scales are all
+    # NaN, so none of its errors is updated, and a bfloat16 buffer is left exactly as it was (no
+    # refold, no rounding)
+    assert ranks(3).run(_nonfinite_body) == [(True, True)] * 3

@@ -18,15 +18,24 @@ def rows_ok(bits: torch.Tensor, C: int, W: int) -> bool:
             and bits.stride(1) == 1)
 
 
-def check_step(name: str, bits, scales, e, worker_scales, C: int, n: list[int], flat=None) -> None:
+def _error_ok(e: torch.Tensor, bfloat16_errors: bool) -> bool:
+    """A contiguous float32 error buffer (bfloat16 too where the pass reads and stores that)."""
+    return _f32(e) or (bfloat16_errors and e.dtype == torch.bfloat16 and e.is_contiguous()
+                       and e.device.type == "cpu")
+
+
+def check_step(name: str, bits, scales, e, worker_scales, C: int, n: list[int], flat=None,
+               bfloat16_errors: bool = False) -> None:
     """A decompress pass's arguments: bits [W, C / 8], W float32 scales, per chunk n (a multiple of
-    8) <= C inside ``flat`` (if given) and ``e`` (None: no error update)."""
+    8) <= C inside ``flat`` (if given) and ``e`` (None: no error update; bfloat16 where
+    ``bfloat16_errors``)."""
     W = len(n)
     if not (rows_ok(bits, C, W) and _f32(scales) and scales.numel() == W
             and all(a % 8 == 0 and 0 <= a <= C for a in n)
             and (flat is None or (_f32(flat) and all(a == 0 or j * C + a <= flat.numel()
                                                      for j, a in enumerate(n))))
-            and (e is None or (_f32(e) and _f32(worker_scales) and worker_scales.numel() == W
+            and (e is None or (_error_ok(e, bfloat16_errors) and _f32(worker_scales)
+                               and worker_scales.numel() == W
                                and all(a == 0 or j * C + a <= e.numel() for j, a in enumerate(n))))):
         raise ValueError(f"{name}: expected bits [W, C / 8] with contiguous rows, W float32 scales, "
                          "contiguous float32 flat and e, and per chunk n (a multiple of 8) <= C")
@@ -34,14 +43,15 @@ def check_step(name: str, bits, scales, e, worker_scales, C: int, n: list[int], 
 
 def encode_all(name: str, fn, flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tensor, C: int,
                n_enc: list[int], n_fold: list[int], table_args: tuple, isa: int | None,
-               n: int | None = None) -> list[float]:
+               n: int | None = None, bfloat16_errors: bool = False) -> list[float]:
     """The call of a worker pass over every chunk of a bucket (chunk j's ``[j C, j C + n_enc[j])``
     encoded into ``bits[j]``, its step's maths to ``j C + n_fold[j]``): each chunk's float64 sum of
     squares, its threads' partial sums added in thread order. ``flat`` None: the pass holds no float
     values (a momentum kept as a message, in ``table_args``), the bucket's ``n`` elements."""
     W = len(n_enc)
     size = flat.numel() if flat is not None else n
-    if not ((flat is None or _f32(flat)) and size is not None and _f32(e) and rows_ok(bits, C, W)
+    if not ((flat is None or _f32(flat)) and size is not None and _error_ok(e, bfloat16_errors)
+            and rows_ok(bits, C, W)
             and len(n_fold) == W
             and all(a % 8 == 0 and 0 <= a <= b <= C and (b == 0 or (j * C + b <= size
                                                                   and j * C + a <= e.numel()))

@@ -124,9 +124,10 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
                             const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                             const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
                             const float* sc, int K, const uint8_t* old_bits, int64_t old_stride,
-                            const float* old_scales, float* tails, int isa, int threads) {
+                            const float* old_scales, float* tails, int ebf16, int isa, int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, 0, sc, K};
+  const int keep_z = !flat && !ebf16; /* bfloat16 errors: read only (the decompress pass folds u again) */
   blocks_fn f = pick(isa);
   decompress_fn dec = pick_decompress(isa);
   const int P = threads;
@@ -134,7 +135,7 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
-    float ub[RUN] __attribute__((aligned(64)));
+    float ub[RUN] __attribute__((aligned(64))), eb[RUN] __attribute__((aligned(64)));
     if (t == 0) used = T;
     for (int j = 0; j < W; j++) {
       int64_t off = j * C, lo, hi;
@@ -144,20 +145,22 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
         float* u = flat ? flat + off + i : ub;
+        float* er = e + off + i;
+        if (ebf16) { widen_run(eb, (const uint16_t*)e + off + i, len); er = eb; }
         if (!flat) dec(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
 #ifdef ONEBIT_X86
         int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
         if (kk >= 0) { /* one loop (fold_encode_run512) */
           int64_t o = off + i - tab.start[kk];
-          r = fold_encode_run512(u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, e + off + i,
-                                 bits + j * stride + i / 8, tab.sc + SC * kk, len, !flat);
+          r = fold_encode_run512(u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, er,
+                                 bits + j * stride + i / 8, tab.sc + SC * kk, len, keep_z);
           acc += r;
           continue;
         }
 #endif
         fold_range(isa, u, off + i, off + i + len, &tab, &k);
-        f(u, e + off + i, bits + j * stride + i / 8, &r, len, len);
-        if (!flat) { /* z = u + e (the encode's) kept over e where finite: the decompress pass reads it */
+        f(u, er, bits + j * stride + i / 8, &r, len, len);
+        if (keep_z) { /* z = u + e (the encode's) kept over e where finite: the decompress pass reads it */
           float* ez = e + off + i;
           for (int64_t q = 0; q < len; q++) { float z = u[q] + ez[q]; ez[q] = z - z == 0.0f ? z : ez[q]; }
         }
@@ -195,22 +198,40 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
                                   const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
                                   const int64_t* count, const int64_t* g, const int64_t* d, const int64_t* p,
                                   const float* sc, int K, float lo_c, float hi_c, const uint8_t* old_bits,
-                                  int64_t old_stride, const float* old_scales, int update, int isa, int threads) {
+                                  int64_t old_stride, const float* old_scales, int update, int ebf16, int isa,
+                                  int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, p, sc, K};
   decompress_fn f = pick_decompress(isa);
+  void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    float ub[RUN] __attribute__((aligned(64)));
+    float ub[RUN] __attribute__((aligned(64))), eb[RUN] __attribute__((aligned(64)));
     for (int j = 0; j < W; j++) {
       int k = 0, kf = 0;
       int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
+        uint16_t* e16 = ebf16 && e ? (uint16_t*)e + off + i : 0;
         if (flat) {
-          f(bits + j * stride + i / 8, s + j, 0, flat + off + i, e ? e + off + i : 0, e ? ws + j : 0, 0, len, len);
+          float* er = e16 ? eb : e ? e + off + i : 0;
+          if (e16) widen_run(eb, e16, len);
+          f(bits + j * stride + i / 8, s + j, 0, flat + off + i, er, e ? ws + j : 0, 0, len, len);
+          if (e16) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
           update_range(isa, flat + off + i, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+          continue;
+        }
+        if (e16) { /* z = u + e from u folded again (the worker's, bitwise) and the stored error: e = z - ws
+                      sgn(z) rounded into bfloat16, then the decode; no update: e is left as it is */
+          if (update) {
+            f(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
+            fold_range(isa, ub, off + i, off + i + len, &tab, &kf);
+            widen_run(eb, e16, len);
+          }
+          f(bits + j * stride + i / 8, s + j, 0, ub, update ? eb : 0, update ? ws + j : 0, 0, len, len);
+          if (update) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
+          update_range(isa, ub, off + i, off + i + len, &tab, lo_c, hi_c, &k);
           continue;
         }
         if (update) {

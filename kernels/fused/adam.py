@@ -205,9 +205,9 @@ def fold_encode_all(flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tens
     kept = (None, 0, None, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr(),
                                                       tails.data_ptr())
     args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"), t.scal.data_ptr(), t.K,
-            *kept)
+            *kept, int(e.dtype == torch.bfloat16))
     return _native.encode_all("adam.fold_encode_all", library().onebit_fold_encode_all, flat, e, bits, C,
-                              n_enc, n_fold, args, isa, n=n)
+                              n_enc, n_fold, args, isa, n=n, bfloat16_errors=True)
 
 
 def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor | None,
@@ -223,15 +223,16 @@ def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.
     and the decoded mean is not stored."""
     if (flat is None) != (old is not None):
         raise ValueError("adam.decompress_update_all: expected flat or a kept message, not both")
-    _native.check_step("adam.decompress_update_all", bits, scales, e, worker_scales, C, n, flat)
+    _native.check_step("adam.decompress_update_all", bits, scales, e, worker_scales, C, n, flat,
+                       bfloat16_errors=True)
     counts, t = torch.tensor(n, dtype=torch.int64), table
     kept = (None, 0, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr())
     library().onebit_decompress_update_all(
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if flat is None else flat.data_ptr(),
         None if e is None else e.data_ptr(), None if worker_scales is None else worker_scales.data_ptr(),
         C, len(n), counts.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"),
-        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, *kept, int(update), _isa(isa),
-        torch.get_num_threads())
+        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, *kept, int(update),
+        int(e is not None and e.dtype == torch.bfloat16), _isa(isa), torch.get_num_threads())
 
 
 def update(u: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:
@@ -244,7 +245,13 @@ def update(u: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int 
 
 
 class NativePasses(_native.NativePasses):
-    """``compressed_allreduce_passes``' worker and finish in the C passes."""
+    """``compressed_allreduce_passes``' worker and finish in the C passes. They read and store a
+    bfloat16 worker error themselves (the collective then hands it over as it is): the worker pass
+    widens each run as it reads it, the decompress pass folds u again from the kept message (z = u +
+    e) and stores each run's new error rounded (onebit.kernels.rounding), bitwise what widening the
+    whole buffer and storing it after the call gives."""
+
+    BFLOAT16_ERRORS = True
 
     def encode_all(self, flat, e, bits, C, n_enc, n_fold) -> list[float]:
         old = self.old()

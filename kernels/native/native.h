@@ -196,6 +196,8 @@ static inline int table_part(const int64_t* start, const int64_t* count, int K, 
    fmix32(key + i * 0x9E3779B9), key = fmix32(bits(s) ^ role); a NaN as its top 16 bits with the quiet bit
    set. Unsigned arithmetic wraps: the same bits as the torch and Triton versions. */
 #define ROUND_GOLDEN 0x9E3779B9u
+#define ROUND_WORKER 0x576F726Bu /* the roles (onebit.kernels.rounding.WORKER, SERVER) */
+#define ROUND_SERVER 0x53657276u
 static inline uint32_t fmix32(uint32_t h) {
   h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
   return h;
@@ -209,6 +211,11 @@ static inline uint32_t round_key(float s, uint32_t role) {
 static inline uint16_t round_bf16(uint32_t x, uint32_t key, uint32_t i) {
   uint32_t r = fmix32(key + i * ROUND_GOLDEN) & 0xFFFFu;
   return (x & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((x >> 16) | 0x40u) : (uint16_t)((x + r) >> 16);
+}
+/* a bfloat16 run widened to float32 (exact): the passes that keep an error in bfloat16 read a run so */
+static inline void widen_run(float* restrict out, const uint16_t* restrict e, int64_t n) {
+  uint32_t* o = (uint32_t*)out;
+  for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)e[i] << 16;
 }
 
 /* the codec's passes (codec.c), by ISA level: 2 AVX-512, 1 AVX2 + FMA, 0 portable C */
