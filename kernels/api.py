@@ -159,9 +159,12 @@ def server_reduce(
     check_buffer("received", received, device, torch.uint8, length=size, what=f"{size} bytes")
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
-        e = widen(server_error)
-        _backend(device, backend, block, layout).server_reduce(received, e, layout, seg)
-        narrow_(server_error, e, message_scales(seg, layout), layout.block_len, SERVER)
+        impl = _backend(device, backend, block, layout)
+        own = getattr(impl, "bfloat16_server_error", None)  # the native codec stores it itself
+        e = server_error if own is not None and own(layout) else widen(server_error)
+        impl.server_reduce(received, e, layout, seg)
+        if e is not server_error:
+            narrow_(server_error, e, message_scales(seg, layout), layout.block_len, SERVER)
     return seg
 
 

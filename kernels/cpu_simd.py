@@ -132,19 +132,21 @@ def server_reduce_one(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor,
     """The server's whole call with one scale per chunk (:func:`onebit.kernels.native.codec.server_reduce`
     in one call): ``scales`` the W received scales (float32, any stride), the packed bits of
     ``m`` into ``out``, its scale into ``scale`` (one float32, NaN where a received scale or the
-    sum is not finite), then the error pass where the scale is finite; returns whether it ran."""
+    sum is not finite), then the error pass where the scale is finite; returns whether it ran. ``e``
+    bfloat16: read run by run, stored rounded (:mod:`onebit.kernels.rounding`), the same bits as
+    widening it and storing it after."""
     n = e.numel()
+    bf16 = e.dtype == torch.bfloat16 and e.is_contiguous() and e.device.type == "cpu"
     if not (bits.dtype == torch.uint8 and bits.dim() == 2 and bits.stride(1) == 1 and bits.shape[1] == n // 8
             and scales.dtype == torch.float32 and scales.dim() == 1 and scales.numel() == bits.shape[0]
-            and _f32(e) and n % 8 == 0 and out.dtype == torch.uint8 and out.is_contiguous()
+            and (_f32(e) or bf16) and n % 8 == 0 and out.dtype == torch.uint8 and out.is_contiguous()
             and out.numel() == n // 8 and scale.dtype == torch.float32 and scale.numel() == 1):
         raise ValueError("cpu_simd.server_reduce_one: expected bits uint8 [W, n/8] with contiguous rows, W "
-                         "float32 scales, e float32 [n] (a multiple of 8), out uint8 [n/8] and one float32 "
-                         "scale")
-    return bool(library().onebit_server_reduce_one(bits.data_ptr(), bits.stride(0), bits.shape[0],
-                                                   scales.data_ptr(), scales.stride(0), e.data_ptr(),
-                                                   out.data_ptr(), scale.data_ptr(), n, _isa(None),
-                                                   _threads(n)))
+                         "float32 scales, e float32 or bfloat16 [n] (a multiple of 8), out uint8 [n/8] and "
+                         "one float32 scale")
+    fn = library().onebit_server_reduce_one16 if bf16 else library().onebit_server_reduce_one
+    return bool(fn(bits.data_ptr(), bits.stride(0), bits.shape[0], scales.data_ptr(), scales.stride(0),
+                   e.data_ptr(), out.data_ptr(), scale.data_ptr(), n, _isa(None), _threads(n)))
 
 
 def server_blocks(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor, block: int,

@@ -53,6 +53,8 @@ def narrow_(dst: torch.Tensor, src: torch.Tensor, scales: torch.Tensor, unit: in
     """Store float32 ``src`` into ``dst`` (contiguous, the same length): a copy where ``dst`` is float32
     (where ``dst`` is ``src``, nothing), else the stochastic rounding above, element ``i`` keyed by
     ``scales.view(-1)[i // unit]`` (float32, contiguous) and ``role``. Returns ``dst``."""
+    if src.dtype != torch.float32:
+        raise ValueError(f"src: expected float32 values to store, got {src.dtype}")
     if dst.dtype == torch.float32:
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)

@@ -236,3 +236,27 @@ def test_error_buffers_dtype_and_bad_buffers():
     x = torch.randn(10)
     with pytest.raises(TypeError, match="worker_error: expected dtype float32, bfloat16, got float16"):
         worker_compress(x, torch.zeros(16, dtype=torch.float16), 1)
+
+
+@pytest.mark.parametrize("W, C", [(2, 8), (3, 4104), (5, 70000)])
+def test_native_server_stores_bfloat16_bitwise_as_the_widened_call(W, C):
+    # the native server reads and stores a bfloat16 error run by run (one scale per chunk): the same
+    # segment and the same stored bits as widening it, the float32 pass, then the rounding
+    if not cpu_simd.available():
+        pytest.skip("native library not built here")
+    g = torch.Generator().manual_seed(C)
+    layout = Layout(C * W, W)
+    msgs = [worker_compress(torch.randn(C * W, generator=g), torch.zeros(C * W), W, backend="native")
+            for _ in range(W)]
+    recv = torch.cat([m.view(W, -1)[0] for m in msgs])
+    for name, level in ISAS:
+        if level > cpu_simd.best_isa():
+            continue
+        e16 = _bf16_values(C, 7, 0.2)
+        e32 = e16.float()
+        with use_backend(name):
+            seg16 = server_reduce(recv, e16, W)
+            seg32 = server_reduce(recv, e32, W)
+        assert torch.equal(seg16, seg32), name
+        want = rounding.narrow_plain(e32, message_scales(seg32, layout), layout.block_len, rounding.SERVER)
+        assert torch.equal(e16.view(torch.int16), want.view(torch.int16)), name

@@ -94,6 +94,7 @@ SIGNATURES = {
     "onebit_encode_blocks": "-: p p p p i64 i64 i32 i32",
     "onebit_server_total": "f64: p i64 i32 p p p i64 i32 i32",
     "onebit_server_reduce_one": "i32: p i64 i32 p i64 p p p i64 i32 i32",
+    "onebit_server_reduce_one16": "i32: p i64 i32 p i64 p p p i64 i32 i32",
     "onebit_server_blocks": "-: p i64 i32 p p p p i64 i64 i32 i32",
     "onebit_decompress": "-: p p i64 p p p i64 i64 i64 i32 i32",
     "onebit_server_update": "-: p i64 i32 p i64 p p i64 i64 i64 i32 i32",

@@ -459,14 +459,18 @@ static void server_update_avx512(const uint8_t* bits, int64_t stride, int W, con
 typedef void (*server_update_fn)(const uint8_t*, int64_t, int, const float*, int64_t, int64_t, float*, const float*,
                                  int64_t, int64_t, int64_t);
 
+static server_update_fn pick_server_update(int isa) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) return server_update_avx512;
+  if (isa == 1) return server_update_avx2;
+#endif
+  return server_update_c;
+}
+
 /* w: [W] (wj 0) or [W, n / block] (wj 1); s: one scale (sstep 0) or one per block (sstep 1). */
 void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wj, float* e,
                           const float* s, int64_t sstep, int64_t n, int64_t block, int isa, int threads) {
-  server_update_fn f = server_update_c;
-#ifdef ONEBIT_X86
-  if (isa >= 2) f = server_update_avx512;
-  else if (isa == 1) f = server_update_avx2;
-#endif
+  server_update_fn f = pick_server_update(isa);
   int per_block = sstep != 0 || wj != 0;
   int64_t wr = wj ? n / block : 1;
   #pragma omp parallel num_threads(threads)

@@ -75,6 +75,12 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
             cpu_simd.error_update(xs, es, piece_scales(scales, layout, j, lo, a, b), B)
 
 
+def bfloat16_server_error(layout: Layout) -> bool:
+    """Whether :func:`server_reduce` takes a bfloat16 ``e`` as it is (read and stored run by run):
+    with one scale per chunk; with block scales the caller widens it."""
+    return layout.block is None
+
+
 @torch.no_grad()
 def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
     """:func:`onebit.kernels.torch_kernels.server_reduce` in C: the sum over the ranks' bits with its
