@@ -24,6 +24,7 @@ from ..kernels import backends
 from ..kernels.fused import adam, zero_one
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, message_scales
+from ..kernels.rounding import widen
 
 
 def plain(t: torch.Tensor) -> bool:
@@ -173,7 +174,9 @@ class AdamStep:
             self._fill(opt, pairs, t, b, table)
             layout = Layout(b.worker_error.numel(), W, None)
             msg = empty_message(layout, W, b.flat.device)
-            self._passes(table, 0.0).worker(b.flat, b.worker_error, layout, msg)  # C: bfloat16 too
+            passes = self._passes(table, 0.0)
+            e = b.worker_error if getattr(passes, "BFLOAT16_ERRORS", False) else widen(b.worker_error)
+            passes.worker(b.flat, e, layout, msg)  # reads the error only
             finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
             ready.append(msg)
         if finite:

@@ -21,7 +21,10 @@ SHAPES = [(37, 5), (9000,), (3,), (64, 17), (5000,)]  # n not a multiple of 16; 
 OPTIMIZERS = {
     "adam": lambda ps, dt: OnebitAdam(ps, lr=1e-2, freeze_step=2, bucket_cap_mb=0.03, error_dtype=dt),
     "lamb": lambda ps, dt: OnebitLamb(ps, lr=1e-2, freeze_step=2, error_dtype=dt),
-    "zoa": lambda ps, dt: ZeroOneAdam(ps, lr=1e-2, var_freeze_step=2, bucket_cap_mb=0.03, error_dtype=dt),
+    # phase 1's compressed steps (the variance at t = 1, 2, 4: compressed gradients at 3, 5, 6), then
+    # phase 2's local steps and synchronisations
+    "zoa": lambda ps, dt: ZeroOneAdam(ps, lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+                                      local_step_scaler=2, bucket_cap_mb=0.03, error_dtype=dt),
 }
 BACKENDS = [
     pytest.param("native", marks=pytest.mark.skipif("not cpu_simd.available()", reason="no C library")),
@@ -30,7 +33,7 @@ BACKENDS = [
 ]
 
 
-def _run(name: str, dtype: torch.dtype, backend: str, steps: int = 7, save_at=None, load=None):
+def _run(name: str, dtype: torch.dtype, backend: str, steps: int = 10, save_at=None, load=None):
     """``name``'s optimizer with ``error_dtype=dtype`` on this rank's gradients, the fused steps (and
     the codec) on ``backend``; the parameters, the error buffers, the bytes per parameter and the
     state_dict saved after step ``save_at`` (``load``: loaded then instead: a resumed run)."""
