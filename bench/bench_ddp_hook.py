@@ -105,7 +105,7 @@ def worker(args) -> None:
         frozen = args.freeze_step if args.optimizer == "adamw" and args.freeze_step else None
         state = OnebitCompressHookState(start_iter=args.start_iter, block=_block(args.block),
                                         optimizer=opt if args.precondition or frozen else None,
-                                        freeze_step=frozen)
+                                        freeze_step=frozen, **_dtype(args))
         ddp.register_comm_hook(state, onebit_compress_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
@@ -160,6 +160,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="default: bench/out/ddp_hook[-mlp]")
     p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
+    p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="the hook's error buffers ('default': the library's)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], help=argparse.SUPPRESS)
     p.add_argument("--hook", choices=["ddp", "onebit"], help=argparse.SUPPRESS)
@@ -183,10 +185,11 @@ def main() -> None:
                 frozen = hook == "onebit" and args.freeze_step and optimizer == "adamw"
                 tag += f"-frz{args.freeze_step}" if frozen else ""
                 tag += "-mom" if hook == "onebit" and args.precondition and optimizer == "sgd" else ""
+                tag += f"-{args.error_dtype}" if hook == "onebit" and args.error_dtype != "default" else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
                 path = os.path.join(args.out, f"{name}.jsonl")
                 logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
-    meta = provenance(None, task=args.task, block=args.block)
+    meta = provenance(None, task=args.task, block=args.block, error_dtype=args.error_dtype)
     table = []
     print("| optimizer (lr) | seed | plain DDP final val loss | onebit_compress_hook final val loss | "
           "ratio | "
@@ -238,6 +241,13 @@ def _block(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
+def _dtype(args) -> dict:
+    """The hook state's ``error_dtype`` from --error-dtype ('default': none given)."""
+    import torch
+
+    return {} if args.error_dtype == "default" else {"error_dtype": getattr(torch, args.error_dtype)}
+
+
 def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> list[dict]:
     """One torchrun of the worker unless --reuse finds a finished log; returns its rows."""
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -248,8 +258,8 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--hook", hook, "--lr", str(lr), "--log-jsonl", path, "--task", args.task, "--block", args.block,
            "--steps", str(args.steps), "--eval-every", str(args.eval_every),
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
-           "--seed", str(seed), "--freeze-step", str(args.freeze_step)] + (
-               ["--precondition"] if args.precondition else [])
+           "--seed", str(seed), "--freeze-step", str(args.freeze_step),
+           "--error-dtype", args.error_dtype] + (["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
         raise RuntimeError(f"{optimizer} {lr:g} {hook} failed:\n{out.stderr[-3000:]}")

@@ -9,12 +9,17 @@ the frozen preconditioned space:
     g~  = (d * A - b1 * m) / (1 - b1)                    what DDP hands the optimizer
 
 so that the optimizer's own ``m <- b1 m + (1 - b1) g~`` gives ``m = d * A``: the compressed
-average of the ranks' momenta. Inside the optimizer's ``step()`` (a step pre-hook) the state
-is set so that torch's Adam/AdamW computes exactly that momentum and the frozen denominator:
-``exp_avg <- m_new / b1``, ``exp_avg_sq <- ((d - eps) * sqrt(1 - b2^t))^2 / b2`` and a zero
-gradient for this one call (restored by the post-hook), because AdamW would otherwise square the
-1-bit noise of ``g~`` into its variance. A clip between backward and step scales ``g~``, that
-is each rank's gradient contribution, as it would scale the gradient.
+average of the ranks' momenta. torch's Adam and AdamW: the step pre-hook makes that update itself
+(``FrozenAdam._own_step``) and hides the gradient from torch's step. Other Adam-type optimizers:
+the state is set so that their step computes exactly that momentum and the frozen denominator
+(``exp_avg <- m_new / b1``, ``exp_avg_sq <- ((d - eps) * sqrt(1 - b2^t))^2 / b2`` and a zero
+gradient for this one call, all restored by the post-hook), because the optimizer would otherwise
+square the 1-bit noise of ``g~`` into its variance. A clip between backward and step scales
+``g~``, that is each rank's gradient contribution, as it would scale the gradient.
+
+``d`` is not kept: the optimizer's ``exp_avg_sq`` stays as it was at the freeze (``v_F``), and ``d``
+is computed from it wherever it is read (the frozen scalars ``floor``, ``r = 1 / sqrt(1 - b2^F)``
+and ``eps`` per parameter; docs/ALGORITHMS.md 6.2), bitwise the ``d`` the freeze computed.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.distributed as dist
 from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.fused import hook
-from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
+from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_v_floors, stale_denominator
 from . import _hook_fused
 from ._fsdp_replicas import to_local
 
@@ -57,21 +62,46 @@ class FrozenAdam:
     def __init__(self, freeze_step: int, variance_floor: float) -> None:
         self.freeze_step = freeze_step
         self.variance_floor = variance_floor
-        self.denominators: dict[tuple[int, int], torch.Tensor] = {}  # name -> d (float32, param shape)
+        # name -> (floor, bc2, eps): d = stale_denominator(v_F, floor, eps, bc2) from the optimizer's
+        # exp_avg_sq, which stays v_F after the freeze
+        self.scalars: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._floors: dict[tuple[int, int], torch.Tensor] = {}  # the floors as 0-dim tensors, by device
+        # name -> d, loaded from a checkpoint of a release that kept d (its exp_avg_sq is no longer v_F)
+        self.legacy: dict[tuple[int, int], torch.Tensor] = {}
+        self._frozen = False
         self.pending = False  # this iteration's buckets were compressed in the frozen space
         self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) hidden from torch's step
-        # per bucket index: (what it holds, d): the bucket's frozen denominators in one flat tensor,
-        # built once (frozen_terms); the entries of `denominators` then view it (no second copy).
-        # Emptied whenever the denominators change
-        self.flat: dict[int, tuple[Any, torch.Tensor]] = {}
         self.tables: dict = {}  # the Triton passes' tables (collectives/_hook_fused.py)
 
     @property
     def frozen(self) -> bool:
-        return bool(self.denominators)
+        return self._frozen
+
+    def denominator(self, opt: torch.optim.Optimizer, p: torch.Tensor, name) -> torch.Tensor | None:
+        """Parameter ``p``'s frozen denominator (float32, its local shape; a new tensor, or the loaded
+        one of an old checkpoint); None where it has none."""
+        if name in self.legacy:
+            return self.legacy[name]
+        entry = opt.state.get(p)
+        if name not in self.scalars or not entry or "exp_avg_sq" not in entry:
+            return None
+        return self._denominator(to_local(entry["exp_avg_sq"]).detach(), name)
+
+    def _denominator(self, v: torch.Tensor, name) -> torch.Tensor:
+        """``stale_denominator`` of ``v`` with ``name``'s frozen scalars: the freeze's own call."""
+        floor, bc2, eps = self.scalars[name]
+        t = self._floors.get(name)
+        if t is None or t.device != v.device:  # kept on the variance's device: no copy per step
+            t = self._floors[name] = torch.tensor(floor, dtype=torch.float32, device=v.device)
+        return stale_denominator(v.float(), t, eps, bc2)
+
+    def _c_scalars(self, name) -> tuple[float, float, float]:
+        """``(floor, r, eps)`` for the C passes (d = max(sqrt(v), floor) * r + eps)."""
+        floor, bc2, eps = self.scalars[name]
+        return floor, inverse_sqrt_bc2(bc2), eps
 
     # -- the optimizer's step hooks ------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, names) -> None:
@@ -105,46 +135,54 @@ class FrozenAdam:
             b1, b2 = group["betas"]
             eps = group["eps"]
             for p in group["params"]:
-                d = self.denominators.get(names.get(id(p), (-1, -1)))
+                name = names.get(id(p), (-1, -1))
                 entry = opt.state.get(p)
-                if d is None or p.grad is None or not entry or "exp_avg" not in entry:
+                if (name not in self.scalars and name not in self.legacy) or p.grad is None or not entry \
+                        or "exp_avg" not in entry:
                     continue
                 t = float(entry["step"]) + 1.0  # torch counts the step before its bias corrections
-                if own and self._own_step(p, entry, group, d, t):
+                if own and self._own_step(p, entry, group, name, t):
+                    continue
+                d = self.denominator(opt, p, name)
+                if d is None:
                     continue
                 m, grad = to_local(entry["exp_avg"]), to_local(p.grad)  # DTensors (FSDP2): their slices
                 m.mul_(b1).add_(grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
                 target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
-                to_local(entry["exp_avg_sq"]).copy_(target)  # the optimizer's b2 * v gives the frozen one
+                v = to_local(entry["exp_avg_sq"])
+                self._saved.append((v, v.clone()))  # v_F, put back after the step
+                v.copy_(target)  # the optimizer's b2 * v gives the frozen one
                 self._saved.append((grad, grad.clone()))
                 grad.zero_()
 
-    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, d: torch.Tensor, t: float) -> bool:
+    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, name, t: float) -> bool:
         """torch's Adam/AdamW update of ``p`` on the frozen denominator, done here: the momentum
         takes this iteration's gradient, ``p -= lr * m / (bc1 * d)`` (after AdamW's decay; Adam's
-        L2 term joins the gradient), ``exp_avg_sq`` is left as torch's step would leave it for
-        that denominator and the step count advances; then the gradient is hidden from torch's
-        step (set to None, restored by the post-hook), which skips the parameter. One pass over
-        p, g, m, d and v instead of preparing the state, torch's step and the restore (bench/
-        TRAFFIC.md section 4, item 1). The same maths as :meth:`prepare`'s route, to rounding
-        (that route's denominator is ``d`` after a square and a root). False: not done (options
-        this does not model: the caller takes the preparing route)."""
+        L2 term joins the gradient), ``d`` computed from ``exp_avg_sq`` (``v_F``, left as it is) and
+        the step count advances; then the gradient is hidden from torch's step (set to None,
+        restored by the post-hook), which skips the parameter. One pass over p, g, m and v
+        instead of preparing the state, torch's step and the restore (bench/TRAFFIC.md section 4,
+        item 1). The same maths as :meth:`prepare`'s route, to rounding (that route's denominator
+        is ``d`` after a square and a root). False: not done (options this does not model: the
+        caller takes the preparing route)."""
         if any(group.get(k) for k in ("maximize", "amsgrad", "capturable", "differentiable")):
             return False
-        b1, b2 = group["betas"]
-        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        b1 = group["betas"][0]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        bc1 = 1.0 - b1**t
         decoupled = group.get("decoupled_weight_decay", False)
         pl, grad = to_local(p).detach(), to_local(p.grad)
         m, v = to_local(entry["exp_avg"]), to_local(entry["exp_avg_sq"])
         g = grad.add(pl, alpha=wd) if wd and not decoupled else grad
         decay = 1.0 - lr * wd if wd and decoupled else 1.0
-        if not cpu_fused.frozen_adam_(pl, m, g, d, v, beta1=b1, decay=decay, step=lr / bc1, eps=eps, bc2=bc2):
+        legacy = self.legacy.get(name)
+        if legacy is not None or not cpu_fused.frozen_adam_(pl, m, g, v, beta1=b1, decay=decay, step=lr / bc1,
+                                                            denominator=self._c_scalars(name)):
+            d = legacy if legacy is not None else self._denominator(v, name)
             m.mul_(b1).add_(g, alpha=1.0 - b1)
             if decay != 1.0:
                 pl.mul_(decay)
             pl.addcdiv_(m, d, value=-lr / bc1)
-            torch.sub(d, eps, out=v).square_().mul_(bc2)
         entry["step"] += 1
         self._hidden.append((p, p.grad))
         p.grad = None
@@ -167,8 +205,9 @@ class FrozenAdam:
 
     # -- freezing --------------------------------------------------------------------------
     def freeze(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
-        """Take each parameter's denominator from the optimizer's state now (after step F)."""
-        self.flat = {}
+        """Take each parameter's frozen scalars from the optimizer's state now (after step F); its
+        ``exp_avg_sq`` is v_F from now on."""
+        self._frozen = True
         for group in opt.param_groups:
             params = [p for p in group["params"] if opt.state.get(p) and "exp_avg_sq" in opt.state[p]
                       and id(p) in names]
@@ -176,10 +215,11 @@ class FrozenAdam:
                 continue
             vs = [to_local(opt.state[p]["exp_avg_sq"]).detach().float() for p in params]
             floors = sqrt_v_floors(vs, self.variance_floor)
-            for p, v, floor in zip(params, vs, floors, strict=True):
+            for p, floor in zip(params, floors, strict=True):
                 steps = float(opt.state[p]["step"])
                 bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
-                self.denominators[names[id(p)]] = stale_denominator(v, floor, group["eps"], bc2)
+                self.scalars[names[id(p)]] = (float(floor), bc2, float(group["eps"]))
+                self._floors[names[id(p)]] = floor
 
     def add_local(self, buffer: torch.Tensor, sq: float | torch.Tensor | None = None) -> None:
         """Count a bucket of this rank's own gradient into this iteration's squared norm (``sq``:
@@ -199,27 +239,41 @@ class FrozenAdam:
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
         """``(d, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: the frozen
         denominator, ``exp_avg`` and the factor of ``c``; None where the parameter has neither."""
-        d = self.denominators.get(name)
         entry = opt.state.get(p)
-        if d is None or not entry or "exp_avg" not in entry:
+        if not entry or "exp_avg" not in entry:
+            return None
+        d = self.denominator(opt, p, name)
+        if d is None:
             return None
         b1 = group["betas"][0]
         return d, to_local(entry["exp_avg"]).detach(), b1 / (1.0 - b1)
 
     # -- checkpoint ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"freeze_step": self.freeze_step, "names": [list(n) for n in self.denominators],
-                "denominators": [d.clone() for d in self.denominators.values()]}
+        """The frozen scalars (the denominators are the optimizer's ``exp_avg_sq``, in its own state);
+        loaded denominators of an old checkpoint as they came."""
+        return {"freeze_step": self.freeze_step, "frozen": self._frozen,
+                "names": [list(n) for n in self.scalars], "scalars": [list(s) for s in self.scalars.values()],
+                "legacy_names": [list(n) for n in self.legacy],
+                "denominators": [d.clone() for d in self.legacy.values()]}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.flat = {}
-        self.denominators = {tuple(n): d for n, d in zip(state["names"], state["denominators"], strict=True)}
+        self._floors = {}
+        if "scalars" in state:
+            self.scalars = {tuple(n): tuple(s) for n, s in zip(state["names"], state["scalars"], strict=True)}
+            names = state.get("legacy_names", [])
+            self._frozen = bool(state.get("frozen", self.scalars))
+        else:  # a release that kept d: its exp_avg_sq was rewritten each step, so d is kept as it came
+            self.scalars, names = {}, state["names"]
+            self._frozen = bool(names)
+        self.legacy = {tuple(n): d for n, d in zip(names, state["denominators"], strict=True)}
 
 
 def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     """``(d, parts)`` of section 8.2: the bucket's flat frozen denominators (1 where a parameter
-    has none) and, per parameter that has them, ``(lo, hi, exp_avg, b1 / (1 - b1))`` (its place in
-    the bucket, the momentum and the factor of ``c``); None, None if none has them."""
+    has none; made for this call from the variances, freed with it) and, per parameter that has
+    them, ``(lo, hi, exp_avg, b1 / (1 - b1))`` (its place in the bucket, the momentum and the factor
+    of ``c``); None, None if none has them."""
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
     grads = bucket.gradients()
     found = []
@@ -234,19 +288,9 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())
-    # d is frozen: built once per bucket (the same parameters, the same places), not every iteration;
-    # each parameter's denominator then becomes a view of it, so the memory is not doubled
-    key = (tuple(layout), tuple(offsets), tuple(i for i, *_ in found), buffer.device)
-    cached = fa.flat.get(bucket.index())
-    if cached is not None and cached[0] == key:
-        d = cached[1]
-    else:
-        d = torch.ones_like(buffer, dtype=torch.float32)
-        for i, di, _, _ in found:
-            view = d[offsets[i]:offsets[i + 1]].view_as(di)
-            view.copy_(di)
-            fa.denominators[layout[i]] = view
-        fa.flat[bucket.index()] = (key, d)
+    d = torch.ones_like(buffer, dtype=torch.float32)
+    for i, di, _, _ in found:
+        d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
     return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
 
 

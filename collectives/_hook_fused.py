@@ -51,13 +51,14 @@ def pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa=None):
     """``frozen_pre_``'s contract in the Triton passes: ``buffer <- (g + c) / d`` (the bucket counted
     into ``fa``'s local norm), returning ``post(out)``: ``out <- out * d - c``."""
     tables = fa.tables if fa is not None else {}
-    key = (buffer.device, buffer.numel(), tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts))
+    key = (buffer.device, d.data_ptr(), buffer.numel(),
+           tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts))
     t = tables.get(key)
     if t is None:
         if len(tables) >= _CACHE_LIMIT:
             tables.clear()
         t = tables[key] = hook.table(parts, d)
-    alive = [m for _, _, m, _ in parts]  # the table's addresses, until the post-pass ran
+    alive = [d] + [m for _, _, m, _ in parts]  # the table's addresses, until the post-pass ran
     sq = hook.pre(buffer, d, t)
     if fa is not None:
         fa.add_local(buffer, sq)

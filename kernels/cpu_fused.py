@@ -141,13 +141,14 @@ def hook_post_(out: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: floa
 
 
 @torch.no_grad()
-def frozen_adam_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, d: torch.Tensor, v: torch.Tensor, *,
-                 beta1: float, decay: float, step: float, eps: float, bc2: float) -> bool:
+def frozen_adam_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, var: torch.Tensor, *,
+                 beta1: float, decay: float, step: float, denominator: tuple[float, float, float]) -> bool:
     """The DDP hook's AdamW step on a frozen denominator in one pass: ``m = b1 m + (1 - b1) g``,
-    ``p = p * decay - step * m / d``, ``v = (d - eps)^2 bc2`` (reads p, m, g, d; writes p, m, v:
-    28 B per element against the 116 of preparing the state for torch's own step, the step and the
-    restore); False (nothing done) where it does not apply."""
-    if not _applies(p, m, g, d, v):
+    ``p = p * decay - step * m / d``, ``d = max(sqrt(var), floor) * r + eps`` computed as it reads the
+    frozen variance (``denominator``: ``(floor, r, eps)``, docs/ALGORITHMS.md 6.2; reads p, m, g, var;
+    writes p, m: 24 B per element against the 116 of preparing the state for torch's own step, the
+    step and the restore); False (nothing done) where it does not apply."""
+    if not _applies(p, m, g, var):
         return False
-    _run("onebit_frozen_adam", (p, m, g, d, v), beta1, 1.0 - beta1, decay, -step, eps, bc2)
+    _run("onebit_frozen_adam", (p, m, g, var), beta1, 1.0 - beta1, decay, -step, *denominator)
     return True

@@ -180,17 +180,18 @@ void onebit_hook_post_range(float* flat, int64_t a, int64_t b, const int64_t* st
 /* ---- The hook's per-parameter passes where its passes inside the codec decline (a mesh, a bucket
    covered by remembered ones; onebit.kernels.cpu_fused binds them): g = (g + m k) / d before the
    collective, out = out d - m k after it (post_c's loop); and the AdamW step on the frozen
-   denominator: m = m b1 + w g, p = p decay + (-step m) / d, v = (d - eps)^2 bc2. */
-#define FROZEN_ARGS (float* restrict p, float* restrict m, const float* restrict g, const float* restrict d, \
-                     float* restrict v, float b1, float w, float decay, float nstep, float eps, float bc2, int64_t n)
+   denominator: m = m b1 + w g, p = p decay + (-step m) / d, d from the frozen variance v as den_fill
+   computes it (d = max(sqrt(v), floor) * r + eps: v is read, never written). */
+#define FROZEN_ARGS (float* restrict p, float* restrict m, const float* restrict g, const float* restrict v, \
+                     float b1, float w, float decay, float nstep, float floor, float r, float eps, int64_t n)
 ONEBIT_VARIANTS(pre_only, (float* restrict g, const float* restrict m, const float* restrict d, float k, int64_t n),
                 for (int64_t i = 0; i < n; i++) g[i] = (g[i] + m[i] * k) / d[i];)
 ONEBIT_VARIANTS(frozen, FROZEN_ARGS, for (int64_t i = 0; i < n; i++) {
+  float s = sqrtf(v[i]);
+  s = s < floor ? floor : s;
   float mn = m[i] * b1 + w * g[i];
   m[i] = mn;
-  p[i] = p[i] * decay + (nstep * mn) / d[i];
-  float de = d[i] - eps;
-  v[i] = de * de * bc2;
+  p[i] = p[i] * decay + (nstep * mn) / (s * r + eps);
 })
 
 void onebit_hook_pre_only(float* g, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
@@ -207,8 +208,8 @@ void onebit_hook_post(float* out, const float* m, const float* d, float k, int64
   ONEBIT_PARALLEL(n, threads, f(out + a, m + a, d + a, k, len))
 }
 
-void onebit_frozen_adam(float* p, float* m, const float* g, const float* d, float* v, float b1, float w, float decay,
-                        float nstep, float eps, float bc2, int64_t n, int isa, int threads) {
+void onebit_frozen_adam(float* p, float* m, const float* g, const float* v, float b1, float w, float decay,
+                        float nstep, float floor, float r, float eps, int64_t n, int isa, int threads) {
   void (*f) FROZEN_ARGS = ONEBIT_PICK(frozen, isa);
-  ONEBIT_PARALLEL(n, threads, f(p + a, m + a, g + a, d + a, v + a, b1, w, decay, nstep, eps, bc2, len))
+  ONEBIT_PARALLEL(n, threads, f(p + a, m + a, g + a, v + a, b1, w, decay, nstep, floor, r, eps, len))
 }

@@ -120,5 +120,5 @@ SIGNATURES = {
     "onebit_hook_pre_only": "-: p p p f32 i64 i32 i32",
     "onebit_hook_post": "-: p p p f32 i64 i32 i32",
     "onebit_narrow": "-: p p p i64 i64 i32 i32 i32",
-    "onebit_frozen_adam": "-: p p p p p f32 f32 f32 f32 f32 f32 i64 i32 i32",
+    "onebit_frozen_adam": "-: p p p p f32 f32 f32 f32 f32 f32 f32 i64 i32 i32",
 }
