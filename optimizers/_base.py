@@ -82,6 +82,12 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
     alike; the error buffers stay finite). onebit's GradScaler makes the check unnecessary
     and it is skipped under ``scaler.step``. ``step(check=True)`` first verifies that all
     ranks agree on parameters, stage and counters (:meth:`verify_ranks`).
+
+    ``error_dtype``: the error buffers' dtype. ``torch.bfloat16`` (the default) keeps them in half
+    the bytes, stored with stochastic rounding (docs/ALGORITHMS.md 12: zero-mean, no drift; the
+    convergence suite within its seed spread of the float32 errors, bench/RESULTS.md);
+    ``torch.float32`` keeps them exact. A checkpoint of either loads into either (float32 errors
+    are rounded once to nearest when loaded into bfloat16 buffers).
     """
 
     FLAT_STATE: tuple[str, ...] = ()
@@ -97,7 +103,7 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         nonfinite: str | None = "skip", auto_mask: float | None = None,
         compression: str = "preconditioned", variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT, block: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         # a 2-D DeviceMesh: hierarchical compressed all-reduces; everything else (full-precision
         # averaging, agreement checks) on the group of all its ranks

@@ -29,7 +29,8 @@ class OnebitAdam(WarmupThenCompress):
     Optimizer state per parameter: ``exp_avg_sq`` (float32, 4 bytes per element; the stale
     denominator is computed from it where it is read), the momentum ``exp_avg`` (float32; in the
     compression stage, between fused steps, kept as its last 1-bit message: 1/8 byte, and
-    ``state_dict()`` decodes it) and the bucket's error buffers (about 4 + 4/W bytes per element):
+    ``state_dict()`` decodes it) and the bucket's error buffers (about 2 + 2/W bytes per element in
+    bfloat16, ``error_dtype``: see :class:`OnebitOptimizerBase`):
     ``onebit.memory.bytes_per_parameter(opt)`` counts them.
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
@@ -68,7 +69,7 @@ class OnebitAdam(WarmupThenCompress):
         variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.bfloat16,
         overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(

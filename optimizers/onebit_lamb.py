@@ -63,7 +63,8 @@ class OnebitLamb(WarmupThenCompress):
 
     Optimizer state per parameter: ``exp_avg`` (``u`` after the freeze), ``exp_avg_sq``
     (float32, 8 bytes per element), ``lamb_sketch`` (at most 256 floats) and three float64
-    scalars; plus the error buffers (about 4 + 4/W bytes per element) and an int32 sketch
+    scalars; plus the error buffers (about 2 + 2/W bytes per element in bfloat16, ``error_dtype``)
+    and an int32 sketch
     hash (4 bytes per element). With ``compression="momentum"`` also ``exp_avg_sq_fresh``
     and, from the first compressed step, a copy of the previous momentum (8 bytes per
     element).
@@ -100,7 +101,7 @@ class OnebitLamb(WarmupThenCompress):
         variance_floor: float | None = LAMB_VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff),

@@ -38,7 +38,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
     Optimizer state per parameter: ``exp_avg``, ``exp_avg_sq``, ``sync_params`` and the
     flat buffer ``momentum_accumulator`` (carries the compressed gradient in phase 1 and
     ``u`` at syncs; float32, 16 bytes per element in all) plus the error buffers (about
-    4 + 4/W bytes per element).
+    2 + 2/W bytes per element in bfloat16, ``error_dtype``).
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
 
@@ -76,7 +76,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
-        error_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.bfloat16,
         overlap: bool = False,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay)

@@ -134,8 +134,9 @@ def demo_fingerprint(stdout: str) -> str:
 # -- optimizer tests: parameters, gradients, rank bodies shared by the per-optimizer files --
 SHAPES = [(7, 5), (5,), (), (3, 4, 2), (0,), (33,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
-# the reference's maths (docs/ALGORITHMS.md sections 3-4): what the float64 references compute
-REFERENCE = dict(compression="momentum", variance_floor=None, auto_mask=None)
+# the reference's maths (docs/ALGORITHMS.md sections 3-4) with exact (float32) error buffers: what the
+# float64 references compute
+REFERENCE = dict(compression="momentum", variance_floor=None, auto_mask=None, error_dtype=torch.float32)
 LAMB_SHAPES = [(7, 5), (5,), (3, 4, 2), (33,)]  # LAMB's trust ratio needs non-empty tensors here
 ZO = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
 

@@ -118,5 +118,7 @@ def test_bench_memory_counts_every_optimizer(tmp_path):
     rows = {r["optimizer"]: float(r["bytes_per_parameter"]) for r in _rows(path)}
     assert set(rows) == {"adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook"}
     assert 8.0 <= rows["adamw"] < 8.01  # exp_avg, exp_avg_sq and the step counters
-    assert all(v > rows["adamw"] for k, v in rows.items() if k != "adamw"), rows  # what issue 56 takes down
+    # OnebitAdam below AdamW (its momentum as a message, bfloat16 errors); the others: issue 56 goes on
+    assert rows["onebit_adam"] < rows["adamw"], rows
+    assert all(v > rows["adamw"] for k, v in rows.items() if k not in ("adamw", "onebit_adam")), rows
     assert "bytes per parameter" in out

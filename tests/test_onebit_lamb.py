@@ -16,7 +16,8 @@ def _body_lamb(steps, freeze, wd, zero_param, auto_mask=None):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LAMB_SHAPES]
     opt = OnebitLamb(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=wd, freeze_step=freeze,
-                     compression="momentum", variance_floor=None, auto_mask=auto_mask)
+                     compression="momentum", variance_floor=None, auto_mask=auto_mask,
+                     error_dtype=torch.float32)
     for t in range(steps):
         grads = make_grads(t, r, LAMB_SHAPES)
         if zero_param:
@@ -68,7 +69,8 @@ def _body_lamb_mask(steps):
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in LAMB_SHAPES]
     mask = (torch.arange(35) % 4 != 0).float().view(LAMB_SHAPES[0])
     opt = OnebitLamb([{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}], lr=1e-2,
-                     betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, freeze_step=3, compression="momentum")
+                     betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, freeze_step=3, compression="momentum",
+                     error_dtype=torch.float32)
     for t in range(steps):
         set_grads(params, make_grads(t, r, LAMB_SHAPES))
         opt.step()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from reference_trajectories import CASES, DATA, body
 
-REFERENCE = dict(compression="momentum", variance_floor=None, auto_mask=None)
+REFERENCE = dict(compression="momentum", variance_floor=None, auto_mask=None, error_dtype=torch.float32)
 RTOL = 2e-5  # a few float32 ulps per step, over 16 steps
 
 
