@@ -3,8 +3,9 @@
 An error buffer (worker or server) may be float32 or bfloat16. A bfloat16 one is widened to float32
 (exact) for a call's passes and stored back with **stochastic rounding**: element ``i``, updated with
 scale ``s`` (its chunk's, or its block's), is stored as the top 16 bits of ``bits(e_i) + r_i``, where
-``r_i`` is the low 16 bits of ``fmix32(key + i * 0x9E3779B9)`` and ``key = fmix32(bits(s) ^ role)``
-(``fmix32``: MurmurHash3's finaliser; unsigned 32-bit arithmetic, wrapping). It rounds the magnitude
+``r_i`` is the top 16 bits of ``key + i * 0x9E3779B9`` and ``key = fmix32(bits(s) ^ role)``
+(``fmix32``: MurmurHash3's finaliser; unsigned 32-bit arithmetic, wrapping): per element an add and a
+shift, the hash once per run of one scale. It rounds the magnitude
 up with probability equal to the fraction of the gap it discards: zero-mean, so the rounding errors do
 not add up to a drift the way round-to-nearest's do (section 12). The bits depend only on the value,
 its index, the scale and the role (``WORKER`` or ``SERVER``): every backend (torch here, the native C
@@ -12,10 +13,10 @@ in ``native/rounding.c``, the Triton kernel below) stores the same bits, with no
 keep or checkpoint; a new scale every step gives new bits every step. A NaN is stored as its top 16
 bits with the quiet bit set; a value already in bfloat16 (a skipped update) is stored unchanged.
 
-Example: ``e = 1 + 2^-9`` (bits ``0x3F804000``), ``s = 1``, worker role: ``r_0 = 0x7E0E``, so
-``0x3F804000 + 0x7E0E = 0x3F80BE0E`` is stored as ``0x3F80`` (1.0); at ``i = 10``, ``r_10 = 0xF0F1`` and the
-sum carries into ``0x3F81`` (``1 + 2^-7``). An element rounds up where ``r_i >= 0xC000``: a quarter of them,
-and the mean stored is ``e``.
+Example: ``e = 1 + 2^-9`` (bits ``0x3F804000``), ``s = 1``, worker role: ``key = 0xBC144185``, ``r_0 =
+0xBC14``, so ``0x3F804000 + 0xBC14 = 0x3F80FC14`` is stored as ``0x3F80`` (1.0); at ``i = 2``, ``r_2 = 0xF883``
+and the sum carries into ``0x3F81`` (``1 + 2^-7``). An element rounds up where ``r_i >= 0xC000``: a quarter
+of them, and the mean stored is ``e``.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def narrow_plain(src: torch.Tensor, scales: torch.Tensor, unit: int, role: int,
     element ``offset + k`` of its buffer (the reference of the C and Triton versions)."""
     idx = torch.arange(offset, offset + src.numel(), dtype=torch.int64, device=src.device)
     key = _fmix(_bits(scales.reshape(-1)) ^ role)[idx // unit]
-    r = _fmix((key + idx * GOLDEN) & _MASK) & 0xFFFF
+    r = ((key + idx * GOLDEN) & _MASK) >> 16
     x = _bits(src.reshape(-1))
     top = torch.where((x & 0x7FFFFFFF) > 0x7F800000, (x >> 16) | 0x40, (x + r) >> 16)
     return torch.where(top >= 0x8000, top - 0x10000, top).to(torch.int16).view(torch.bfloat16)
@@ -127,7 +128,7 @@ def _narrow_kernel(src_ptr, dst_ptr, scales_ptr, n, unit, role, BLOCK: tl.conste
     live = idx < n
     s = tl.load(scales_ptr + idx // unit, mask=live, other=0.0)
     key = _fmix_tl(s.to(tl.uint32, bitcast=True) ^ role.to(tl.uint32))
-    r = _fmix_tl(key + idx.to(tl.uint32) * 0x9E3779B9) & 0xFFFF
+    r = (key + idx.to(tl.uint32) * 0x9E3779B9) >> 16
     x = tl.load(src_ptr + idx, mask=live, other=0.0).to(tl.uint32, bitcast=True)
     top = tl.where((x & 0x7FFFFFFF) > 0x7F800000, (x >> 16) | 0x40, (x + r) >> 16)
     tl.store(dst_ptr + idx, top.to(tl.uint16).to(tl.int16, bitcast=True), mask=live)

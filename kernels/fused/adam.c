@@ -124,10 +124,12 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
                             const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                             const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
                             const float* sc, int K, const uint8_t* old_bits, int64_t old_stride,
-                            const float* old_scales, float* tails, int ebf16, int isa, int threads) {
+                            const float* old_scales, float* tails, int ebf16, float* zbuf, int isa, int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, 0, sc, K};
-  const int keep_z = !flat && !ebf16; /* bfloat16 errors: read only (the decompress pass folds u again) */
+  /* the momentum kept as a message: z = u + e kept for the decompress pass, over a float32 e, or in zbuf
+     (float32, the bucket's N) beside a bfloat16 one; a float32 flat buffer: nothing kept */
+  const int keep_z = !flat && (!ebf16 || zbuf);
   blocks_fn f = pick(isa);
   decompress_fn dec = pick_decompress(isa);
   const int P = threads;
@@ -146,7 +148,10 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
         int64_t len = hi - i < RUN ? hi - i : RUN;
         float* u = flat ? flat + off + i : ub;
         float* er = e + off + i;
-        if (ebf16) { widen_run(eb, (const uint16_t*)e + off + i, len); er = eb; }
+        if (ebf16) { /* widened on the stack, or into zbuf where z is kept (stored over it) */
+          er = keep_z ? zbuf + off + i : eb;
+          widen_run(er, (const uint16_t*)e + off + i, len);
+        }
         if (!flat) dec(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
 #ifdef ONEBIT_X86
         int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
@@ -161,7 +166,7 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
         fold_range(isa, u, off + i, off + i + len, &tab, &k);
         f(u, er, bits + j * stride + i / 8, &r, len, len);
         if (keep_z) { /* z = u + e (the encode's) kept over e where finite: the decompress pass reads it */
-          float* ez = e + off + i;
+          float* ez = er;
           for (int64_t q = 0; q < len; q++) { float z = u[q] + ez[q]; ez[q] = z - z == 0.0f ? z : ez[q]; }
         }
         acc += r;
@@ -198,8 +203,8 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
                                   const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
                                   const int64_t* count, const int64_t* g, const int64_t* d, const int64_t* p,
                                   const float* sc, int K, float lo_c, float hi_c, const uint8_t* old_bits,
-                                  int64_t old_stride, const float* old_scales, int update, int ebf16, int isa,
-                                  int threads) {
+                                  int64_t old_stride, const float* old_scales, int update, int ebf16, float* zbuf,
+                                  int isa, int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, p, sc, K};
   decompress_fn f = pick_decompress(isa);
@@ -222,15 +227,12 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
           update_range(isa, flat + off + i, off + i, off + i + len, &tab, lo_c, hi_c, &k);
           continue;
         }
-        if (e16) { /* z = u + e from u folded again (the worker's, bitwise) and the stored error: e = z - ws
-                      sgn(z) rounded into bfloat16, then the decode; no update: e is left as it is */
-          if (update) {
-            f(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
-            fold_range(isa, ub, off + i, off + i + len, &tab, &kf);
-            widen_run(eb, e16, len);
-          }
-          f(bits + j * stride + i / 8, s + j, 0, ub, update ? eb : 0, update ? ws + j : 0, 0, len, len);
-          if (update) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
+        if (e16) { /* the worker pass kept z in zbuf: e = z - ws sgn(z) there (as over a float32 e below),
+                      stored rounded into bfloat16, then the decode; no update: e is left as it is */
+          float* z = zbuf + off + i;
+          memset(ub, 0, (size_t)len * sizeof(float));
+          f(bits + j * stride + i / 8, s + j, 0, ub, update ? z : 0, update ? ws + j : 0, 0, len, len);
+          if (update) nr(e16, (const uint32_t*)z, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
           update_range(isa, ub, off + i, off + i + len, &tab, lo_c, hi_c, &k);
           continue;
         }

@@ -192,8 +192,8 @@ static inline int table_part(const int64_t* start, const int64_t* count, int K, 
   }
 
 /* Error buffers in bfloat16 with stochastic rounding (docs/ALGORITHMS.md 12; kernels/rounding.py): element i
-   of a buffer, updated with scale s, is stored as the top 16 bits of bits(e) + r_i, r_i the low 16 bits of
-   fmix32(key + i * 0x9E3779B9), key = fmix32(bits(s) ^ role); a NaN as its top 16 bits with the quiet bit
+   of a buffer, updated with scale s, is stored as the top 16 bits of bits(e) + r_i, r_i the top 16 bits of
+   key + i * 0x9E3779B9, key = fmix32(bits(s) ^ role); a NaN as its top 16 bits with the quiet bit
    set. Unsigned arithmetic wraps: the same bits as the torch and Triton versions. */
 #define ROUND_GOLDEN 0x9E3779B9u
 #define ROUND_WORKER 0x576F726Bu /* the roles (onebit.kernels.rounding.WORKER, SERVER) */
@@ -209,7 +209,7 @@ static inline uint32_t round_key(float s, uint32_t role) {
 }
 /* one element: x the float32's bits, i its index in the buffer */
 static inline uint16_t round_bf16(uint32_t x, uint32_t key, uint32_t i) {
-  uint32_t r = fmix32(key + i * ROUND_GOLDEN) & 0xFFFFu;
+  uint32_t r = (key + i * ROUND_GOLDEN) >> 16;
   return (x & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((x >> 16) | 0x40u) : (uint16_t)((x + r) >> 16);
 }
 /* a bfloat16 run widened to float32 (exact): the passes that keep an error in bfloat16 read a run so */
