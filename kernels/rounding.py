@@ -13,10 +13,10 @@ in ``native/rounding.c``, the Triton kernel below) stores the same bits, with no
 keep or checkpoint; a new scale every step gives new bits every step. A NaN is stored as its top 16
 bits with the quiet bit set; a value already in bfloat16 (a skipped update) is stored unchanged.
 
-Example: ``e = 1 + 2^-9`` (bits ``0x3F804000``), ``s = 1``, worker role: ``key = 0xBC144185``, ``r_0 =
-0xBC14``, so ``0x3F804000 + 0xBC14 = 0x3F80FC14`` is stored as ``0x3F80`` (1.0); at ``i = 2``, ``r_2 = 0xF883``
-and the sum carries into ``0x3F81`` (``1 + 2^-7``). An element rounds up where ``r_i >= 0xC000``: a quarter
-of them, and the mean stored is ``e``.
+Example: ``e = 1 + 2^-9`` (bits ``0x3F804000``), ``s = 1``, worker role: ``key = 0xBC144185``,
+``r_0 = 0xBC14``, so ``0x3F804000 + 0xBC14 = 0x3F80FC14`` is stored as ``0x3F80`` (1.0); at ``i = 2``,
+``r_2 = 0xF883`` and the sum carries into ``0x3F81`` (``1 + 2^-7``). An element rounds up where
+``r_i >= 0xC000``: a quarter of them, and the mean stored is ``e``.
 """
 
 from __future__ import annotations

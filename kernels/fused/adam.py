@@ -204,7 +204,8 @@ def fold_encode_all(flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tens
     t = table
     bf16 = e.dtype == torch.bfloat16
     if old is not None and bf16 and (zbuf is None or not _f32(zbuf) or zbuf.numel() != e.numel()):
-        raise ValueError("adam.fold_encode_all: a kept message with a bfloat16 error needs a float32 zbuf like e")
+        raise ValueError("adam.fold_encode_all: a kept message with a bfloat16 error needs a float32 zbuf "
+                         "as long as e")
     if old is not None and (tails is None or not _f32(tails) or tails.numel() < 8 * len(n_enc)):
         raise ValueError("adam.fold_encode_all: a kept message needs 8 W float32 tails")
     kept = (None, 0, None, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr(),
