@@ -30,6 +30,7 @@ if has tests; then
   # tests/test_cuda.py: Triton against the torch path and the float64 chain on CUDA tensors
   timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py tests/test_multi.py \
     tests/test_triton_fused.py tests/test_triton_fused_zoa.py tests/test_triton_hook.py tests/test_momentum_message.py \
+    tests/test_rounding.py \
     --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
 fi
 if has kernels; then

@@ -260,3 +260,28 @@ def test_native_server_stores_bfloat16_bitwise_as_the_widened_call(W, C):
         assert torch.equal(seg16, seg32), name
         want = rounding.narrow_plain(e32, message_scales(seg32, layout), layout.block_len, rounding.SERVER)
         assert torch.equal(e16.view(torch.int16), want.view(torch.int16)), name
+
+
+@pytest.mark.cuda
+def test_cuda_rounding_and_collective_with_bfloat16_errors():
+    # the Triton rounding on CUDA tensors: the same bits as the torch version; a local collective of 3
+    # ranks with bfloat16 errors: the same output as with their float32 values, errors their rounding
+    n, unit = 100_003, 96
+    src = _hostile(n, 5).cuda()
+    scales = _scales(-(-n // unit), 5).cuda()
+    got = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    rounding.narrow_(got, src, scales, unit, rounding.WORKER)
+    want = rounding.narrow_plain(src.cpu(), scales.cpu(), unit, rounding.WORKER)
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+    W, m = 3, 5000
+    N = padded_numel(m, W)
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(m, generator=g).cuda() for _ in range(W)]
+    errs16 = [(_bf16_values(N, r).cuda(), _bf16_values(N // W, 10 + r).cuda()) for r in range(W)]
+    errs32 = [(we.float(), se.float()) for we, se in errs16]
+    out16, out32 = (local_compressed_allreduce([x.clone() for x in xs], [a for a, _ in errs], [b for _, b in errs])
+                    for errs in (errs16, errs32))
+    for r in range(W):
+        assert torch.equal(out16[r], out32[r])
+        assert _neighbours(errs16[r][0].cpu(), errs32[r][0].cpu())
+        assert _neighbours(errs16[r][1].cpu(), errs32[r][1].cpu())
