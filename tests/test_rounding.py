@@ -279,8 +279,8 @@ def test_cuda_rounding_and_collective_with_bfloat16_errors():
     xs = [torch.randn(m, generator=g).cuda() for _ in range(W)]
     errs16 = [(_bf16_values(N, r).cuda(), _bf16_values(N // W, 10 + r).cuda()) for r in range(W)]
     errs32 = [(we.float(), se.float()) for we, se in errs16]
-    out16, out32 = (local_compressed_allreduce([x.clone() for x in xs], [a for a, _ in errs], [b for _, b in errs])
-                    for errs in (errs16, errs32))
+    out16, out32 = (local_compressed_allreduce([x.clone() for x in xs], [a for a, _ in errs],
+                                               [b for _, b in errs]) for errs in (errs16, errs32))
     for r in range(W):
         assert torch.equal(out16[r], out32[r])
         assert _neighbours(errs16[r][0].cpu(), errs32[r][0].cpu())
