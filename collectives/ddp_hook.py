@@ -96,14 +96,14 @@ class OnebitCompressHookState:
             hook call per optimizer step). Clip with ``clip_grad_norm_`` of this state (or
             ``onebit.integrations``): the gradient DDP hands over carries the momentum's 1-bit
             noise, so its own norm is not the gradient's.
-        error_dtype: the error buffers' dtype: float32, or bfloat16 (half the bytes; stored with
-            stochastic rounding, docs/ALGORITHMS.md 12).
+        error_dtype: the error buffers' dtype: bfloat16 (the default: half the bytes, stored with
+            stochastic rounding, docs/ALGORITHMS.md 12), or float32.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
                  variance_floor: float = 0.1, freeze_step: int | None = None, *,
-                 error_dtype: torch.dtype = torch.float32) -> None:
+                 error_dtype: torch.dtype = torch.bfloat16) -> None:
         # a 2-D DeviceMesh: each bucket's compressed all-reduce is hierarchical (1-bit between
         # nodes only); the full-precision iterations average over all the mesh's ranks
         self._mesh = process_group if is_mesh(process_group) else None

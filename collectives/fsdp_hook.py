@@ -62,15 +62,16 @@ class OnebitAllReduceHook:
     1-bit compression after ``start_iter`` full-precision calls.
 
     ``block``: elements per scale (see ``OnebitCompressHookState``; default 64). ``state_dict()`` /
-    ``load_state_dict()`` checkpoint the error buffers and counters. ``error_dtype``: float32,
-    or bfloat16 (half the bytes, stored with stochastic rounding: docs/ALGORITHMS.md 12).
+    ``load_state_dict()`` checkpoint the error buffers and counters. ``error_dtype``: bfloat16
+    (the default: half the bytes, stored with stochastic rounding, docs/ALGORITHMS.md 12) or
+    float32.
     ``process_group`` may be a 2-D DeviceMesh of the replicas (nodes x replicas per node): the
     compressed calls are then hierarchical, 1-bit between nodes only.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, start_iter: int = 0,
                  block: int | None = HOOK_BLOCK, *, reduce: str = "mean",
-                 error_dtype: torch.dtype = torch.float32) -> None:
+                 error_dtype: torch.dtype = torch.bfloat16) -> None:
         self._mesh = process_group if is_mesh(process_group) else None
         process_group = flat_group(process_group)
         self.process_group = process_group
@@ -299,7 +300,7 @@ def register_fsdp_hooks(
     model: torch.nn.Module, process_group: dist.ProcessGroup | None = None, start_iter: int = 0,
     block: int | None = HOOK_BLOCK, *, reduce: str = "mean", optimizer: torch.optim.Optimizer | None = None,
     freeze_step: int | None = None, variance_floor: float = 0.1,
-    error_dtype: torch.dtype = torch.float32,
+    error_dtype: torch.dtype = torch.bfloat16,
 ) -> FSDPHooks:
     """Give every FSDP module inside ``model`` its own :class:`OnebitAllReduceHook`; returns them
     by module name (an :class:`FSDPHooks`). Modules that manage no parameter of their own (a root
@@ -309,7 +310,7 @@ def register_fsdp_hooks(
     be left out (the mesh's replicate group; FSDP's own all-reduce across replicas is switched
     off). Sharded over a 1-D shard mesh: ``process_group`` is the replicate group (or a 2-D mesh
     of replicas: hierarchical). ``optimizer`` + ``freeze_step``: module docstring. ``error_dtype``: the
-    error buffers' (float32, or bfloat16 with stochastic rounding: docs/ALGORITHMS.md 12)."""
+    error buffers' (bfloat16 by default, with stochastic rounding: docs/ALGORITHMS.md 12; or float32)."""
     from torch.distributed.fsdp import FSDPModule
 
     check_instance("model", model, torch.nn.Module, "a torch.nn.Module")

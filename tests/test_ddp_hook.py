@@ -17,6 +17,11 @@ from onebit.collectives import (
 )
 
 
+def _zeros(N: int, W: int):
+    """Error buffers as the hook makes them by default (bfloat16)."""
+    return torch.zeros(N, dtype=torch.bfloat16), torch.zeros(N // W, dtype=torch.bfloat16)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
@@ -69,7 +74,7 @@ def _body(steps: int, optimizer: str):
     for index, grad, out in record:
         buckets.add(index)
         N = padded_numel(grad.numel(), W, 64)
-        we, se = errors.setdefault(index, (torch.zeros(N), torch.zeros(N // W)))
+        we, se = errors.setdefault(index, _zeros(N, W))
         mine = compressed_allreduce(grad.clone(), we, se, block=64)
         replay_equal &= torch.equal(mine, out)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -224,7 +229,7 @@ def _body_preconditioned(steps: int):
         opt.step()
     for index, grad, d, out in record:
         N = padded_numel(grad.numel(), W, 64)
-        we, se = errors.setdefault(index, (torch.zeros(N), torch.zeros(N // W)))
+        we, se = errors.setdefault(index, _zeros(N, W))
         mine = compressed_allreduce(grad / d, we, se, block=64) * d
         replay_equal &= torch.equal(mine, out)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -299,7 +304,7 @@ def _body_momentum(steps: int):
                 continue
             # the replay: every compressed bucket is compressed_allreduce(g + c) - c
             N = padded_numel(grad.numel(), W, 64)
-            we, se = errors.setdefault(index, (torch.zeros(N), torch.zeros(N // W)))
+            we, se = errors.setdefault(index, _zeros(N, W))
             average = compressed_allreduce(grad + c, we, se, block=64)
             replay_equal &= torch.equal(average - c, out)
             # what the optimizer's momentum now holds: the averaged momentum, (1 - tau) * s * (A + s * wd * p)

@@ -316,7 +316,8 @@ def _own_step_body(steps, own, kind):
         # (docs/ALGORITHMS.md 8.2), the own step keeps it frozen: the routes differ by more than rounding
         cls, wd = (torch.optim.AdamW, 0.01) if kind == "adamw" else (torch.optim.Adam, 0.0)
         opt = cls(model.parameters(), lr=1e-2, weight_decay=wd)
-        state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64)
+        # exact errors: the two routes agree to float32 rounding (bfloat16's rounding would draw other bits)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64, error_dtype=torch.float32)
         model.register_comm_hook(state, onebit_compress_hook)
         for t in range(steps):
             g = torch.Generator().manual_seed(100 * t + r)
