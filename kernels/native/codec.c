@@ -489,9 +489,9 @@ void onebit_server_update(const uint8_t* bits, int64_t stride, int W, const floa
    into out), the scale (float)sqrt(total / n) into *scale, NaN where a received scale is not
    finite; where the scale is finite, the error pass (onebit_server_update). Returns whether the
    error pass ran (else e is unchanged). */
-int onebit_server_reduce_one(const uint8_t* bits, int64_t stride, int W, const float* s, int64_t sstride, float* e,
-                             uint8_t* out, float* scale, int64_t n, int isa, int threads) {
-  float w[W];
+/* the weights w_r = s_r * (float)(1 / W) of the W received scales (rank r's at s[r * sstride]); whether all are
+   finite (onebit_server_reduce_one and its bfloat16 twin) */
+static int server_weights(const float* s, int64_t sstride, int W, float* w) {
   const float inv = (float)(1.0 / W);
   int finite = 1;
   for (int r = 0; r < W; r++) {
@@ -499,6 +499,13 @@ int onebit_server_reduce_one(const uint8_t* bits, int64_t stride, int W, const f
     finite = finite && isfinite(sr);
     w[r] = sr * inv;
   }
+  return finite;
+}
+
+int onebit_server_reduce_one(const uint8_t* bits, int64_t stride, int W, const float* s, int64_t sstride, float* e,
+                             uint8_t* out, float* scale, int64_t n, int isa, int threads) {
+  float w[W];
+  int finite = server_weights(s, sstride, W, w);
   double total = onebit_server_total(bits, stride, W, w, e, out, n, isa, threads);
   float sc = (float)sqrt(total / (double)n);
   int ran = finite && isfinite(sc);

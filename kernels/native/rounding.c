@@ -63,13 +63,7 @@ static void server_update_range16(server_update_fn f, void (*nr) NARROW_ARGS, co
 int onebit_server_reduce_one16(const uint8_t* bits, int64_t stride, int W, const float* s, int64_t sstride,
                                uint16_t* e, uint8_t* out, float* scale, int64_t n, int isa, int threads) {
   float w[W];
-  const float inv = (float)(1.0 / W);
-  int finite = 1;
-  for (int r = 0; r < W; r++) {
-    float sr = s[r * sstride];
-    finite = finite && isfinite(sr);
-    w[r] = sr * inv;
-  }
+  int finite = server_weights(s, sstride, W, w);
   double total = server_total16(bits, stride, W, w, e, out, n, isa, threads);
   float sc = (float)sqrt(total / (double)n);
   int ran = finite && isfinite(sc);
