@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..kernels import decompress
+from ..kernels import decompress, worker_compress
 from ..kernels._checks import check_number
 from ..kernels.layout import padded_numel
 from ..kernels.rounding import check_error_dtype
 from ._failure import guard
 from ._group import group_size
-from .allreduce import compressed_allreduce
+from .allreduce import compressed_allreduce, compressed_allreduce_passes
 from .hierarchical import intra_bytes, shard_numel
 from .mesh import hierarchy
 from .telemetry import CallTimer, counting
@@ -86,6 +86,22 @@ class Bucket:
         return self.n
 
 
+class _KeepMessage:
+    """The passes of a plain compressed all-reduce (``worker_compress`` and ``decompress``, what the
+    collective runs without passes) that keep the gathered message (and its layout) for the caller."""
+
+    def __init__(self) -> None:
+        self.gathered = self.layout = None
+
+    def worker(self, flat, worker_error, layout, msg) -> None:
+        worker_compress(flat, worker_error, layout.W, update_error=False, out=msg, block=layout.block)
+
+    def finish(self, gathered, layout, flat, worker_error, msg) -> None:
+        decompress(gathered, flat, layout.W, worker_error=worker_error, worker_message=msg,
+                   block=layout.block)
+        self.gathered, self.layout = gathered, layout
+
+
 class BucketedReducer:
     """Flat float32 buckets over tensors of the given shapes, all on ``device``.
 
@@ -128,6 +144,7 @@ class BucketedReducer:
         self.hierarchy = None if mesh is None else hierarchy(mesh)
         self.traffic = Traffic() if traffic is None else traffic
         self.block = block
+        self.flat_padding = flat_padding
         self.world_size = group_size(group)
         self.shapes = [torch.Size(s) for s in shapes]
         numels = [s.numel() for s in self.shapes]
@@ -169,17 +186,16 @@ class BucketedReducer:
 
     @property
     def views(self) -> list[torch.Tensor]:
-        """Tensor i's slice of its bucket (every bucket kept as a message decoded first)."""
-        if any(b.message is not None for b in self.buckets):
+        """Tensor i's slice of its bucket (every bucket kept as a message decoded first, every released
+        one made again, zero)."""
+        if any(b.flat is None for b in self.buckets):
             self.materialise()
         return self._views
 
     def keep_as_message(self, bucket: Bucket, gathered: torch.Tensor, layout) -> None:
         """Keep ``bucket``'s values as ``gathered`` (the compressed all-reduce's gathered message
-        that its float buffer now holds decoded, of ``layout``) and free that buffer. Not for
-        buckets whose buffer holds padding data (``flat_padding``)."""
-        if bucket.flat is not None and bucket.flat.numel() != bucket.n:
-            raise ValueError("keep_as_message: the bucket's padding is data (flat_padding)")
+        that its float buffer now holds decoded, of ``layout``; with ``flat_padding`` the padding too)
+        and free that buffer."""
         if layout.N != bucket.worker_error.numel():
             raise ValueError(f"keep_as_message: expected a message of {bucket.worker_error.numel()} "
                              f"elements, got {layout.N}")
@@ -189,26 +205,44 @@ class BucketedReducer:
         if self.on_release is not None:
             self.on_release(bucket)
 
+    def release(self, bucket: Bucket) -> None:
+        """Free ``bucket``'s float buffer, whose values are all zero (a scratch buffer between steps:
+        ZeroOneAdam's accumulator); reading the views makes it again, zero (``on_release`` as for
+        :meth:`keep_as_message`)."""
+        bucket.message, bucket.flat, bucket.views = None, None, []
+        for i in bucket.indices:
+            self._views[i] = None
+        if self.on_release is not None:
+            self.on_release(bucket)
+
     def decoded(self, bucket: Bucket, out: torch.Tensor | None = None) -> torch.Tensor:
         """``bucket``'s values as float32 [n]: its buffer, or its message decoded into ``out`` (a new
-        tensor where None): the decode is exactly the buffer the all-reduce left."""
-        if bucket.message is None:
+        tensor where None): the decode is exactly the buffer the all-reduce left (zeros: a released
+        bucket)."""
+        if bucket.message is None and bucket.flat is not None:
             return bucket.flat[: bucket.n]
-        gathered, layout = bucket.message
         if out is None:
             out = torch.empty(bucket.n, dtype=torch.float32, device=self._device)
-        if bucket.n:
-            decompress(gathered, out, layout.W, padded=layout.N)
+        return self._decode(bucket, out)
+
+    def _decode(self, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """The first ``out.numel()`` values of ``bucket``'s kept message (a released one's zeros), into
+        ``out``."""
+        if bucket.message is None:
+            return out.zero_()
+        gathered, layout = bucket.message
+        if out.numel():
+            decompress(gathered, out, layout.W, padded=layout.N, block=layout.block)
         return out
 
     def materialise(self) -> None:
-        """Every bucket kept as a message back in a float buffer of its own (its views made again),
-        then ``on_materialise``."""
+        """Every bucket kept as a message (or released) back in a float buffer of its own (its views
+        made again), then ``on_materialise``."""
         done = False
         for b in self.buckets:
-            if b.message is None:
+            if b.flat is not None:
                 continue
-            flat = self.decoded(b)
+            flat = self._decode(b, torch.empty(self._length(b), dtype=torch.float32, device=self._device))
             b.flat, b.message, done = flat, None, True
             for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
                 view = flat[off : off + size].view(self.shapes[i])
@@ -217,23 +251,51 @@ class BucketedReducer:
         if done and self.on_materialise is not None:
             self.on_materialise()
 
+    def _length(self, bucket: Bucket) -> int:
+        """The length of ``bucket``'s float buffer: ``n``, or with ``flat_padding`` the padded N."""
+        return padded_numel(bucket.n, self.world_size, self.block) if self.flat_padding else bucket.n
+
     def flat_tail(self, bucket: Bucket) -> torch.Tensor:
-        """The padding part of ``bucket``'s buffer (data with ``flat_padding``; empty otherwise)."""
+        """The padding part of ``bucket``'s buffer (data with ``flat_padding``; empty otherwise); of a
+        bucket kept as a message, a new tensor decoded from it."""
         if bucket.flat is None:
-            return torch.empty(0, dtype=torch.float32, device=self._device)
+            if not self.flat_padding:
+                return torch.empty(0, dtype=torch.float32, device=self._device)
+            full = torch.empty(self._length(bucket), dtype=torch.float32, device=self._device)
+            return self._decode(bucket, full)[bucket.n :]
         return bucket.flat[bucket.n :]
 
-    def compressed_mean_(self) -> None:
-        """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket)."""
+    def can_keep(self) -> bool:
+        """Whether :meth:`compressed_mean_` can return the calls' messages (``keep=True``): the
+        collective's own compressed all-reduce (not a benchmark's) on a process group, not a mesh."""
+        return self.mesh is None and self.allreduce is compressed_allreduce and self.world_size > 1
+
+    def compressed_mean_(self, keep: bool = False) -> list | None:
+        """Each bucket's flat buffer <- its 1-bit mean over the group (one call per bucket). With
+        ``keep`` (where :meth:`can_keep`), returns each bucket's ``(gathered, layout)``, its call's
+        gathered message, which decodes to exactly what the buffer now holds: the caller may
+        :meth:`keep_as_message` it once it has read the buffer."""
         group = self.compress_group
         self.materialise()
+        if keep and not self.can_keep():
+            raise ValueError("keep: the calls' messages are kept on a process group of W > 1 with the "
+                             "collective's own compressed all-reduce only (can_keep())")
+        kept = []
         for b in self.buckets:
             with counting(self.traffic):  # the call's seconds (telemetry) go to this counter too
-                if self.block is None:  # the signature a benchmark's local allreduce may have
+                if keep and b.flat.numel() == 0:
+                    kept.append(None)
+                elif keep:
+                    passes = _KeepMessage()
+                    compressed_allreduce_passes(b.flat, b.worker_error, b.server_error, group, passes,
+                                                block=self.block)
+                    kept.append((passes.gathered, passes.layout))
+                elif self.block is None:  # the signature a benchmark's local allreduce may have
                     self.allreduce(b.flat, b.worker_error, b.server_error, group)
                 else:
                     self.allreduce(b.flat, b.worker_error, b.server_error, group, block=self.block)
             self.count_compressed(b)
+        return kept if keep else None
 
     @property
     def compress_group(self):

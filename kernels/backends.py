@@ -19,6 +19,7 @@ and runs that backend's implementation of the whole step, or its plain path wher
 ``local``  ZeroOneAdam's phase-2 local step over every parameter at once
 ``hook``   the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective
 ``tensor`` the optimizers' per-tensor element-wise passes (``onebit.kernels.cpu_fused``)
+``sketch`` OnebitLamb's count sketch with its hashed index (``onebit.kernels.sketch``)
 ========== ==============================================================================
 
 Forcing one: ``with use_backend("plain"):`` (this thread, inside the block), or the environment
@@ -47,7 +48,7 @@ from ._warn import warn_user
 __all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "STEPS", "Backend", "forced", "native_isa", "select",
            "use_backend"]
 
-STEPS = ("codec", "adam", "zoa", "local", "hook", "tensor")
+STEPS = ("codec", "adam", "zoa", "local", "hook", "tensor", "sketch")
 _OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
 
 
@@ -88,7 +89,8 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "plain": Backend("plain", frozenset(STEPS), lambda device: True,
                      "torch ops on any device (the reference; every step unfused)"),
-    "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor")), _native_available,
+    "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor", "sketch")),
+                      _native_available,
                       "the C library on CPU tensors (AVX-512, AVX2 + FMA or portable C)"),
     "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "hook")), _triton_available,
                       "the Triton kernels on CUDA tensors (CPU tensors: forced, under TRITON_INTERPRET=1)"),

@@ -95,6 +95,9 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
     SCALAR_STATE: dict[str, float] = {}  # float64 0-dim tensors per parameter, initial values
     COUNTERS: tuple[str, ...] = ()
     FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
+    # after an unfused compressed step the flat state (a momentum) is its call's decoded message: kept
+    # as that message between steps (BucketedReducer.keep_as_message; issue 56), where _may_keep says
+    KEEP_MESSAGE = True
     UPDATE_CLIP: float | None = UPDATE_CLIP  # update_clip's default with compression="preconditioned"
     SHARDED = False  # supports DTensor (FSDP2/HSDP) parameters (optimizers/_sharded.py)
 
@@ -380,6 +383,21 @@ class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.op
         self._reducer.on_release = self._flat_state_released
         self._reducer.on_materialise = self._bind_state
         self._bind_state()
+
+    def _may_keep(self, reducer, pairs, masks) -> bool:
+        """Whether an unfused compressed step may keep its buckets as the calls' messages
+        (``KEEP_MESSAGE``; the reducer can return them; no mask writes the decoded buffers; not with
+        ``overlap``, whose backward hooks write into the buckets' buffers)."""
+        return (self.KEEP_MESSAGE and self._overlap is None and reducer.can_keep()
+                and all(d is None for d in masks)
+                and all(g.get("exp_avg_mask") is None for _, g in pairs))
+
+    @staticmethod
+    def _keep(reducer, kept: list | None) -> None:
+        """Keep each bucket as its message from ``compressed_mean_(keep=True)`` (None: nothing)."""
+        for b, message in zip(reducer.buckets, kept or [None] * len(reducer.buckets), strict=True):
+            if message is not None:
+                reducer.keep_as_message(b, *message)
 
     def _flat_state_released(self, bucket) -> None:
         """The reducer keeps ``bucket`` as its last message (``BucketedReducer.keep_as_message``): its

@@ -11,10 +11,12 @@ import math
 import torch
 
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
+from ..kernels.sketch import SketchHash, sketch
 
 __all__ = [
     "MIN_SAMPLES", "adam_update", "clip_", "direction", "fold_", "fold_preconditioned_",
-    "TRUST_SKETCH", "count_sketch", "count_sketch_index", "lamb_compressed_update", "lamb_sketched_update",
+    "TRUST_SKETCH", "SketchHash", "count_sketch", "count_sketch_index", "lamb_compressed_update",
+    "lamb_sketched_update",
     "lamb_warmup_update", "mask_", "moments_",
     "sqrt_v_floors", "stale_denominator", "stale_direction", "tiny_variance_mask",
 ]
@@ -172,22 +174,28 @@ TRUST_SKETCH = 256  # count-sketch size per tensor for OnebitLamb's trust ratio 
 
 
 def count_sketch_index(numel: int, size: int, seed: int, device: torch.device) -> torch.Tensor | None:
-    """The hash of a count sketch of ``numel`` elements into ``size`` buckets, as one int32
-    per element: ``h(i) + size * [s_i < 0]`` (bucket and sign), drawn from a generator seeded
-    by ``seed`` (the same on every rank and after a restart). None when ``numel <= size``:
-    such a tensor is not hashed (its sketch is itself)."""
+    """The drawn index of the checkpoints written before the hashed one (:class:`SketchHash`,
+    docs/ALGORITHMS.md 6.3): the hash of a count sketch of ``numel`` elements into ``size``
+    buckets, as one int32 per element: ``h(i) + size * [s_i < 0]`` (bucket and sign), drawn
+    from a generator seeded by ``seed`` (the same on every rank and after a restart). None when
+    ``numel <= size``: such a tensor is not hashed (its sketch is itself)."""
     if numel <= size:
         return None
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2 * size, (numel,), generator=g, dtype=torch.int32).to(device)
 
 
-def count_sketch(x: torch.Tensor, index: torch.Tensor | None, size: int) -> torch.Tensor:
+def count_sketch(x: torch.Tensor, index: torch.Tensor | SketchHash | None, size: int) -> torch.Tensor:
     """``S x`` (float32): ``x`` itself if ``index`` is None, else ``size`` signed bucket sums
-    (``E ||S x||^2 = ||x||^2``)."""
+    (``E ||S x||^2 = ||x||^2``), the buckets from a :class:`~onebit.kernels.sketch.SketchHash`
+    (computed as the sketch reads) or an index tensor (:func:`count_sketch_index`, older checkpoints)."""
     flat = x.reshape(-1).to(torch.float32)
     if index is None:
         return flat.clone()
+    if isinstance(index, SketchHash):
+        if index.size != size:
+            raise ValueError(f"size: expected the hash's {index.size}, got {size}")
+        return sketch(flat, index)
     sums = torch.zeros(2 * size, dtype=torch.float32, device=x.device).index_add_(0, index, flat)
     return sums[:size] - sums[size:]
 

@@ -218,6 +218,8 @@ class AdamStep:
         scales; ``prepare`` then declines: the agreement reads the gradients itself)."""
         reducer, ready = self.reducer, self.ready
         self.ready = None
+        # each bucket's gathered message, (gathered, layout) (None: an empty bucket)
+        self.messages: list = [None] * len(reducer.buckets)
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
         for k, (b, table) in enumerate(zip(reducer.buckets, self.tables, strict=True)):
@@ -233,6 +235,7 @@ class AdamStep:
                 compressed_allreduce_passes(u, b.worker_error, b.server_error, reducer.group,
                                             passes, local=local)
             reducer.count_compressed(b)
+            self.messages[k] = (passes.gathered, passes.layout)
             if self.MESSAGE:
                 reducer.keep_as_message(b, passes.gathered, passes.layout)
             elif self.backend == "native":
@@ -266,6 +269,14 @@ class ZeroOneStep(AdamStep):
 
     def _restorable(self) -> bool:
         return True  # the worker pass writes no state
+
+    def prepare(self, opt, pairs, t: int) -> bool | None:
+        self.reducer.materialise()  # a released accumulator (phase 2 frees it between steps) made again
+        return super().prepare(opt, pairs, t)
+
+    def step(self, opt, pairs, t: int) -> None:
+        self.reducer.materialise()
+        super().step(opt, pairs, t)
 
     def abandon(self) -> None:
         if self.ready is None:

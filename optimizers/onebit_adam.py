@@ -122,14 +122,16 @@ class OnebitAdam(WarmupThenCompress):
         if forget is not None:  # another path writes the momentum: its last message no longer decodes to it
             forget()
         if compress:
+            masks, kept = self.auto_masks(), None
             if not self._overlapped:  # overlap=True folded and all-reduced during backward
                 if not self._fold_all(pairs, reducer.views):
                     for k, (p, g) in enumerate(pairs):
                         self._fold_one(k, p, g, reducer.views[k])
-                reducer.compressed_mean_()
-            masks = self.auto_masks()
+                # the momentum after the call is its message's decode: kept as that message (issue 56)
+                kept = reducer.compressed_mean_(keep=self._may_keep(reducer, pairs, masks))
             if not self._update_all(pairs, reducer.views, masks, t):
                 self._update_each(pairs, reducer.views, masks, t)
+            self._keep(reducer, kept)
         else:
             for items in self.averaged_gradient_buckets(reducer, pairs):
                 if not self._adam_all(items, reducer.views, t):

@@ -14,6 +14,7 @@ from ._base import MODE_DEFAULT, WarmupThenCompress, adam_defaults
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import (
     TRUST_SKETCH,
+    SketchHash,
     clip_,
     count_sketch,
     count_sketch_index,
@@ -63,11 +64,11 @@ class OnebitLamb(WarmupThenCompress):
 
     Optimizer state per parameter: ``exp_avg`` (``u`` after the freeze), ``exp_avg_sq``
     (float32, 8 bytes per element), ``lamb_sketch`` (at most 256 floats) and three float64
-    scalars; plus the error buffers (about 2 + 2/W bytes per element in bfloat16, ``error_dtype``)
-    and an int32 sketch
-    hash (4 bytes per element). With ``compression="momentum"`` also ``exp_avg_sq_fresh``
-    and, from the first compressed step, a copy of the previous momentum (8 bytes per
-    element).
+    scalars; plus the error buffers (about 2 + 2/W bytes per element in bfloat16, ``error_dtype``);
+    the sketch's hash is computed as it reads (no index stored; a run resumed from a checkpoint
+    written in the compression stage before that keeps the int32 index it drew: 4 bytes per
+    element). With ``compression="momentum"`` also ``exp_avg_sq_fresh`` and, from the first
+    compressed step, a copy of the previous momentum (8 bytes per element).
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
     """
@@ -75,7 +76,9 @@ class OnebitLamb(WarmupThenCompress):
     FLAT_STATE = ("exp_avg",)
     DENSE_STATE = ("exp_avg_sq", "exp_avg_sq_fresh")
     SCALAR_STATE = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}
-    COUNTERS = ("updates", "freeze_state")
+    # sketch_hash: 1 where the trust ratio's sketches hash their index as they read (6.3), 0 in a run
+    # resumed from a checkpoint written before that (its sketches made with a drawn index)
+    COUNTERS = ("updates", "freeze_state", "sketch_hash")
     FLAT_PADDING = True
     UPDATE_CLIP = None  # the trust ratio bounds the step; a clip would break the linear step (6.3)
 
@@ -124,7 +127,8 @@ class OnebitLamb(WarmupThenCompress):
         self.updates = 0
         self._coeffs: list[torch.Tensor] = []
         self._m_last: torch.Tensor | None = None
-        self._sketch_index: list[torch.Tensor | None] | None = None
+        self._sketch_index: list[SketchHash | torch.Tensor | None] | None = None
+        self.sketch_hash = 1
         if self.preconditioned:  # no fresh variance in this mode
             self.DENSE_STATE = ("exp_avg_sq",)
 
@@ -160,11 +164,25 @@ class OnebitLamb(WarmupThenCompress):
         return coeffs
 
     # -- preconditioned stage (docs/ALGORITHMS.md 6.3) --------------------------------------
-    def _sketch_indices(self, pairs) -> list[torch.Tensor | None]:
+    def _sketch_indices(self, pairs) -> list[SketchHash | torch.Tensor | None]:
+        """Each tensor's sketch index: hashed where read (``sketch_hash``), or the int32 index drawn by
+        ``torch.randint`` that a checkpoint from before the hash made its ``lamb_sketch`` with."""
         if self._sketch_index is None:
-            self._sketch_index = [count_sketch_index(p.numel(), TRUST_SKETCH, _SKETCH_SEED + k, p.device)
-                                  for k, (p, _) in enumerate(pairs)]
+            if self.sketch_hash:
+                self._sketch_index = [SketchHash(p.numel(), TRUST_SKETCH, _SKETCH_SEED + k)
+                                      if p.numel() > TRUST_SKETCH else None for k, (p, _) in enumerate(pairs)]
+            else:
+                self._sketch_index = [count_sketch_index(p.numel(), TRUST_SKETCH, _SKETCH_SEED + k, p.device)
+                                      for k, (p, _) in enumerate(pairs)]
         return self._sketch_index
+
+    def _apply_rank_state(self, extra: dict | None) -> None:
+        super()._apply_rank_state(extra)
+        if extra is not None and "sketch_hash" not in extra.get("counters", {}):
+            # a checkpoint from before the hashed index: its sketches (if any yet) used the drawn one
+            sketched = any("lamb_sketch" in self.state[p] for p, _ in self.compressed_params())
+            self.sketch_hash = 0 if sketched else 1
+        self._sketch_index = None
 
     def _mean_over_ranks(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1 and flat.numel():
@@ -204,9 +222,13 @@ class OnebitLamb(WarmupThenCompress):
             sketches.append(count_sketch(gd, index[k], TRUST_SKETCH))
         sketches += [count_sketch(p.detach(), index[k], TRUST_SKETCH) for k, (p, _) in enumerate(pairs)]
         means = self._mean_over_ranks(torch.cat(sketches)) if sketches else None
-        reducer.compressed_mean_()
+        masks = self.auto_masks()
+        # u after the call is its message's decode: kept as that message between steps (issue 56) where
+        # nothing writes u after the call (no mask, no clip)
+        keep = self.update_clip is None and self._may_keep(reducer, pairs, masks)
+        kept = reducer.compressed_mean_(keep=keep)
         coeffs, offset, half = [], 0, means.numel() // 2 if means is not None else 0
-        for k, ((p, g), dead) in enumerate(zip(pairs, self.auto_masks(), strict=True)):
+        for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             size = min(p.numel(), TRUST_SKETCH)
             y = self.state[p]["lamb_sketch"]
             y.mul_(g["betas"][0]).add_(means[offset : offset + size], alpha=1.0 - g["betas"][0])
@@ -216,6 +238,7 @@ class OnebitLamb(WarmupThenCompress):
             u = clip_(mask_(views[k], dead, g.get("exp_avg_mask")), self.update_clip)
             coeffs.append(lamb_sketched_update(p, u, estimate, lr=g["lr"], weight_decay=g["weight_decay"],
                                                min_coeff=self.min_coeff, max_coeff=self.max_coeff))
+        self._keep(reducer, kept)
         return coeffs
 
     def _compressed_step(self, reducer, pairs, first: bool) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import cpu_fused
+from ..kernels import cpu_fused, decompress
 from ..kernels._checks import check_int
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
@@ -38,7 +38,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
     Optimizer state per parameter: ``exp_avg``, ``exp_avg_sq``, ``sync_params`` and the
     flat buffer ``momentum_accumulator`` (carries the compressed gradient in phase 1 and
     ``u`` at syncs; float32, 16 bytes per element in all) plus the error buffers (about
-    2 + 2/W bytes per element in bfloat16, ``error_dtype``).
+    2 + 2/W bytes per element in bfloat16, ``error_dtype``). After a synchronisation (W > 1,
+    no mask, no mesh) only ``exp_avg_sq`` is held: the momentum is kept as the sync's messages,
+    ``sync_params`` is ``p`` and the accumulator zero, all three made again by the next step or
+    ``state_dict()`` (docs/ALGORITHMS.md 6.4): ``opt.state[p]`` has no ``exp_avg`` then.
     ``nonfinite`` (non-finite gradients on any rank: skip, raise or no check) and
     ``step(check=True)`` (rank agreement): see :class:`OnebitOptimizerBase`.
 
@@ -97,6 +100,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.lrs = [0.0] * len(self.param_groups)  # learning rates summed since the last sync
         self.last_sync = 0  # the last update after which the replicas were identical
         self.var_updates = 0  # variance updates so far
+        # at rest after a synchronisation (issue 56): the momentum as the sync's messages and the groups'
+        # nl, sync_params as p itself, the accumulator freed (see _rest); None while they are held
+        self._kept: dict | None = None
+        self.register_state_dict_pre_hook(ZeroOneAdam._checkpoint_wake)
+        self.register_load_state_dict_pre_hook(ZeroOneAdam._forget_rest)
         if overlap:
             self._enable_overlap(self._compresses_gradients, self._load_grad)
 
@@ -160,7 +168,64 @@ class ZeroOneAdam(OnebitOptimizerBase):
     def wants_averaged_gradients(self) -> bool:
         return self.phase == 1 and (self.updates + 1) % self.var_interval == 0
 
+    # -- the state at rest after a synchronisation (issue 56; docs/ALGORITHMS.md 6.4) ------------------
+    def _rest(self, messages: list, nl: list[float]) -> None:
+        """After a synchronisation whose every bucket's gathered message is in ``messages``: the
+        momentum is ``m = (mean d) / nl`` (``mean / nl`` in momentum mode) of the messages' decode,
+        ``sync_params`` is ``p`` and the accumulator is zero: none is held until the next step
+        (:meth:`_wake`) reads them. ``nl``: each group's minus summed learning rates at the sync."""
+        self._kept = {"messages": messages, "nl": nl}
+        reducer = self.reducer()
+        for p, _ in self.compressed_params():
+            self.state[p].pop("exp_avg", None)
+            self.state[p].pop("sync_params", None)
+        for b in reducer.buckets:
+            reducer.release(b)
+
+    def _wake(self) -> None:
+        """The momentum, ``sync_params`` and the accumulator made again from what :meth:`_rest` kept
+        (bitwise what the synchronisation wrote): before a step, and for ``state_dict()``."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return
+        reducer = self.reducer()
+        pairs = self.compressed_params()
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        for b, message in zip(reducer.buckets, kept["messages"], strict=True):
+            mean = torch.empty(b.n, dtype=torch.float32, device=reducer.device)
+            if message is not None:
+                gathered, layout = message
+                decompress(gathered, mean, layout.W, padded=layout.N, block=layout.block)
+            for k, off, size in zip(b.indices, b.offsets, b.numels, strict=True):
+                p, g = pairs[k]
+                u, nl = mean[off : off + size].view(p.shape), kept["nl"][index[id(g)]]
+                state = self.state[p]
+                if self.preconditioned:
+                    d = self.stale_denominator(k, p, g)
+                    state["exp_avg"] = torch.mul(u, d).div_(nl)
+                else:
+                    state["exp_avg"] = u.clone().div_(nl)
+                state["sync_params"] = p.detach().to(torch.float32, copy=True)
+
+    def _checkpoint_wake(self) -> None:
+        """``state_dict()`` holds every state tensor: the momentum and ``sync_params`` made again, the
+        released accumulator too (zero)."""
+        self._wake()
+        self.reducer().materialise()
+
+    def _forget_rest(self, state_dict: dict) -> None:
+        """A load replaces the state: nothing kept at rest applies."""
+        self._kept = None
+
+    def _bind_views(self, reducer) -> None:
+        super()._bind_views(reducer)
+        if getattr(self, "_kept", None) is not None:  # at rest: the views made again hold no momentum
+            for p, _ in self.compressed_params():
+                self.state[p].pop("exp_avg", None)
+                self.state[p].pop("sync_params", None)
+
     def _take_step(self) -> None:
+        self._wake()
         reducer = self.reducer()
         phase = self.phase
         if phase == 2 and self.updates == self.frozen_at:
@@ -265,6 +330,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self.lrs[i] += g["lr"]
         if t % self.local_step_interval == 0:
             self._sync(reducer, pairs, masks, t)
+        if self._kept is None:  # zero between phase 2's steps, made again by the next sync that reads it
+            for b in reducer.buckets:
+                reducer.release(b)
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
@@ -342,9 +410,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
         momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical. On an x86
         CPU or a GPU (preconditioned) inside the codec's passes (optimizers/_fused.py)."""
         if _fused.zoa_applies(self, reducer, pairs, phase=2):
-            _fused.plan(self, "_zos_cache", reducer, _fused.ZeroOneSync).step(self, pairs, t)
+            plan = _fused.plan(self, "_zos_cache", reducer, _fused.ZeroOneSync)
+            plan.step(self, pairs, t)
+            nl = [-lr for lr in self.lrs]
             self.lrs = [0.0] * len(self.param_groups)
             self.last_sync = t
+            if self._may_keep(reducer, pairs, masks) and None not in plan.messages:
+                self._rest(plan.messages, nl)
             return
         index = {id(g): i for i, g in enumerate(self.param_groups)}
 
@@ -358,7 +430,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
             torch.sub(p, state["sync_params"], out=u)  # the local steps' accumulated update
             if not self.preconditioned:
                 u.mul_(denom(k, p, g))
-        reducer.compressed_mean_()
+        kept = reducer.compressed_mean_(keep=self._may_keep(reducer, pairs, masks))
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state, u = self.state[p], mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
             sync = state["sync_params"]
@@ -370,8 +442,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 sync.add_(u / denom(k, p, g))
             p.copy_(sync)
             u.zero_()
+        nl = [-lr for lr in self.lrs]
         self.lrs = [0.0] * len(self.param_groups)
         self.last_sync = t
+        if kept is not None:
+            self._rest(kept, nl)
 
     def _reference_maths(self) -> bool:
         """compression="momentum" without floor or clip: the reference's update, bitwise."""

@@ -118,7 +118,8 @@ def test_bench_memory_counts_every_optimizer(tmp_path):
     rows = {r["optimizer"]: float(r["bytes_per_parameter"]) for r in _rows(path)}
     assert set(rows) == {"adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook"}
     assert 8.0 <= rows["adamw"] < 8.01  # exp_avg, exp_avg_sq and the step counters
-    # OnebitAdam below AdamW (its momentum as a message, bfloat16 errors); the others: issue 56 goes on
-    assert rows["onebit_adam"] < rows["adamw"], rows
-    assert all(v > rows["adamw"] for k, v in rows.items() if k not in ("adamw", "onebit_adam")), rows
+    # the 1-bit optimizers below AdamW (the momentum as a message, bfloat16 errors, LAMB's sketch index
+    # hashed, ZeroOneAdam at rest after its sync); AdamW behind the hook between 8 and issue 56's 12
+    assert all(rows[k] < rows["adamw"] for k in ("onebit_adam", "onebit_lamb", "zero_one_adam")), rows
+    assert rows["adamw"] < rows["adamw_ddp_hook"] <= 12.0, rows
     assert "bytes per parameter" in out

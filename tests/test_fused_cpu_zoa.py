@@ -175,9 +175,10 @@ def _phase_two(fused: bool, rank: int = 0, local: bool = True):
                 opt.step()
     finally:
         _fused.ZeroOneSync.step = step
+    opt._wake()  # at rest after a sync: the momentum and sync_params made as the next step would
     state = [t.detach().clone() for t in params + [opt.state[p][k] for k in ("exp_avg", "sync_params")
                                                    for p in params]
-             + [b.flat for b in red.buckets] + [e for pair in red.errors() for e in pair]]
+             + [red.decoded(b) for b in red.buckets] + [e for pair in red.errors() for e in pair]]
     return state, len(synced), opt.phase
 
 

@@ -194,3 +194,171 @@ def test_a_non_finite_scale_leaves_the_worker_error_to_its_last_rounding():
     assert torch.isfinite(after).all()
     torch.testing.assert_close(after, before, rtol=0, atol=float(before.abs().max()) * 2**-22)
     assert (after != before).float().mean() < 0.5  # most come back exactly
+
+
+# -- the unfused compressed steps (the plain backend's OnebitAdam, OnebitLamb on every device) ----------
+LAMB_SHAPES = [(37, 9), (301,), (3,), (20, 17)]  # n = 981: the padding to 8 W is data (flat_padding)
+
+
+def _unfused(name: str, keep: bool, steps: int = 7, save_at=None, load=None):
+    """OnebitAdam through its unfused step (``fused_steps("plain")``) or OnebitLamb, on this rank's
+    gradients past the freeze (at 2), with ``KEEP_MESSAGE = keep``. Returns the parameters, the
+    buckets' values with their padding (decoded where kept), the error buffers, whether every bucket
+    was kept as a message at the end, the bytes per parameter, the state_dict after ``save_at``
+    (``load``: loaded there instead)."""
+    import torch.distributed as dist
+
+    from onebit import OnebitLamb
+
+    cls = OnebitAdam if name == "adam" else OnebitLamb
+    shapes = SHAPES if name == "adam" else LAMB_SHAPES
+    before, cls.KEEP_MESSAGE = cls.KEEP_MESSAGE, keep
+    try:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 3e-3}]
+        kw = {"bucket_cap_mb": 0.03} if name == "adam" else {}
+        opt = cls(groups, lr=1e-2, freeze_step=2, **kw)
+        g = torch.Generator().manual_seed(1000 + dist.get_rank())
+        saved = None
+        for step in range(steps):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 3 and i == 2) else torch.randn(p.shape, generator=g)
+            with fused_steps("plain"):
+                opt.step()
+            if step == save_at:
+                if load is not None:
+                    opt.load_state_dict(load)
+                saved = copy.deepcopy(opt.state_dict())
+        red = opt.reducer()
+        values = [torch.cat([red.decoded(b), red.flat_tail(b)]).clone() for b in red.buckets]
+        errors = [e.clone() for pair in red.errors() for e in pair]
+        return ([p.detach().clone() for p in params], values, errors,
+                all(b.message is not None and b.flat is None for b in red.buckets), bytes_per_parameter(opt),
+                saved)
+    finally:
+        cls.KEEP_MESSAGE = before
+
+
+def _unfused_body(name: str):
+    return _unfused(name, True), _unfused(name, False)
+
+
+@pytest.mark.parametrize(("name", "W"), [("adam", 4), ("lamb", 4), ("lamb", 3)])
+def test_the_unfused_steps_keep_the_momentum_as_a_message_bitwise_the_float32_run(ranks, name, W):
+    # the plain backend's OnebitAdam step and OnebitLamb's (whose padding is data, compressed again:
+    # decoded from the message too) keep each bucket as its call's gathered message; the run is bitwise
+    # the one that keeps the float32 buffers, on every rank, and the state loses the buffer's 4 bytes
+    results = ranks(W).run(_unfused_body, name)
+    for message, buffer in results:
+        _assert_same(message, buffer)
+        assert message[3] and not buffer[3]
+        assert 3.8 <= buffer[4] - message[4] <= 4.0, (buffer[4], message[4])
+    for other in results[1:]:
+        for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
+            assert torch.equal(a, b)
+
+
+def _unfused_checkpoint_body(name: str):
+    full = _unfused(name, True, save_at=4)
+    other = _unfused(name, False, save_at=4)
+    # (a copy each: as torch's optimizers, a loaded state's tensors may become the optimizer's own)
+    resumed = [_unfused(name, form, save_at=4, load=copy.deepcopy(full[5])) for form in (True, False)]
+    return full, other, resumed
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_an_unfused_runs_checkpoint_holds_the_float32_momentum_and_resumes_bitwise(ranks, name):
+    for full, other, resumed in ranks(2).run(_unfused_checkpoint_body, name):
+        for key, entry in full[5]["state"].items():
+            assert entry["exp_avg"].dtype == torch.float32
+            assert torch.equal(entry["exp_avg"], other[5]["state"][key]["exp_avg"])
+        for a, b in zip(full[5]["onebit"]["flat_tails"], other[5]["onebit"]["flat_tails"], strict=True):
+            assert torch.equal(a, b)  # the padding's data (OnebitLamb), decoded from the message
+        for run in resumed:
+            _assert_same(run, full)
+
+
+# -- ZeroOneAdam at rest after a synchronisation: its momentum as the sync's messages ---------------------
+def _zoa(backend: str | None, keep: bool, steps: int = 12, save_at=None, load=None):
+    """ZeroOneAdam past its variance freeze (at 3) with the local-step interval doubling every 2 steps
+    up to 4 (syncs at 4, 5, 6, 8, 12: rests after them, local steps from rests), two groups, on
+    ``backend``'s fused steps (None: the default), ``KEEP_MESSAGE = keep``. Returns the parameters,
+    the momenta and sync_params as the next step reads them, the errors, whether it ended at rest,
+    the bytes per parameter at the end, the state_dict after ``save_at`` (``load``: loaded there)."""
+    import torch.distributed as dist
+
+    from onebit import ZeroOneAdam
+
+    before, ZeroOneAdam.KEEP_MESSAGE = ZeroOneAdam.KEEP_MESSAGE, keep
+    try:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 3e-3}]
+        opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=3, bucket_cap_mb=0.03, var_update_scaler=1,
+                          local_step_scaler=2, local_step_clipper=4)
+        g = torch.Generator().manual_seed(1000 + dist.get_rank())
+        saved = None
+        for step in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            with fused_steps(backend):
+                opt.step()
+            if step == save_at:
+                if load is not None:
+                    opt.load_state_dict(copy.deepcopy(load))
+                    with torch.no_grad():
+                        for p, q in zip(params, load["params"], strict=True):
+                            p.copy_(q)
+                saved = copy.deepcopy(opt.state_dict())
+                saved["params"] = [p.detach().clone() for p in params]
+        resting = opt._kept is not None
+        size = bytes_per_parameter(opt)
+        opt._wake()
+        state = [opt.state[p][k].clone() for p in params for k in ("exp_avg", "sync_params")]
+        errors = [e.clone() for pair in opt.reducer().errors() for e in pair]
+        return [p.detach().clone() for p in params], state, errors, resting, size, saved
+    finally:
+        ZeroOneAdam.KEEP_MESSAGE = before
+
+
+def _zoa_body(backend):
+    return _zoa(backend, True), _zoa(backend, False)
+
+
+@pytest.mark.parametrize(("backend", "W"), [
+    pytest.param("native", 4, marks=pytest.mark.skipif("not cpu_simd.available()", reason="no C library")),
+    ("plain", 4), ("plain", 3), ("triton", 3),
+])
+def test_zero_one_adam_at_rest_is_bitwise_the_run_that_holds_its_state(ranks, backend, W):
+    # after each synchronisation the momentum is (mean d) / nl of the sync's message, sync_params is p
+    # and the accumulator zero: kept as the messages (1/8 byte and the scales) and made again by the next
+    # step, local or synchronising; the run is bitwise the one that holds them, on every rank
+    results = ranks(W).run(_zoa_body, backend)
+    for rest, held in results:
+        _assert_same(rest, held)
+        assert rest[3] and not held[3]  # the last step (12) synchronised
+        # exp_avg and sync_params (the accumulator is freed between phase 2's steps in both runs)
+        assert 7.8 <= held[4] - rest[4] <= 8.001, (held[4], rest[4])
+    for other in results[1:]:
+        for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
+            assert torch.equal(a, b)
+
+
+def _zoa_checkpoint_body():
+    # saved at rest (after the sync of step 6) and between syncs (step 7: a local step from a rest)
+    out = []
+    for save_at in (5, 6):
+        full = _zoa(None, True, save_at=save_at)
+        entries = full[5]["state"].values()
+        assert entries and all("exp_avg" in e and "sync_params" in e for e in entries)
+        resumed = [_zoa(None, form, save_at=save_at, load=full[5]) for form in (True, False)]
+        out.append((full, resumed))
+    return out
+
+
+def test_zero_one_adams_checkpoint_at_rest_holds_its_state_and_resumes_bitwise(ranks):
+    for runs in ranks(2).run(_zoa_checkpoint_body):
+        for full, resumed in runs:
+            for run in resumed:
+                _assert_same(run, full)

@@ -29,8 +29,9 @@ def _loss(model, step, rank, unused_on):
 
 def _state(model, opt):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    buckets = opt.reducer().buckets
-    return flat, [b.flat.clone() for b in buckets], [b.worker_error.clone() for b in buckets], \
+    red = opt.reducer()
+    buckets = red.buckets  # the momenta decoded where the synchronous step kept them as messages
+    return flat, [red.decoded(b).clone() for b in buckets], [b.worker_error.clone() for b in buckets], \
         [b.server_error.clone() for b in buckets]
 
 

@@ -322,11 +322,13 @@ def _train_phase2(fused: bool, rank: int, steps: int = 14, local: bool = False):
             for i, p in enumerate(params):
                 p.grad = None if (step == 9 and i == 1) else torch.randn(p.shape, generator=g)
             phase2 = opt.phase == 2
+            opt._wake()  # at rest after a sync the momentum is its messages: the step makes it first
             used.append(phase2 and _fused.local_applies(opt, opt.compressed_params(), opt.auto_masks()))
             opt.step()
     finally:
         scope.__exit__(None, None, None)
         _fused.ZeroOneSync.step = real
+    opt._wake()
     return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params], used,
             len(syncs))
 

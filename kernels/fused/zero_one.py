@@ -223,12 +223,14 @@ class TritonPasses:
 
     def __init__(self, table: Table, clip: float, sync: bool = False) -> None:
         self.table, self.clip, self.sync = table, clip, sync
+        self.gathered = self.layout = None
 
     def worker(self, flat, worker_error, layout, msg) -> None:
         worker(worker_error, flat.numel(), layout, msg, self.table, self.sync)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip, self.sync)
+        self.gathered, self.layout = gathered, layout  # kept: the synchronisation's message
 
 
 LOCAL_BLOCK = BLOCK_BYTES * 8  # elements per program of the local step, over the tensors end to end

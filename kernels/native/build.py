@@ -24,7 +24,7 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 # in this order: native.h's declarations are defined in codec.c, which the fused passes call
-SOURCES = (_HERE / "codec.c", _HERE / "rounding.c", _HERE.parent / "fused" / "adam.c",
+SOURCES = (_HERE / "codec.c", _HERE / "rounding.c", _HERE / "sketch.c", _HERE.parent / "fused" / "adam.c",
            _HERE.parent / "fused" / "zero_one.c", _HERE.parent / "fused" / "hook.c")
 HEADERS = (_HERE / "native.h",)
 # -fno-math-errno: sqrtf is the instruction (vectorised; correctly rounded either way), not a call
@@ -120,5 +120,6 @@ SIGNATURES = {
     "onebit_hook_pre_only": "-: p p p f32 i64 i32 i32",
     "onebit_hook_post": "-: p p p f32 i64 i32 i32",
     "onebit_narrow": "-: p p p i64 i64 i32 i32 i32",
+    "onebit_count_sketch": "-: p i64 i32 i64 p i32",
     "onebit_frozen_adam": "-: p p p p f32 f32 f32 f32 f32 f32 f32 i64 i32 i32",
 }

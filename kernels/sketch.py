@@ -1,0 +1,74 @@
+"""OnebitLamb's count sketch with a hashed index (docs/ALGORITHMS.md 6.3), every backend in this file.
+
+Element ``i`` of a tensor goes to signed bucket ``x_i mod 2k`` (bucket ``x_i mod k``, sign ``+`` below
+``k``), ``x_i = fmix32(key + i * 0x9E3779B9)`` (unsigned 32-bit arithmetic, wrapping), ``key =
+fmix32(seed ^ SKETCH)``: computed where the sketch reads the element, so nothing is stored per
+coordinate (the drawn int32 index it replaces cost 4 bytes per parameter). ``S x = sums[:k] -
+sums[k:]``, the sums in element order in float32.
+
+Backends (``sketch`` step): ``native``, the C in ``native/sketch.c`` (one thread, the hash of a run of
+elements vectorised); ``plain``, torch ops in pieces of :data:`PIECE` elements (bounded int64
+temporaries), on any device. Both give the same index; on CPU the same bits (sums in element order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from .rounding import GOLDEN, _fmix
+
+__all__ = ["SKETCH", "SketchHash", "sketch"]
+
+SKETCH = 0x536B6574  # "Sket" in ASCII: the key of a seed is not the rounding's key of the same number
+_MASK = 0xFFFFFFFF
+PIECE = 1 << 16  # elements per piece of the plain path
+
+
+def _fmix_int(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _MASK
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _MASK
+    return h ^ (h >> 16)
+
+
+class SketchHash:
+    """The hashed index of a count sketch of ``numel`` elements into ``size`` buckets, drawn by
+    ``seed``: what the sketch computes as it reads (the index itself is never stored)."""
+
+    __slots__ = ("key", "numel", "size")
+
+    def __init__(self, numel: int, size: int, seed: int) -> None:
+        if size < 1 or (2 * size) & (2 * size - 1):
+            raise ValueError(f"size: expected a power of two, got {size}")  # 2k must divide 2^32
+        self.numel, self.size, self.key = int(numel), int(size), _fmix_int((int(seed) ^ SKETCH) & _MASK)
+
+    def index(self, start: int = 0, stop: int | None = None,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+        """The signed buckets of elements ``[start, stop)`` (int64 in ``[0, 2 * size)``)."""
+        stop = self.numel if stop is None else stop
+        i = torch.arange(start, stop, dtype=torch.int64, device=device)
+        return _fmix((self.key + (i & _MASK) * GOLDEN) & _MASK) & (2 * self.size - 1)
+
+    def __repr__(self) -> str:
+        return f"SketchHash(numel={self.numel}, size={self.size}, key={self.key:#010x})"
+
+
+def sketch(x: torch.Tensor, h: SketchHash) -> torch.Tensor:
+    """``S x`` (float32 ``[h.size]``) of ``x`` (``h.numel`` elements, any float dtype)."""
+    flat = x.reshape(-1)
+    if flat.numel() != h.numel:
+        raise ValueError(f"x: expected {h.numel} elements (the sketch's), got {flat.numel()}")
+    flat = flat.to(torch.float32).contiguous()
+    sums = torch.zeros(2 * h.size, dtype=torch.float32, device=flat.device)
+    if backends.select(flat.device, "sketch").name == "native":
+        from . import cpu_simd
+
+        cpu_simd.library().onebit_count_sketch(flat.data_ptr(), h.numel, h.key, 2 * h.size, sums.data_ptr(),
+                                               cpu_simd._isa(None))
+    else:
+        for a in range(0, h.numel, PIECE):
+            b = min(a + PIECE, h.numel)
+            sums.index_add_(0, h.index(a, b, flat.device), flat[a:b])
+    return sums[: h.size] - sums[h.size :]
