@@ -25,14 +25,6 @@ _MASK = 0xFFFFFFFF
 PIECE = 1 << 16  # elements per piece of the plain path
 
 
-def _fmix_int(h: int) -> int:
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _MASK
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _MASK
-    return h ^ (h >> 16)
-
-
 class SketchHash:
     """The hashed index of a count sketch of ``numel`` elements into ``size`` buckets, drawn by
     ``seed``: what the sketch computes as it reads (the index itself is never stored)."""
@@ -42,7 +34,8 @@ class SketchHash:
     def __init__(self, numel: int, size: int, seed: int) -> None:
         if size < 1 or (2 * size) & (2 * size - 1):
             raise ValueError(f"size: expected a power of two, got {size}")  # 2k must divide 2^32
-        self.numel, self.size, self.key = int(numel), int(size), _fmix_int((int(seed) ^ SKETCH) & _MASK)
+        self.numel, self.size = int(numel), int(size)
+        self.key = int(_fmix(torch.tensor((int(seed) ^ SKETCH) & _MASK, dtype=torch.int64)))
 
     def index(self, start: int = 0, stop: int | None = None,
               device: torch.device | str = "cpu") -> torch.Tensor:

@@ -309,3 +309,19 @@ def refusals(makers, errors=(ValueError,)) -> dict:
         except errors as e:
             out[name] = str(e)
     return out
+
+
+def resume_point(opt, params, load: dict | None = None) -> dict:
+    """At a run's checkpoint step: ``load`` loaded where given (a copy of it: the optimizer's state and
+    the parameters under ``"params"``, as a training script resumes), then what to save: a copy of
+    ``opt.state_dict()`` with the parameters under ``"params"``."""
+    import copy
+
+    if load is not None:
+        opt.load_state_dict(copy.deepcopy(load))
+        with torch.no_grad():
+            for p, q in zip(params, load["params"], strict=True):
+                p.copy_(q)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["params"] = [p.detach().clone() for p in params]
+    return saved

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from helpers import compiled_local, fused_steps, torch_local
+from helpers import compiled_local, fused_steps, resume_point, torch_local
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.memory import bytes_per_parameter
@@ -305,13 +305,7 @@ def _zoa(backend: str | None, keep: bool, steps: int = 12, save_at=None, load=No
             with fused_steps(backend):
                 opt.step()
             if step == save_at:
-                if load is not None:
-                    opt.load_state_dict(copy.deepcopy(load))
-                    with torch.no_grad():
-                        for p, q in zip(params, load["params"], strict=True):
-                            p.copy_(q)
-                saved = copy.deepcopy(opt.state_dict())
-                saved["params"] = [p.detach().clone() for p in params]
+                saved = resume_point(opt, params, load)
         resting = opt._kept is not None
         size = bytes_per_parameter(opt)
         opt._wake()

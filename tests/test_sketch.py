@@ -5,10 +5,9 @@ kept; a checkpoint from before the hash resumes with the index it drew."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from helpers import resume_point
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
 from onebit.kernels.backends import use_backend
@@ -98,13 +97,7 @@ def _lamb_run(legacy_from_start: bool, steps: int = 9, save_at=None, load=None, 
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
         if step == save_at:
-            if load is not None:  # the model's and the optimizer's state, as a training script resumes
-                opt.load_state_dict(copy.deepcopy(load))
-                with torch.no_grad():
-                    for p, q in zip(params, load["params"], strict=True):
-                        p.copy_(q)
-            saved = copy.deepcopy(opt.state_dict())
-            saved["params"] = [p.detach().clone() for p in params]
+            saved = resume_point(opt, params, load)
             if drop_counter:  # as that release wrote it: no "sketch_hash" counter
                 del saved["onebit"]["counters"]["sketch_hash"]
     index = opt._sketch_indices(opt.compressed_params())
