@@ -123,6 +123,7 @@ class AdamStep:
 
     STEP, FUSED = "adam", adam
     MESSAGE = True  # the momentum kept as each bucket's last message between steps (see step)
+    RECORD = False  # each bucket's gathered message in ``messages`` after a step (ZeroOneSync: its rest)
 
     def __init__(self, reducer) -> None:
         self.reducer = reducer
@@ -218,7 +219,7 @@ class AdamStep:
         scales; ``prepare`` then declines: the agreement reads the gradients itself)."""
         reducer, ready = self.reducer, self.ready
         self.ready = None
-        # each bucket's gathered message, (gathered, layout) (None: an empty bucket)
+        # each bucket's gathered message, (gathered, layout) (None: an empty bucket), where RECORD
         self.messages: list = [None] * len(reducer.buckets)
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
@@ -235,7 +236,8 @@ class AdamStep:
                 compressed_allreduce_passes(u, b.worker_error, b.server_error, reducer.group,
                                             passes, local=local)
             reducer.count_compressed(b)
-            self.messages[k] = (passes.gathered, passes.layout)
+            if self.RECORD:
+                self.messages[k] = (passes.gathered, passes.layout)
             if self.MESSAGE:
                 reducer.keep_as_message(b, passes.gathered, passes.layout)
             elif self.backend == "native":
@@ -293,6 +295,7 @@ class ZeroOneSync(ZeroOneStep):
     step's operations: bitwise)."""
 
     SYNC = True
+    RECORD = True  # ZeroOneAdam keeps the sync's messages at rest (ZeroOneAdam._rest)
 
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
         index = {id(g): i for i, g in enumerate(opt.param_groups)}

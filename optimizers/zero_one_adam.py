@@ -415,8 +415,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
             nl = [-lr for lr in self.lrs]
             self.lrs = [0.0] * len(self.param_groups)
             self.last_sync = t
-            if self._may_keep(reducer, pairs, masks) and None not in plan.messages:
-                self._rest(plan.messages, nl)
+            messages, plan.messages = plan.messages, []  # the plan holds none between steps
+            if self._may_keep(reducer, pairs, masks) and None not in messages:
+                self._rest(messages, nl)
             return
         index = {id(g): i for i, g in enumerate(self.param_groups)}
 
