@@ -14,8 +14,8 @@
 static void fold_c(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
 static void update_c(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f"))) static void fold_512(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
-__attribute__((target("avx512f"))) static void update_512(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
+ONEBIT_AVX512 static void fold_512(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
+ONEBIT_AVX512 static void update_512(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
 __attribute__((target("avx2,fma"))) static void fold_256(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
 __attribute__((target("avx2,fma"))) static void update_256(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
 #endif
@@ -66,7 +66,7 @@ static void update_range(int isa, const float* u, int64_t a, int64_t b, const ta
    as den_fill computes it (max(floor, s) is s where s is NaN, and s for equal zeros: C's
    s < floor ? floor : s). keep_z: z = u + e stored over e where z is finite (the momentum kept as a
    message: onebit_decompress_update_all). */
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static double fold_encode_run512(float* u, const float* g, const float* v, float* e, uint8_t* bits,
                                  const float* sc, int64_t n, int keep_z) {
   const float b1 = sc[0], w = sc[1];
@@ -150,7 +150,7 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
         float* er = e + off + i;
         if (ebf16) { /* widened on the stack, or into zbuf where z is kept (stored over it) */
           er = keep_z ? zbuf + off + i : eb;
-          widen_run(er, (const uint16_t*)e + off + i, len);
+          widen_run(isa, er, (const uint16_t*)e + off + i, len);
         }
         if (!flat) dec(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
 #ifdef ONEBIT_X86
@@ -221,7 +221,7 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
         uint16_t* e16 = ebf16 && e ? (uint16_t*)e + off + i : 0;
         if (flat) {
           float* er = e16 ? eb : e ? e + off + i : 0;
-          if (e16) widen_run(eb, e16, len);
+          if (e16) widen_run(isa, eb, e16, len);
           f(bits + j * stride + i / 8, s + j, 0, flat + off + i, er, e ? ws + j : 0, 0, len, len);
           if (e16) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
           update_range(isa, flat + off + i, off + i, off + i + len, &tab, lo_c, hi_c, &k);

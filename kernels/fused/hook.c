@@ -12,7 +12,7 @@ static double hook_pre_c(float* g, const float* m, const float* d, float k, int6
 }
 
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static double hook_pre_512(float* g, const float* m, const float* d, float k, int64_t n) {
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   const __m512 kv = _mm512_set1_ps(k);
@@ -64,7 +64,7 @@ double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_
 #define POST_LOOP for (int64_t i = 0; i < n; i++) out[i] = out[i] * d[i] - m[i] * k;
 static void post_c(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f"))) static void post_512(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
+ONEBIT_AVX512 static void post_512(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 __attribute__((target("avx2,fma"))) static void post_256(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 #endif
 

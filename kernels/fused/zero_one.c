@@ -49,15 +49,15 @@ static void zoa_step_c(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 static void zos_diff_c(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
 static void zos_sync_c(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f"))) static void zos_diff_512(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
-__attribute__((target("avx512f"))) static void zos_sync_512(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
+ONEBIT_AVX512 static void zos_diff_512(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
+ONEBIT_AVX512 static void zos_sync_512(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
 __attribute__((target("avx2,fma"))) static void zos_diff_256(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
 __attribute__((target("avx2,fma"))) static void zos_sync_256(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
 #endif
 
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f"))) static void zoa_div_512(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
-__attribute__((target("avx512f"))) static void zoa_step_512(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+ONEBIT_AVX512 static void zoa_div_512(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
+ONEBIT_AVX512 static void zoa_step_512(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 __attribute__((target("avx2,fma"))) static void zoa_div_256(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
 __attribute__((target("avx2,fma"))) static void zoa_step_256(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
 #endif

@@ -39,7 +39,7 @@ static void blocks_avx2(const float* x, const float* e, uint8_t* bits, double* s
   }
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static void blocks_avx512(const float* x, const float* e, uint8_t* bits, double* sums, int64_t n, int64_t block) {
   for (int64_t j = 0; j < n / block; j++) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
@@ -66,7 +66,7 @@ static void blocks_avx512(const float* x, const float* e, uint8_t* bits, double*
 int onebit_best_isa(void) {
 #ifdef ONEBIT_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
 #endif
   return 0;
@@ -180,7 +180,7 @@ static void server_avx2(const uint8_t* bits, int64_t stride, int W, const float*
   }
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static void server_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                           const float* e, uint8_t* out, double* sums, int64_t n, int64_t block) {
   const __m512i flip = _mm512_set1_epi32(INT32_MIN);
@@ -300,12 +300,12 @@ static void decompress_avx2(const uint8_t* bits, const float* s, int64_t sstep, 
 }
 
 /* the scales of elements i .. i + 15: v[j0 * step] for the first 8, v[j1 * step] for the next 8 */
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static inline __m512 halves(const float* v, int64_t step, int64_t j0, int64_t j1) {
   return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[j0 * step]), _mm512_set1_ps(v[j1 * step]));
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static inline void decompress16(const uint8_t* bits, __m512 s, float* out, float* e, __m512 w, __mmask16 live) {
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
   if (e) {
@@ -319,7 +319,7 @@ static inline void decompress16(const uint8_t* bits, __m512 s, float* out, float
   _mm512_mask_storeu_ps(out, live, _mm512_mul_ps(wire(sg), s)); /* the signs from wire order to element order */
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static void decompress_avx512(const uint8_t* bits, const float* s, int64_t sstep, float* out, float* e, const float* ws,
                               int64_t wstep, int64_t n, int64_t block) {
   int64_t i = 0, j = 0, rem = 0;
@@ -366,7 +366,7 @@ void onebit_decompress(const uint8_t* bits, const float* s, int64_t sstep, float
 #define ERROR_ARGS const float* restrict x, float* restrict e, float sc, int64_t n
 static void error_c(ERROR_ARGS) { ERROR_LOOP }
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f"))) static void error_512(ERROR_ARGS) { ERROR_LOOP }
+ONEBIT_AVX512 static void error_512(ERROR_ARGS) { ERROR_LOOP }
 __attribute__((target("avx2,fma"))) static void error_256(ERROR_ARGS) { ERROR_LOOP }
 #endif
 
@@ -425,7 +425,7 @@ static void server_update_avx2(const uint8_t* bits, int64_t stride, int W, const
   }
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static inline void server_update16(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                                    int64_t j, int64_t j1, float* e, __m512 sv, __mmask16 live) {
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), flip = _mm512_set1_epi32(INT32_MIN);
@@ -443,7 +443,7 @@ static inline void server_update16(const uint8_t* bits, int64_t stride, int W, c
   _mm512_mask_storeu_ps(e, live, live == 0xFFFF ? wire(r) : r);
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static void server_update_avx512(const uint8_t* bits, int64_t stride, int W, const float* w, int64_t wr, int64_t wj,
                                  float* e, const float* s, int64_t sstep, int64_t n, int64_t block) {
   int64_t i = 0, j = 0, rem = 0;
@@ -523,7 +523,7 @@ static double sumsq_c(const float* x, int64_t n) {
 }
 
 #ifdef ONEBIT_X86
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static double sumsq_avx512(const float* x, int64_t n) {
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   int64_t i = 0;

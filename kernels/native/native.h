@@ -14,6 +14,9 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define ONEBIT_X86 1
+/* the AVX-512 level (onebit_best_isa's 2): AVX-512 F and BW, the compiler's loops on 512-bit vectors (gcc
+   prefers 256 by default: the bfloat16 widening and rounding loops, on 16-bit words, need BW for zmm) */
+#define ONEBIT_AVX512 __attribute__((target("avx512f,avx512bw,prefer-vector-width=512")))
 #endif
 
 /* bit i of b moved to bit 7 - i: a movemask puts element i in bit i, the wire wants it in 7 - i */
@@ -52,7 +55,7 @@ static inline double hsum256(__m256d a0, __m256d a1) {
   return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
 }
 
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static inline void sq512(__m512 z, __m512d* a0, __m512d* a1) {
   __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
   __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
@@ -69,7 +72,7 @@ static inline void sq512(__m512 z, __m512d* a0, __m512d* a1) {
    3-4x slower on an AMD EPYC); a last 8 takes masks. */
 static inline uint16_t load16(const uint8_t* b) { uint16_t v; memcpy(&v, b, 2); return v; }
 static inline void store16(uint8_t* b, uint16_t v) { memcpy(b, &v, 2); }
-__attribute__((target("avx512f")))
+ONEBIT_AVX512
 static inline __m512 wire(__m512 v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8), v);
 }
@@ -117,7 +120,7 @@ typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int 
 #ifdef ONEBIT_X86
 #define ONEBIT_VARIANTS(NAME, ARGS, LOOP) \
   static void NAME##_c ARGS { LOOP } \
-  __attribute__((target("avx512f"))) static void NAME##_512 ARGS { LOOP } \
+  ONEBIT_AVX512 static void NAME##_512 ARGS { LOOP } \
   __attribute__((target("avx2,fma"))) static void NAME##_256 ARGS { LOOP }
 #define ONEBIT_PICK(NAME, isa) ((isa) >= 2 ? NAME##_512 : (isa) == 1 ? NAME##_256 : NAME##_c)
 #else
@@ -213,9 +216,10 @@ static inline uint16_t round_bf16(uint32_t x, uint32_t key, uint32_t i) {
   return (x & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((x >> 16) | 0x40u) : (uint16_t)((x + r) >> 16);
 }
 /* a bfloat16 run widened to float32 (exact): the passes that keep an error in bfloat16 read a run so */
-static inline void widen_run(float* restrict out, const uint16_t* restrict e, int64_t n) {
-  uint32_t* o = (uint32_t*)out;
-  for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)e[i] << 16;
+#define WIDEN_ARGS (uint32_t* restrict o, const uint16_t* restrict e, int64_t n)
+ONEBIT_VARIANTS(widen, WIDEN_ARGS, for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)e[i] << 16;)
+static inline void widen_run(int isa, float* out, const uint16_t* e, int64_t n) {
+  ONEBIT_PICK(widen, isa)((uint32_t*)out, e, n);
 }
 
 /* the codec's passes (codec.c), by ISA level: 2 AVX-512, 1 AVX2 + FMA, 0 portable C */

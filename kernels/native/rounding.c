@@ -39,7 +39,7 @@ static double server_total16(const uint8_t* bits, int64_t stride, int W, const f
     float eb[RUN] __attribute__((aligned(64)));
     for (int64_t i = a; i < b; i += RUN) {
       int64_t len = b - i < RUN ? b - i : RUN;
-      widen_run(eb, e + i, len);
+      widen_run(isa, eb, e + i, len);
       f(bits + i / 8, stride, W, w, 1, 0, eb, out + i / 8, &r, len, len);
       s += r;
     }
@@ -47,14 +47,15 @@ static double server_total16(const uint8_t* bits, int64_t stride, int W, const f
   return total;
 }
 
-static void server_update_range16(server_update_fn f, void (*nr) NARROW_ARGS, const uint8_t* bits, int64_t stride,
-                                  int W, const float* w, uint16_t* e, const float* scale, int64_t a, int64_t b) {
+static void server_update_range16(int isa, server_update_fn f, void (*nr) NARROW_ARGS, const uint8_t* bits,
+                                  int64_t stride, int W, const float* w, uint16_t* e, const float* scale, int64_t a,
+                                  int64_t b) {
   enum { RUN = 4096 };
   float eb[RUN] __attribute__((aligned(64)));
   uint32_t key = round_key(*scale, ROUND_SERVER);
   for (int64_t i = a; i < b; i += RUN) {
     int64_t len = b - i < RUN ? b - i : RUN;
-    widen_run(eb, e + i, len);
+    widen_run(isa, eb, e + i, len);
     f(bits + i / 8, stride, W, w, 1, 0, eb, scale, 0, len, len);
     nr(e + i, (const uint32_t*)eb, key, (uint32_t)i, len);
   }
@@ -71,6 +72,6 @@ int onebit_server_reduce_one16(const uint8_t* bits, int64_t stride, int W, const
   if (!ran) return 0;
   server_update_fn f = pick_server_update(isa);
   void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
-  ONEBIT_PARALLEL(n, threads, server_update_range16(f, nr, bits, stride, W, w, e, scale, a, a + len))
+  ONEBIT_PARALLEL(n, threads, server_update_range16(isa, f, nr, bits, stride, W, w, e, scale, a, a + len))
   return 1;
 }
