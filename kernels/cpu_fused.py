@@ -120,6 +120,18 @@ def local_step_(p: torch.Tensor, m: torch.Tensor, grad: torch.Tensor | None, var
 
 
 @torch.no_grad()
+def zoa_momentum_(m: torch.Tensor, u: torch.Tensor, var: torch.Tensor, denominator: tuple[float, float, float],
+                  nl: float) -> bool:
+    """ZeroOneAdam's momentum from its synchronisation's decoded mean ``u``, ``m = (u * d) / nl`` (``d``
+    from ``var`` as :func:`fold_preconditioned_`'s), in one pass (plain: the denominator, ``mul``,
+    ``div_``); False (nothing done) where it does not apply."""
+    if not _applies(m, u, var):
+        return False
+    _run("onebit_zoa_momentum", (m, u, var), *denominator, nl)
+    return True
+
+
+@torch.no_grad()
 def hook_pre_(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float) -> bool:
     """The DDP hook's pre-pass on one parameter's piece of a bucket, ``g = (g + m * factor) / d``,
     in one pass (the plain ops: ``c = m * factor`` into a bucket-sized buffer, ``add_``, ``div_``:

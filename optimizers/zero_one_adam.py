@@ -201,8 +201,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 u, nl = mean[off : off + size].view(p.shape), kept["nl"][index[id(g)]]
                 state = self.state[p]
                 if self.preconditioned:
-                    d = self.stale_denominator(k, p, g)
-                    state["exp_avg"] = torch.mul(u, d).div_(nl)
+                    frozen = self.frozen_variance(k, p, g)
+                    m = state["exp_avg"] = torch.empty_like(u)
+                    if frozen is None or not cpu_fused.zoa_momentum_(m, u, *frozen, nl):
+                        torch.mul(u, self.stale_denominator(k, p, g), out=m).div_(nl)
                 else:
                     state["exp_avg"] = u.clone().div_(nl)
                 state["sync_params"] = p.detach().to(torch.float32, copy=True)

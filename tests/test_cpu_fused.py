@@ -54,6 +54,22 @@ def test_fold_is_bitwise_the_plain_ops(seed, beta1):
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))  # -0.0 kept
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("nl", [-1e-3, -0.37, -3e-7])
+def test_zero_one_adams_momentum_at_rest_is_bitwise_the_plain_ops(seed, nl):
+    # ZeroOneAdam's momentum made again from a sync's decoded mean: (u * d) / nl, as the sync wrote it
+    u, _, v = _inputs(seed)
+    u[100], v[102], v[103], v[104] = float("inf"), float("inf"), float("nan"), 0.0
+    want = torch.mul(u, _den(v)).div_(nl)
+    got = torch.empty_like(u)
+    assert cpu_fused.zoa_momentum_(got, u, v, DEN, nl)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+    assert not cpu_fused.zoa_momentum_(got[:100], u[:100], v[:100], DEN, nl)  # below MIN_NUMEL: the caller's
+
+
 @pytest.mark.parametrize(("lr", "wd", "clip", "bc1"), [
     (1e-3, 0.0, 1.0, 1.0), (3e-4, 0.01, 1.0, 0.1), (1e-2, 0.1, None, 0.5), (1e-3, 0.0, 1e-3, 0.999),
 ])

@@ -258,3 +258,24 @@ void onebit_local_step(float* p, float* m, const float* g, const float* v, float
   const float dsc[3] = {floor, r, eps};
   ONEBIT_PARALLEL(n, threads, zoa_v(isa, 0, f, p + a, m + a, g + a, v + a, dsc, b1, w, lo, hi, wd, nlr, len))
 }
+
+/* ZeroOneAdam's momentum made again at rest after a synchronisation (optimizers/zero_one_adam.py _wake):
+   m = (u * d) / nl, u the sync's decoded mean, d from v (den_fill) in the pass: the sync's own operations
+   (zoa_step_all's m = mean d / nl), each rounded. */
+#define ZOA_MOM_ARGS (float* restrict m, const float* restrict u, const float* restrict d, float nl, int64_t n)
+ONEBIT_VARIANTS(zoa_mom, ZOA_MOM_ARGS, for (int64_t i = 0; i < n; i++) m[i] = (u[i] * d[i]) / nl;)
+
+static void zoa_mom_v(int isa, float* m, const float* u, const float* v, const float* dsc, float nl, int64_t n) {
+  float d[DEN_RUN] __attribute__((aligned(64)));
+  for (int64_t i = 0; i < n; i += DEN_RUN) {
+    int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
+    ONEBIT_PICK(den_fill, isa)(d, v + i, dsc[0], dsc[1], dsc[2], len);
+    ONEBIT_PICK(zoa_mom, isa)(m + i, u + i, d, nl, len);
+  }
+}
+
+void onebit_zoa_momentum(float* m, const float* u, const float* v, float floor, float r, float eps, float nl, int64_t n,
+                         int isa, int threads) {
+  const float dsc[3] = {floor, r, eps};
+  ONEBIT_PARALLEL(n, threads, zoa_mom_v(isa, m + a, u + a, v + a, dsc, nl, len))
+}

@@ -121,5 +121,6 @@ SIGNATURES = {
     "onebit_hook_post": "-: p p p f32 i64 i32 i32",
     "onebit_narrow": "-: p p p i64 i64 i32 i32 i32",
     "onebit_count_sketch": "-: p i64 i32 i64 p i32",
+    "onebit_zoa_momentum": "-: p p p f32 f32 f32 f32 i64 i32 i32",
     "onebit_frozen_adam": "-: p p p p f32 f32 f32 f32 f32 f32 f32 i64 i32 i32",
 }
