@@ -120,8 +120,8 @@ def local_step_(p: torch.Tensor, m: torch.Tensor, grad: torch.Tensor | None, var
 
 
 @torch.no_grad()
-def zoa_momentum_(m: torch.Tensor, u: torch.Tensor, var: torch.Tensor, denominator: tuple[float, float, float],
-                  nl: float) -> bool:
+def zoa_momentum_(m: torch.Tensor, u: torch.Tensor, var: torch.Tensor,
+                  denominator: tuple[float, float, float], nl: float) -> bool:
     """ZeroOneAdam's momentum from its synchronisation's decoded mean ``u``, ``m = (u * d) / nl`` (``d``
     from ``var`` as :func:`fold_preconditioned_`'s), in one pass (plain: the denominator, ``mul``,
     ``div_``); False (nothing done) where it does not apply."""
