@@ -35,6 +35,7 @@ from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
 from ._agreement import Agreement
 from ._clip import clip_grads_
+from ._copying import Copying
 from ._overlap import BackwardOverlap
 from ._sharded import Sharding, local_params
 from ._state_io import StateIO
@@ -71,7 +72,7 @@ def closure_loss(closure) -> Any:
         return closure()
 
 
-class OnebitOptimizerBase(Agreement, StateIO, VarianceState, Telemetry, torch.optim.Optimizer):
+class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry, torch.optim.Optimizer):
     """Base class: subclasses set FLAT_STATE / DENSE_STATE and implement step().
 
     ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
