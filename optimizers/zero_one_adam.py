@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..collectives._failure import guard
 from ..kernels import cpu_fused, decompress
 from ..kernels._checks import check_int
 from . import _fused, _multi
@@ -410,8 +412,12 @@ class ZeroOneAdam(OnebitOptimizerBase):
         """Phase 2's synchronisation: the replicas average their accumulated updates ``u``
         (momentum: in momentum space, ``u * denom``; preconditioned: as they are) and set the
         momentum to ``-mean(u) * denom / lrs``; afterwards they are bitwise identical. On an x86
-        CPU or a GPU (preconditioned) inside the codec's passes (optimizers/_fused.py)."""
-        if _fused.zoa_applies(self, reducer, pairs, phase=2):
+        CPU or a GPU (preconditioned) inside the codec's passes (optimizers/_fused.py). A group whose
+        learning rates summed to 0 since the last sync (a schedule at 0, a frozen group) did not move:
+        it stays where it is and its momentum becomes the ranks' exact mean (docs/ALGORITHMS.md 6.4)."""
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        still = {i for i, lr in enumerate(self.lrs) if lr == 0.0}
+        if not still and _fused.zoa_applies(self, reducer, pairs, phase=2):
             plan = _fused.plan(self, "_zos_cache", reducer, _fused.ZeroOneSync)
             plan.step(self, pairs, t)
             nl = [-lr for lr in self.lrs]
@@ -421,7 +427,6 @@ class ZeroOneAdam(OnebitOptimizerBase):
             if self._may_keep(reducer, pairs, masks) and None not in messages:
                 self._rest(messages, nl)
             return
-        index = {id(g): i for i, g in enumerate(self.param_groups)}
 
         def denom(k, p, g):  # made where it is read, once before the collective and once after
             if self._reference_maths():
@@ -433,11 +438,14 @@ class ZeroOneAdam(OnebitOptimizerBase):
             torch.sub(p, state["sync_params"], out=u)  # the local steps' accumulated update
             if not self.preconditioned:
                 u.mul_(denom(k, p, g))
-        kept = reducer.compressed_mean_(keep=self._may_keep(reducer, pairs, masks))
+        kept = reducer.compressed_mean_(keep=not still and self._may_keep(reducer, pairs, masks))
+        self._average_momenta([self.state[p]["exp_avg"] for p, g in pairs if index[id(g)] in still])
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             state, u = self.state[p], mask_(reducer.views[k], dead, g.get("exp_avg_mask"))
             sync = state["sync_params"]
-            if self.preconditioned:
+            if index[id(g)] in still:  # no local step moved it (x = 0): nothing to apply, m averaged above
+                p.copy_(sync)
+            elif self.preconditioned:
                 torch.mul(u, denom(k, p, g), out=state["exp_avg"]).div_(-self.lrs[index[id(g)]])
                 sync.add_(u)
             else:
@@ -450,6 +458,21 @@ class ZeroOneAdam(OnebitOptimizerBase):
         self.last_sync = t
         if kept is not None:
             self._rest(kept, nl)
+
+    def _average_momenta(self, momenta: list[torch.Tensor]) -> None:
+        """The exact mean over the ranks of ``momenta`` (one full-precision all-reduce): the momentum of
+        a group that did not move since the last sync, the same bits on every rank."""
+        if not momenta or self.world_size == 1:
+            return
+        flat = torch.cat([m.reshape(-1) for m in momenta])
+        with guard("ZeroOneAdam momentum all_reduce (a group at lr 0)", self.process_group):
+            dist.all_reduce(flat, group=self.process_group)
+        flat.div_(self.world_size)
+        self.count_sent(flat.numel(), flat.element_size())
+        offset = 0
+        for m in momenta:
+            m.copy_(flat[offset : offset + m.numel()].view_as(m))
+            offset += m.numel()
 
     def _reference_maths(self) -> bool:
         """compression="momentum" without floor or clip: the reference's update, bitwise."""
