@@ -6,6 +6,8 @@ construction (what a checkpoint from before the hash resumes with), and prints b
 seed and as the suite's ratio of means.
 
   python bench/studies/lamb_sketch_index/run.py --hashed bench/out/suite-s25 --out bench/out/lamb-drawn
+  python bench/studies/lamb_sketch_index/run.py --hashed bench/out/suite-s25 --out bench/out/lamb-drawn \
+      --seeds 8 16
 """
 
 from __future__ import annotations
@@ -25,30 +27,38 @@ from suite import command, final_loss, read  # noqa: E402
 DRAWN = os.path.join(HERE, "drawn.py")
 
 
+def _run(cmd: list[str], log: str, drawn: bool) -> float:
+    """The final validation loss of ``cmd``'s run, run where its log has no final line yet."""
+    if not os.path.exists(log) or not read(log)[1]:
+        if drawn:  # the same arguments, through the wrapper
+            cmd = list(cmd)
+            cmd[cmd.index(os.path.join(BENCH, "train_task.py"))] = DRAWN
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+    return final_loss(read(log)[0])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hashed", required=True, help="the suite's folder (hashed runs and the LAMB baselines)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--hashed", required=True, help="the suite's folder (hashed runs and the LAMB baselines); "
+                   "runs it lacks (seeds past the suite's) are made there")
+    p.add_argument("--out", required=True, help="the drawn-index runs")
+    p.add_argument("--seeds", type=int, nargs=2, default=(0, 8), metavar=("FIRST", "STOP"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    seeds = range(*args.seeds)
     for freeze in ("120", "auto"):
         drawn, hashed, base = [], [], []
-        for seed in range(args.seeds):
-            tag = f"digits-onebit_lamb-{freeze}" + (f"-seed{seed}" if seed else "")
-            log = os.path.join(args.out, tag + ".jsonl")
-            if not os.path.exists(log) or not read(log)[1]:
-                cmd = command("digits", "onebit_lamb", freeze, seed, 4, log)
-                i = cmd.index(os.path.join(BENCH, "train_task.py"))
-                cmd[i] = DRAWN  # the same arguments, through the wrapper
-                subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                               stdout=subprocess.DEVNULL)
-            drawn.append(final_loss(read(log)[0]))
-            hashed.append(final_loss(read(os.path.join(args.hashed, tag + ".jsonl"))[0]))
-            lamb = "digits-lamb" + (f"-seed{seed}" if seed else "") + ".jsonl"
-            base.append(final_loss(read(os.path.join(args.hashed, lamb))[0]))
+        for seed in seeds:
+            suffix = (f"-seed{seed}" if seed else "") + ".jsonl"
+            tag = f"digits-onebit_lamb-{freeze}"
+            log = os.path.join(args.out, tag + suffix)
+            drawn.append(_run(command("digits", "onebit_lamb", freeze, seed, 4, log), log, True))
+            log = os.path.join(args.hashed, tag + suffix)
+            hashed.append(_run(command("digits", "onebit_lamb", freeze, seed, 4, log), log, False))
+            log = os.path.join(args.hashed, "digits-lamb" + suffix)
+            base.append(_run(command("digits", "lamb", "120", seed, 4, log), log, False))
         print(f"freeze {freeze}: per seed, drawn / hashed over LAMB")
-        for s, (a, b, c) in enumerate(zip(drawn, hashed, base, strict=True)):
+        for s, (a, b, c) in zip(seeds, zip(drawn, hashed, base, strict=True), strict=True):
             print(f"  seed {s}: {a / c:.4f}  {b / c:.4f}")
         m = statistics.mean(base)
         print(f"  ratio of means: drawn {statistics.mean(drawn) / m:.4f}, "
