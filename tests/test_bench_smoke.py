@@ -123,3 +123,10 @@ def test_bench_memory_counts_every_optimizer(tmp_path):
     assert all(rows[k] < rows["adamw"] for k in ("onebit_adam", "onebit_lamb", "zero_one_adam")), rows
     assert rows["adamw"] < rows["adamw_ddp_hook"] <= 12.0, rows
     assert "bytes per parameter" in out
+
+
+def test_bench_zoa_rest_times_both_forms():
+    out = _run("bench_zoa_rest.py", "--ranks", "2", "--tensors", "1", "--steps", "8")
+    rest, held = (line for line in out.splitlines() if line.startswith(("at rest:", "held:")))
+    # the measured bytes: at rest the momentum and sync_params are not held (8 B per parameter fewer)
+    assert float(rest.split(", ")[-1].split()[0]) + 7.9 < float(held.split(", ")[-1].split()[0])
