@@ -113,13 +113,14 @@ class AdamStep:
     In the native backend, the step's first phase (``prepare``: every bucket folded and encoded,
     nothing sent) can run before the ranks agree that the gradients are finite, the agreement reading
     its verdict from the messages' scales instead of a pass over the gradients: a non-finite gradient
-    makes its chunk's float64 sum of squares non-finite. It overwrites only the momentum, which
-    ``abandon`` restores bitwise where the ranks then skip the step: after a fused compression step
-    the momentum is exactly the decode of that step's gathered message (sign times its chunk's
-    scale), kept per bucket (1/32 of the momentum's bytes). ``prepare`` declines (None) where that
-    does not hold: before the first fused step, once anything else has written the momentum
-    (``flat._version``: a checkpoint's load, an unfused step), and in Triton (it would wait for the
-    device)."""
+    makes its chunk's float64 sum of squares non-finite. With the momentum kept as a message
+    (``MESSAGE``) the worker pass writes nothing but the new message (and the padded rests' 8 floats
+    per chunk, handed to the step): ``abandon`` drops it. Over a float32 momentum buffer it overwrites
+    the momentum, which ``abandon`` restores bitwise: after a fused compression step the momentum is
+    exactly the decode of that step's gathered message, kept per bucket in ``last``. ``prepare``
+    declines (None) where neither holds: before the first fused step, once anything else has written
+    a momentum buffer (``flat._version``: a checkpoint's load, an unfused step), and in Triton (it
+    would wait for the device)."""
 
     STEP, FUSED = "adam", adam
     MESSAGE = True  # the momentum kept as each bucket's last message between steps (see step)
@@ -144,9 +145,9 @@ class AdamStep:
                     "param": [p for _, p, _ in items]},
                    [adam.rows(g, t, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None):
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None):
         if self.backend == "native":
-            return adam.NativePasses(table, clip, msg, kept=kept, n=n)
+            return adam.NativePasses(table, clip, msg, kept=kept, n=n, tails=tails)
         return adam.TritonPasses(table, clip)
 
     def forget(self) -> None:
@@ -154,7 +155,10 @@ class AdamStep:
         self.last = [None] * len(self.reducer.buckets)
 
     def _restorable(self) -> bool:
-        return all(b.flat is not None and last is not None and last[2] == b.flat._version
+        """Whether a prepared step can be dropped: every bucket's momentum kept as its message (the
+        worker pass does not write it), or its buffer the decode of its last message."""
+        return all((b.message is not None) if b.flat is None else
+                   (last is not None and last[2] == b.flat._version)
                    for b, last in zip(self.reducer.buckets, self.last, strict=True) if b.numel)
 
     def _W(self) -> int:
@@ -174,12 +178,12 @@ class AdamStep:
                 continue
             self._fill(opt, pairs, t, b, table)
             layout = Layout(b.worker_error.numel(), W, None)
-            msg = empty_message(layout, W, b.flat.device)
-            passes = self._passes(table, 0.0)
+            msg = empty_message(layout, W, b.worker_error.device)
+            passes = self._passes(table, 0.0, kept=b.message if b.flat is None else None, n=b.numel)
             e = b.worker_error if getattr(passes, "BFLOAT16_ERRORS", False) else widen(b.worker_error)
-            passes.worker(b.flat, e, layout, msg)  # reads the error only
+            passes.worker(self._momentum(b), e, layout, msg)  # reads the error only
             finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
-            ready.append(msg)
+            ready.append((msg, passes.tails))
         if finite:
             return True
         # a non-finite sum: a non-finite gradient, or finite ones whose fold overflowed (the
@@ -192,7 +196,7 @@ class AdamStep:
             return
         self.ready = None
         for k, (b, last) in enumerate(zip(self.reducer.buckets, self.last, strict=True)):
-            if b.numel:
+            if b.numel and b.flat is not None:  # a kept message: the worker pass did not write it
                 gathered, layout, _ = last
                 adam.NativePasses.decode(gathered, layout, b.flat)
                 self.last[k] = (gathered, layout, b.flat._version)
@@ -214,9 +218,9 @@ class AdamStep:
         """Every bucket's step (the worker pass already done where ``prepare`` ran). With ``MESSAGE``
         each bucket's momentum is then kept as the step's gathered message: after a compressed
         step the momentum is exactly that message's decode (sign times its chunk's scale), so the
-        next step decodes it into the scratch buffer and runs the same passes on it, bitwise the
+        next step's passes decode it as they read it (C; Triton: into the scratch buffer), bitwise the
         run that keeps the float32 buffer (the buffer's 4 bytes per parameter become 1/8 + the
-        scales; ``prepare`` then declines: the agreement reads the gradients itself)."""
+        scales)."""
         reducer, ready = self.reducer, self.ready
         self.ready = None
         # each bucket's gathered message, (gathered, layout) (None: an empty bucket), where RECORD
@@ -229,8 +233,9 @@ class AdamStep:
             if ready is None:
                 self._fill(opt, pairs, t, b, table)
             native_kept = self.backend == "native" and b.message is not None
-            passes = self._passes(table, clip, None if ready is None else ready[k],
-                                  kept=b.message if native_kept else None, n=b.numel)
+            msg, tails = (None, None) if ready is None else ready[k]
+            passes = self._passes(table, clip, msg, kept=b.message if native_kept else None, n=b.numel,
+                                  tails=tails)
             u = self._momentum(b)
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
                 compressed_allreduce_passes(u, b.worker_error, b.server_error, reducer.group,
@@ -263,7 +268,7 @@ class ZeroOneStep(AdamStep):
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
                    [zero_one.rows(g, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None):
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None):
         if self.backend == "native":
             kind = zero_one.NativeSyncPasses if self.SYNC else zero_one.NativePasses
             return kind(table, clip, msg)

@@ -120,25 +120,25 @@ _local.local_compute = True
 
 
 def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip", local: bool = True,
-              message: bool = False):
+              message: bool = False, error_dtype=torch.float32):
     """Six steps, step 4 with an infinite gradient on ``bad_rank``: the states before and after
     it, the final state, and how often the gradients were read for the agreement. ``message``: the
     momentum kept as its last message between fused steps (``AdamStep.MESSAGE``; False: the float32
-    buffer, which lets ``prepare`` run)."""
+    buffer)."""
     kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, message
     try:
-        return _skipping_run(fused, rank, bad_rank, policy, local)
+        return _skipping_run(fused, rank, bad_rank, policy, local, error_dtype)
     finally:
         _fused.AdamStep.MESSAGE = kept
 
 
-def _skipping_run(fused: bool, rank: int, bad_rank: int, policy: str, local: bool):
+def _skipping_run(fused: bool, rank: int, bad_rank: int, policy: str, local: bool, error_dtype):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-    # exact errors: compared with the unfused run to float32 rounding (bfloat16's rounding keys on the
-    # scales' bits: a last-bit difference draws other bits; tests/test_error_dtype.py)
+    # exact errors where compared with the unfused run to float32 rounding (bfloat16's rounding keys on
+    # the scales' bits: a last-bit difference draws other bits; tests/test_error_dtype.py)
     opt = OnebitAdam(params, lr=1e-2, freeze_step=2, bucket_cap_mb=0.2, nonfinite=policy,
-                     error_dtype=torch.float32)
+                     error_dtype=error_dtype)
     red = opt.reducer()
     if local:
         red.allreduce = compiled_local
@@ -171,16 +171,20 @@ def _skipping_run(fused: bool, rank: int, bad_rank: int, policy: str, local: boo
 
 
 
+@pytest.mark.parametrize("error_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_a_skipped_step_with_the_momentum_kept_as_a_message_changes_nothing(policy):
-    # the momentum kept as its last message: prepare declines (the agreement reads the gradients
-    # every step), the skipped step writes nothing, and the run is bitwise the float32 buffer's
-    (before, after), final, reads, skipped = _skipping(True, policy=policy, message=True)
+def test_a_skipped_step_with_the_momentum_kept_as_a_message_changes_nothing(policy, error_dtype):
+    # the momentum kept as its last message: prepare runs from the second fused step on (its worker
+    # pass writes nothing but the message: the agreement reads the scales, not the gradients), the
+    # skipped step writes nothing, and the run is bitwise the float32 buffer's
+    (before, after), final, reads, skipped = _skipping(True, policy=policy, message=True,
+                                                       error_dtype=error_dtype)
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
-    (before1, _), final1, reads1, skipped1 = _skipping(True, policy=policy, message=False)
+    (before1, _), final1, reads1, skipped1 = _skipping(True, policy=policy, message=False,
+                                                       error_dtype=error_dtype)
     assert skipped == skipped1 == (1 if policy == "skip" else 0)
-    assert reads == 6 and reads1 == 3
+    assert reads == reads1 == 3  # the two warm-up steps and the first fused one
     for a, b in zip(before + final, before1 + final1, strict=True):
         assert torch.equal(a, b)
 
@@ -315,3 +319,65 @@ def test_a_prepare_that_raises_halfway_restores_the_momentum(monkeypatch):
     assert len(calls) == 2
     for a, b in zip(red.buckets, before, strict=True):
         assert torch.equal(red.decoded(a), b)
+
+
+@pytest.mark.parametrize("error_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("update", [True, False])
+def test_the_passes_agree_at_every_isa_level_and_with_the_momentum_kept(error_dtype, update):
+    # fold_encode_all and decompress_update_all in portable C, AVX2 and AVX-512 (the levels this CPU
+    # has), over a float32 momentum buffer and over the same momentum kept as its message (the passes
+    # decode it as they read it; the decompress pass folds the worker's u again): the same bits,
+    # float64 sums, errors and parameters, bitwise; the padded rests' folded data as the buffer's; a
+    # tensor without a gradient; tensors that straddle the chunks; with and without the error update
+    from onebit.kernels import _chunks
+    from onebit.kernels.layout import Layout, empty_message, message_bits, message_scales
+
+    gen = torch.Generator().manual_seed(7)
+    sizes, W = [30001, 7, 40000, 9], 3
+    n = sum(sizes)
+    layout = Layout(-(-n // (8 * W)) * 8 * W, W, None)
+    splits = [_chunks.split(layout, n, j) for j in range(W)]
+    enc = [mid - lo for lo, mid, _ in splits]
+    fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
+    grads = [None if k == 1 else torch.randn(s, generator=gen) for k, s in enumerate(sizes)]
+    variances = [torch.rand(s, generator=gen) ** 2 for s in sizes]  # the floor 0.3 binds under sqrt(v) < 0.3
+    e0 = (torch.randn(layout.N, generator=gen) * 0.1).to(error_dtype)
+    p0 = [torch.randn(s, generator=gen) for s in sizes]
+    old = empty_message(layout, W, torch.device("cpu"))
+    coin = torch.randint(0, 256, (W, layout.C // 8), generator=gen, dtype=torch.uint8)
+    message_bits(old, layout).copy_(coin)
+    message_scales(old, layout).copy_(torch.rand(W, generator=gen) + 0.1)
+    old_pair = (message_bits(old, layout), message_scales(old, layout).contiguous())
+    u0 = torch.zeros(layout.N)
+    adam.NativePasses.decode(old, layout, u0[:n])  # the momentum the message holds, as a float32 buffer
+    scales, wscales = torch.rand(W, generator=gen) + 0.1, torch.rand(W, generator=gen) + 0.1
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    out = {}
+    for isa in range(cpu_simd.best_isa() + 1):
+        for kept in (False, True):
+            e, ps = e0.clone(), [x.clone() for x in p0]
+            t = adam.table(starts, sizes, "cpu")
+            t.fill({"grad": grads, "var": variances, "param": ps},
+                   [(0.9, 0.1, 0.999, -1e-2, 0.5, 0.3, 1.25, 1e-8)] * len(sizes))
+            bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
+            flat = None if kept else u0[:n].clone()
+            tails = torch.full((8 * W,), float("nan")) if kept else None
+            sums = adam.fold_encode_all(flat, e, bits, layout.C, enc, fold, t, isa=isa,
+                                        old=old_pair if kept else None, tails=tails, n=n)
+            coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])
+            rests = [(tails[8 * j : 8 * j + fold[j] - enc[j]] if kept else flat[lo + enc[j] : lo + fold[j]])
+                     .clone() for j, (lo, _, _) in enumerate(splits)]
+            if kept:
+                adam.decompress_update_all(bits, scales, None, e, wscales, layout.C, enc, t, 0.5, isa=isa,
+                                           old=old_pair, update=update)
+            else:
+                ee, ws = (e, wscales) if update else (None, None)
+                adam.decompress_update_all(bits, scales, flat, ee, ws, layout.C, enc, t, 0.5, isa=isa)
+            out[isa, kept] = [torch.tensor(sums, dtype=torch.float64), coded, e, *rests, *ps]
+    assert not torch.equal(out[0, False][-1], p0[-1])  # the parameters moved
+    for (isa, kept), got in out.items():
+        torch.testing.assert_close(got[0], out[0, False][0], rtol=1e-12, atol=0)
+        if isa == 0 or kept:  # the sums in one ISA's order: bitwise for the same level
+            assert torch.equal(got[0], out[isa, False][0]), (isa, kept)
+        for a, b in zip(got[1:], out[0, False][1:], strict=True):
+            assert torch.equal(a, b), (isa, kept)

@@ -184,16 +184,12 @@ def _nonfinite(message: bool):
 
 
 @pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
-def test_a_non_finite_scale_leaves_the_worker_error_to_its_last_rounding():
-    # the float32 buffer's run leaves the error untouched, bitwise; the kept message's worker pass
-    # stored z = u + e over it where z is finite, so the decompress pass puts back z - u: within one
-    # rounding of z, and exactly the old error at the inf's coordinate (never poisoned)
-    before, after = _nonfinite(False)
+@pytest.mark.parametrize("message", [False, True])
+def test_a_non_finite_scale_leaves_the_worker_error_untouched(message):
+    # the worker pass writes no error in either form (with a kept message the decompress pass folds
+    # the worker's u again): where the scales are not finite the error stays as it was, bitwise
+    before, after = _nonfinite(message)
     assert torch.equal(before, after)
-    before, after = _nonfinite(True)
-    assert torch.isfinite(after).all()
-    torch.testing.assert_close(after, before, rtol=0, atol=float(before.abs().max()) * 2**-22)
-    assert (after != before).float().mean() < 0.5  # most come back exactly
 
 
 # -- the unfused compressed steps (the plain backend's OnebitAdam, OnebitLamb on every device) ----------

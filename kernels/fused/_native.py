@@ -100,13 +100,14 @@ class NativePasses:
     the message a ``prepare`` already built (the worker pass then does nothing). ``kept``: the
     ``(gathered, layout)`` that holds the values instead of the flat buffer (the call's ``flat`` is
     then empty; ``n`` the bucket's elements): the passes decode it as they read it (OnebitAdam's
-    momentum kept as its last message, optimizers/_fused.py)."""
+    momentum kept as its last message, optimizers/_fused.py); ``tails``: the :class:`Tails` that a
+    ``prepare``'s worker pass filled for such a message."""
 
     def __init__(self, table, clip: float, msg: torch.Tensor | None = None, kept=None,
-                 n: int | None = None) -> None:
+                 n: int | None = None, tails=None) -> None:
         self.table, self.clip = table, clip
         self.gathered = self.layout = None
-        self.kept, self.n, self.tails = kept, n, None
+        self.kept, self.n, self.tails = kept, n, tails
         if msg is not None:  # the prepared message (collectives._async.worker_message)
             def ready(layout):
                 if msg.numel() != layout.message_bytes:
@@ -171,7 +172,7 @@ class NativePasses:
         counts = [mid - lo for lo, mid, _ in splits]
         if self.kept is None:
             self.step_all(bits, scales.contiguous(), flat, e, ws, layout.C, counts)
-        else:  # the worker pass left z = u + e in the error: the pass needs it either way
+        else:  # the pass folds the worker's u again from the kept message: it reads the error either way
             self.step_all(bits, scales.contiguous(), None, worker_error, s_w.contiguous(), layout.C, counts,
                           update=update)
         for j, (lo, mid, hi) in enumerate(splits):  # the padded rests: the plain path's arithmetic

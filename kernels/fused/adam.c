@@ -60,41 +60,75 @@ static void update_range(int isa, const float* u, int64_t a, int64_t b, const ta
 }
 
 #ifdef ONEBIT_X86
+/* 16 decoded elements (a last 8: full 0) in registers, as decompress16 computes them */
+ONEBIT_AVX512
+static inline __m512 decode16(const uint8_t* bits, __m512 s, int full) {
+  __mmask16 on = full ? load16(bits) : bits[0];
+  return _mm512_mul_ps(wire(_mm512_mask_blend_ps(on, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f))), s);
+}
+
+/* 16 bfloat16 errors widened (exact, as widen_run) */
+ONEBIT_AVX512
+static inline __m512 widen16(const uint16_t* e) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)e)), 16));
+}
+
+/* 16 float32 errors rounded into bfloat16 as round_bf16 does, element k's index base + k (its r: the top
+   16 bits of key + index * ROUND_GOLDEN; vkey: key + base * ROUND_GOLDEN in every lane) */
+ONEBIT_AVX512
+static inline __m512i narrow16(__m512 x, __m512i vkey) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)ROUND_GOLDEN));
+  __m512i xb = _mm512_castps_si512(x);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(vkey, lanes), 16);
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(xb, _mm512_set1_epi32(0x7FFFFFFF)),
+                                          _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(_mm512_add_epi32(xb, r), 16),
+                                 _mm512_or_si512(_mm512_srli_epi32(xb, 16), _mm512_set1_epi32(0x40)));
+}
+
 /* A run of n elements (a multiple of 8) inside one tensor with a gradient: the fold and the encode
    in one loop, the folded u stored and used from the register; bitwise den_run, fold_512 then
    blocks_avx512 over the run (the same operations, the same float64 accumulation order): d from v
    as den_fill computes it (max(floor, s) is s where s is NaN, and s for equal zeros: C's
-   s < floor ? floor : s). keep_z: z = u + e stored over e where z is finite (the momentum kept as a
-   message: onebit_decompress_update_all). */
+   s < floor ? floor : s). old (not NULL): u is the decode of the old message's run (scale old_s),
+   read in registers, the folded u not stored; e16 (not NULL): the error is bfloat16, widened in
+   registers (e is then not read). */
 ONEBIT_AVX512
-static double fold_encode_run512(float* u, const float* g, const float* v, float* e, uint8_t* bits,
-                                 const float* sc, int64_t n, int keep_z) {
+static double fold_encode_run512(float* u, const float* g, const float* v, const float* e, const uint16_t* e16,
+                                 const uint8_t* old, float old_s, uint8_t* bits, const float* sc, int64_t n) {
   const float b1 = sc[0], w = sc[1];
   const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w), vf = _mm512_set1_ps(sc[SC_FLOOR]),
-               vr = _mm512_set1_ps(sc[SC_FLOOR + 1]), ve = _mm512_set1_ps(sc[SC_FLOOR + 2]);
+               vr = _mm512_set1_ps(sc[SC_FLOOR + 1]), ve = _mm512_set1_ps(sc[SC_FLOOR + 2]),
+               vold = _mm512_set1_ps(old_s);
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(_mm512_loadu_ps(v + i))), vr), ve);
-    __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(u + i), vb),
+    __m512 x = _mm512_add_ps(_mm512_mul_ps(old ? decode16(old + i / 8, vold, 1) : _mm512_loadu_ps(u + i), vb),
                              _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), d));
-    _mm512_storeu_ps(u + i, x);
-    __m512 z = _mm512_add_ps(x, _mm512_loadu_ps(e + i));
-    if (keep_z) /* where z - z == 0: z finite */
-      _mm512_mask_storeu_ps(e + i, _mm512_cmp_ps_mask(_mm512_sub_ps(z, z), _mm512_setzero_ps(), _CMP_EQ_OQ), z);
+    if (!old) _mm512_storeu_ps(u + i, x);
+    __m512 z = _mm512_add_ps(x, e16 ? widen16(e16 + i) : _mm512_loadu_ps(e + i));
     __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
     bits[i / 8] = REV[m & 255];
     bits[i / 8 + 1] = REV[m >> 8];
     sq512(z, &a0, &a1);
   }
   if (i < n) { /* the last 8 */
-    float d[8];
+    float d[8], uo[16] __attribute__((aligned(64))), eo[8];
+    float* ut = u + i;
+    if (old) { /* their old values decoded */
+      _mm512_store_ps(uo, decode16(old + i / 8, vold, 0));
+      ut = uo;
+    }
     den_fill_c(d, v + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
-    for (int64_t k = i; k < n; k++) u[k] = u[k] * b1 + (w * g[k]) / d[k - i];
-    __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, u + i), _mm512_maskz_loadu_ps(0xFF, e + i));
-    if (keep_z)
-      _mm512_mask_storeu_ps(e + i, 0xFF & _mm512_cmp_ps_mask(_mm512_sub_ps(z, z), _mm512_setzero_ps(), _CMP_EQ_OQ),
-                            z);
+    for (int64_t k = 0; k < n - i; k++) ut[k] = ut[k] * b1 + (w * g[i + k]) / d[k];
+    const float* et = e + i;
+    if (e16) {
+      for (int64_t k = 0; k < n - i; k++) { uint32_t x = (uint32_t)e16[i + k] << 16; memcpy(eo + k, &x, 4); }
+      et = eo;
+    }
+    __m512 z = _mm512_maskz_add_ps(0xFF, _mm512_maskz_loadu_ps(0xFF, ut), _mm512_maskz_loadu_ps(0xFF, et));
     __mmask16 m = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_NLT_UQ);
     bits[i / 8] = REV[m & 255];
     __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(z));
@@ -109,6 +143,66 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
   if (*k < t->K && t->start[*k] <= a && b <= t->start[*k] + t->count[*k] && t->g[*k]) return *k;
   return -1;
 }
+
+/* The decompress pass's run of n elements (a multiple of 8) inside one tensor with a gradient, the
+   momentum kept as a message, in one loop and in registers: the worker's u folded again from the old
+   message (its decode, then fold_encode_run512's arithmetic), decompress16's error update on it (z =
+   u + e, e = z - ws sgn(z), where e is not NULL), the new message's decode (the mean) and update_512's
+   p = p * decay + (-lr) clamp(mean / bc1): bitwise the run's decode, fold_range, decompress and
+   update_range (clamp: max(lo, x) is x < lo ? lo : x, NaN and equal zeros included; min(hi, x)
+   likewise). Whole 16s unmasked, a last 8 masked (see wire). */
+ONEBIT_AVX512
+static void fold_decompress_update_run512(const uint8_t* old_bits, float old_s, const float* g, const float* v,
+                                          float* e, uint16_t* e16, uint32_t key, uint32_t i0, const uint8_t* bits,
+                                          float s, float ws, float* p, const float* sc, float lo_c, float hi_c,
+                                          int64_t n) {
+  const __m512 vb = _mm512_set1_ps(sc[0]), vw = _mm512_set1_ps(sc[1]), vdecay = _mm512_set1_ps(sc[2]),
+               vnlr = _mm512_set1_ps(sc[3]), vbc1 = _mm512_set1_ps(sc[4]), vf = _mm512_set1_ps(sc[SC_FLOOR]),
+               vr = _mm512_set1_ps(sc[SC_FLOOR + 1]), ve = _mm512_set1_ps(sc[SC_FLOOR + 2]),
+               vlo = _mm512_set1_ps(lo_c), vhi = _mm512_set1_ps(hi_c), vold = _mm512_set1_ps(old_s),
+               vs = _mm512_set1_ps(s), vws = _mm512_set1_ps(ws), zero = _mm512_setzero_ps();
+  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+#define ONEBIT_FDU_BODY(LOAD, STORE, FULL)                                                                   \
+  {                                                                                                          \
+    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(LOAD(v + i))), vr), ve);           \
+    __m512 x = _mm512_add_ps(_mm512_mul_ps(decode16(old_bits + i / 8, vold, FULL), vb),                      \
+                             _mm512_div_ps(_mm512_mul_ps(vw, LOAD(g + i)), d));                               \
+    if (e || e16) {                                                                                          \
+      __m512 z = _mm512_add_ps(x, e16 ? WIDEN(e16 + i) : LOAD(e + i));                                       \
+      __m512i zz = _mm512_castps_si512(_mm512_add_ps(z, zero));                                              \
+      __m512 c = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(vws), zz, 0xCA));    \
+      if (e16)                                                                                               \
+        NARROW(e16 + i, narrow16(_mm512_sub_ps(z, c),                                                        \
+                                 _mm512_set1_epi32((int)(key + (i0 + (uint32_t)i) * ROUND_GOLDEN))));        \
+      else                                                                                                   \
+        STORE(e + i, _mm512_sub_ps(z, c));                                                                   \
+    }                                                                                                        \
+    __m512 y = _mm512_min_ps(vhi, _mm512_max_ps(vlo, _mm512_div_ps(decode16(bits + i / 8, vs, FULL), vbc1))); \
+    STORE(p + i, _mm512_add_ps(_mm512_mul_ps(LOAD(p + i), vdecay), _mm512_mul_ps(vnlr, y)));                  \
+  }
+#define ONEBIT_LOAD_ALL(a) _mm512_loadu_ps(a)
+#define ONEBIT_STORE_ALL(a, x) _mm512_storeu_ps(a, x)
+#define ONEBIT_LOAD_8(a) _mm512_maskz_loadu_ps(0xFF, a)
+#define ONEBIT_STORE_8(a, x) _mm512_mask_storeu_ps(a, 0xFF, x)
+#define WIDEN(a) widen16(a)
+#define NARROW(a, x) _mm256_storeu_si256((__m256i*)(a), _mm512_cvtepi32_epi16(x))
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) ONEBIT_FDU_BODY(ONEBIT_LOAD_ALL, ONEBIT_STORE_ALL, 1)
+#undef WIDEN
+#undef NARROW
+#define WIDEN(a) /* 8: 16 bytes */                                                                         \
+  _mm512_castsi512_ps(_mm512_slli_epi32(                                                                     \
+      _mm512_cvtepu16_epi32(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(a)))), 16))
+#define NARROW(a, x) _mm512_mask_cvtepi32_storeu_epi16(a, 0xFF, x)
+  if (i < n) ONEBIT_FDU_BODY(ONEBIT_LOAD_8, ONEBIT_STORE_8, 0)
+#undef WIDEN
+#undef NARROW
+#undef ONEBIT_FDU_BODY
+#undef ONEBIT_LOAD_ALL
+#undef ONEBIT_STORE_ALL
+#undef ONEBIT_LOAD_8
+#undef ONEBIT_STORE_8
+}
 #endif
 
 
@@ -119,17 +213,19 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
    elements [j C, j C + n_enc[j]) encoded into bits + j stride, its fold (the chunk's padded data
    tail) up to j C + n_fold[j]; sums[j] its float64 total: each thread's runs in order, the threads'
    partial sums in thread order (chunk_part: one thread below 65536 elements, as cpu_simd._threads),
-   so a chunk's sum does not depend on the other chunks. part: the caller's W * threads doubles. */
-void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+   so a chunk's sum does not depend on the other chunks. part: the caller's W * threads doubles.
+   flat NULL: the momentum is kept as the last message (old_bits + j old_stride, old_scales[j]),
+   each run decoded from it as it is read and folded on the stack; the pass then writes nothing but
+   the message and the padded rests' folded data (8 floats per chunk, into tails): the decompress
+   pass folds again (onebit_decompress_update_all), so the pass can run before the ranks agree on the
+   gradients and be dropped. e bfloat16 (ebf16): each run widened on the stack. */
+void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
                             const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                             const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
                             const float* sc, int K, const uint8_t* old_bits, int64_t old_stride,
-                            const float* old_scales, float* tails, int ebf16, float* zbuf, int isa, int threads) {
+                            const float* old_scales, float* tails, int ebf16, int isa, int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, 0, sc, K};
-  /* the momentum kept as a message: z = u + e kept for the decompress pass, over a float32 e, or in zbuf
-     (float32, the bucket's N) beside a bfloat16 one; a float32 flat buffer: nothing kept */
-  const int keep_z = !flat && (!ebf16 || zbuf);
   blocks_fn f = pick(isa);
   decompress_fn dec = pick_decompress(isa);
   const int P = threads;
@@ -147,28 +243,25 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
         float* u = flat ? flat + off + i : ub;
-        float* er = e + off + i;
-        if (ebf16) { /* widened on the stack, or into zbuf where z is kept (stored over it) */
-          er = keep_z ? zbuf + off + i : eb;
-          widen_run(isa, er, (const uint16_t*)e + off + i, len);
-        }
-        if (!flat) dec(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
+        const float* er = e + off + i;
 #ifdef ONEBIT_X86
         int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
-        if (kk >= 0) { /* one loop (fold_encode_run512) */
+        if (kk >= 0) { /* one loop (fold_encode_run512), the old message and a bfloat16 error read in it */
           int64_t o = off + i - tab.start[kk];
           r = fold_encode_run512(u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, er,
-                                 bits + j * stride + i / 8, tab.sc + SC * kk, len, keep_z);
+                                 ebf16 ? (const uint16_t*)e + off + i : 0, flat ? 0 : old_bits + j * old_stride + i / 8,
+                                 flat ? 0.0f : old_scales[j], bits + j * stride + i / 8, tab.sc + SC * kk, len);
           acc += r;
           continue;
         }
 #endif
+        if (ebf16) { /* widened on the stack */
+          widen_run(isa, eb, (const uint16_t*)e + off + i, len);
+          er = eb;
+        }
+        if (!flat) dec(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
         fold_range(isa, u, off + i, off + i + len, &tab, &k);
         f(u, er, bits + j * stride + i / 8, &r, len, len);
-        if (keep_z) { /* z = u + e (the encode's) kept over e where finite: the decompress pass reads it */
-          float* ez = er;
-          for (int64_t q = 0; q < len; q++) { float z = u[q] + ez[q]; ez[q] = z - z == 0.0f ? z : ez[q]; }
-        }
         acc += r;
       }
       part[(size_t)j * P + t] = acc;
@@ -191,24 +284,23 @@ void onebit_fold_encode_all(float* flat, float* e, uint8_t* bits, int64_t stride
 /* The decompress pass of all W chunks of a bucket in one parallel region, the update inside: run by
    run, the decode (with the deferred worker error where e is not NULL), then the parameters the run
    covers updated. Chunk j's elements [j C, j C + n[j]) from bits + j stride, scale s[j], worker
-   scale ws[j]. flat NULL: the momentum is kept as the last message (old_bits + j old_stride,
-   old_scales[j]) and the worker pass left z = u + e in e (onebit_fold_encode_all); the decoded mean
-   goes to a run buffer the update reads. update: whether the error is updated (every scale finite):
-   e = z - ws sgn(z), decompress's own arithmetic on z (out 0: 0 + z is z, the sign of a zero aside,
-   which copysign(ws, z + 0) ignores); where not, e = z - u with u folded again from the message
-   (the worker's u, bitwise): the error the float32 buffer's run keeps, to its last rounding, and
-   exactly where z was not finite (the worker pass left e there; u is not finite there either,
-   but for a u + e past float32's range). */
+   scale ws[j]; e bfloat16 (ebf16): each run widened on the stack, its new error stored rounded
+   (onebit.kernels.rounding). flat NULL: the momentum is kept as the last message (old_bits + j
+   old_stride, old_scales[j]): each run's worker u folded again from it (fold_range: the worker
+   pass's u, bitwise) into a run buffer, then the same decode as over a flat run (z = u + e, e = z -
+   ws sgn(z) where update, the decoded mean over u), the update reading it. update (with flat NULL):
+   whether the error is updated (every scale finite); e NULL (with flat): no error update. */
 void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const float* s, float* flat, float* e,
                                   const float* ws, int64_t C, int W, const int64_t* n, const int64_t* start,
                                   const int64_t* count, const int64_t* g, const int64_t* d, const int64_t* p,
                                   const float* sc, int K, float lo_c, float hi_c, const uint8_t* old_bits,
-                                  int64_t old_stride, const float* old_scales, int update, int ebf16, float* zbuf,
-                                  int isa, int threads) {
+                                  int64_t old_stride, const float* old_scales, int update, int ebf16, int isa,
+                                  int threads) {
   enum { RUN = 4096 };
   table_t tab = {start, count, g, d, p, sc, K};
   decompress_fn f = pick_decompress(isa);
   void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
+  if (!flat && !update) e = 0;
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -219,33 +311,28 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
         uint16_t* e16 = ebf16 && e ? (uint16_t*)e + off + i : 0;
-        if (flat) {
-          float* er = e16 ? eb : e ? e + off + i : 0;
-          if (e16) widen_run(isa, eb, e16, len);
-          f(bits + j * stride + i / 8, s + j, 0, flat + off + i, er, e ? ws + j : 0, 0, len, len);
-          if (e16) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
-          update_range(isa, flat + off + i, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+        float* u = flat ? flat + off + i : ub;
+#ifdef ONEBIT_X86
+        int kk = !flat && isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &kf) : -1;
+        if (kk >= 0) { /* one loop (fold_decompress_update_run512) */
+          int64_t o = off + i - tab.start[kk];
+          fold_decompress_update_run512(old_bits + j * old_stride + i / 8, old_scales[j], (const float*)tab.g[kk] + o,
+                                        (const float*)tab.d[kk] + o, e16 ? 0 : e ? e + off + i : 0, e16,
+                                        e16 ? round_key(ws[j], ROUND_WORKER) : 0, (uint32_t)(off + i),
+                                        bits + j * stride + i / 8, s[j], e ? ws[j] : 0.0f, (float*)tab.p[kk] + o,
+                                        tab.sc + SC * kk, lo_c, hi_c, len);
           continue;
         }
-        if (e16) { /* the worker pass kept z in zbuf: e = z - ws sgn(z) there (as over a float32 e below),
-                      stored rounded into bfloat16, then the decode; no update: e is left as it is */
-          float* z = zbuf + off + i;
-          memset(ub, 0, (size_t)len * sizeof(float));
-          f(bits + j * stride + i / 8, s + j, 0, ub, update ? z : 0, update ? ws + j : 0, 0, len, len);
-          if (update) nr(e16, (const uint32_t*)z, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
-          update_range(isa, ub, off + i, off + i + len, &tab, lo_c, hi_c, &k);
-          continue;
-        }
-        if (update) {
-          memset(ub, 0, (size_t)len * sizeof(float));
-        } else { /* e back from z: z - u */
+#endif
+        if (!flat) { /* the worker's u again: the old message's decode, folded */
           f(old_bits + j * old_stride + i / 8, old_scales + j, 0, ub, 0, 0, 0, len, len);
           fold_range(isa, ub, off + i, off + i + len, &tab, &kf);
-          float* ez = e + off + i; /* where u is not finite, z was not: e was kept */
-          for (int64_t q = 0; q < len; q++) ez[q] = ub[q] - ub[q] == 0.0f ? ez[q] - ub[q] : ez[q];
         }
-        f(bits + j * stride + i / 8, s + j, 0, ub, update ? e + off + i : 0, update ? ws + j : 0, 0, len, len);
-        update_range(isa, ub, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+        float* er = e16 ? eb : e ? e + off + i : 0;
+        if (e16) widen_run(isa, eb, e16, len);
+        f(bits + j * stride + i / 8, s + j, 0, u, er, e ? ws + j : 0, 0, len, len);
+        if (e16) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
+        update_range(isa, u, off + i, off + i + len, &tab, lo_c, hi_c, &k);
       }
     }
   }

@@ -190,28 +190,22 @@ class TritonPasses:
 
 def fold_encode_all(flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
                     n_fold: list[int], table: Table, isa: int | None = None, old=None,
-                    tails: torch.Tensor | None = None, n: int | None = None,
-                    zbuf: torch.Tensor | None = None) -> list[float]:
+                    tails: torch.Tensor | None = None, n: int | None = None) -> list[float]:
     """Fold the gradients into ``flat`` (``u = u * b1 + (w * g) / d``, d from v) and encode
     ``flat + e`` into the message rows in the same pass, for every chunk of a bucket in one call:
     chunk j's elements ``[j C, j C + n_enc[j])`` encoded into ``bits[j]`` (a message's ``[W, C / 8]``
     rows), its fold to ``j C + n_fold[j]``; returns each chunk's float64 sum of squares, bitwise what W
     calls, each with the other chunks empty, return. ``old``: the ``(bits, scales)`` of the message that
     holds the momentum instead (``flat`` None, the bucket's ``n`` elements): each run decoded from it as
-    it is read, ``z = u + e`` (the encode's) stored over ``e`` for the decompress pass (``e`` bfloat16:
-    into ``zbuf``, float32 as long as ``e``), and the padded rests' folded data, 8 floats per chunk, into
-    ``tails``."""
+    it is read and folded on the stack, nothing stored but the message and the padded rests' folded
+    data, 8 floats per chunk, into ``tails`` (the decompress pass folds again)."""
     t = table
-    bf16 = e.dtype == torch.bfloat16
-    if old is not None and bf16 and (zbuf is None or not _f32(zbuf) or zbuf.numel() != e.numel()):
-        raise ValueError("adam.fold_encode_all: a kept message with a bfloat16 error needs a float32 zbuf "
-                         "as long as e")
     if old is not None and (tails is None or not _f32(tails) or tails.numel() < 8 * len(n_enc)):
         raise ValueError("adam.fold_encode_all: a kept message needs 8 W float32 tails")
     kept = (None, 0, None, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr(),
                                                       tails.data_ptr())
     args = (t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"), t.scal.data_ptr(), t.K,
-            *kept, int(bf16), None if old is None or not bf16 else zbuf.data_ptr())
+            *kept, int(e.dtype == torch.bfloat16))
     return _native.encode_all("adam.fold_encode_all", library().onebit_fold_encode_all, flat, e, bits, C,
                               n_enc, n_fold, args, isa, n=n, bfloat16_errors=True)
 
@@ -219,19 +213,14 @@ def fold_encode_all(flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tens
 def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor | None,
                           e: torch.Tensor | None, worker_scales: torch.Tensor | None, C: int, n: list[int],
                           table: Table, clip: float, isa: int | None = None, old=None,
-                          update: bool = True, zbuf: torch.Tensor | None = None) -> None:
+                          update: bool = True) -> None:
     """Decompress (with the deferred worker error where ``e`` is given) then, in the same pass,
     ``p = p * decay + (-lr) * clamp(u / bc1, -clip, clip)`` for the tensors covered, for every chunk
     of a bucket in one call: chunk j's elements ``[j C, j C + n[j])`` from ``bits[j]`` with
-    ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no error update). ``old``: the ``(bits,
-    scales)`` of the message that holds the momentum (``flat`` None; ``e`` holds the worker pass's
-    ``z = u + e``; ``e`` bfloat16: ``zbuf`` holds z, and ``e`` is stored rounded from it with ``update``,
-    left as it is without): with ``update`` the error from z, else ``z - u`` (u folded again from the
-    message), and the decoded mean is not stored."""
-    bf16 = e is not None and e.dtype == torch.bfloat16
-    if old is not None and bf16 and (zbuf is None or not _f32(zbuf) or zbuf.numel() != e.numel()):
-        raise ValueError("adam.decompress_update_all: a kept message with a bfloat16 error needs the worker "
-                         "pass's float32 zbuf")
+    ``scales[j]`` (and ``worker_scales[j]``; ``e`` None: no error update; bfloat16: widened and stored
+    rounded run by run). ``old``: the ``(bits, scales)`` of the message that holds the momentum
+    (``flat`` None): each run's worker u folded again from it (bitwise the worker pass's), then the
+    same decode, the error updated only with ``update``; the decoded mean is not stored."""
     if (flat is None) != (old is not None):
         raise ValueError("adam.decompress_update_all: expected flat or a kept message, not both")
     _native.check_step("adam.decompress_update_all", bits, scales, e, worker_scales, C, n, flat,
@@ -242,8 +231,8 @@ def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if flat is None else flat.data_ptr(),
         None if e is None else e.data_ptr(), None if worker_scales is None else worker_scales.data_ptr(),
         C, len(n), counts.data_ptr(), t.start.data_ptr(), t.count.data_ptr(), t.ptr("grad"), t.ptr("var"),
-        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, *kept, int(update), int(bf16),
-        None if old is None or not bf16 else zbuf.data_ptr(), _isa(isa), torch.get_num_threads())
+        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, *kept, int(update),
+        int(e is not None and e.dtype == torch.bfloat16), _isa(isa), torch.get_num_threads())
 
 
 def update(u: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int | None = None) -> None:
@@ -257,26 +246,22 @@ def update(u: torch.Tensor, a: int, b: int, table: Table, clip: float, isa: int 
 
 class NativePasses(_native.NativePasses):
     """``compressed_allreduce_passes``' worker and finish in the C passes. They read and store a
-    bfloat16 worker error themselves (the collective then hands it over as it is): the worker pass
-    widens each run as it reads it (with the momentum kept as a message: into a float32 ``zbuf`` made
-    for the call, where it keeps z = u + e, as it keeps z over a float32 error), the decompress pass
-    stores each run's new error rounded (onebit.kernels.rounding): bitwise what widening the whole
-    buffer and storing it after the call gives."""
+    bfloat16 worker error themselves (the collective then hands it over as it is): each pass widens
+    each run as it reads it, the decompress pass stores each run's new error rounded
+    (onebit.kernels.rounding): bitwise what widening the whole buffer and storing it after the call
+    gives. With the momentum kept as a message the worker pass writes nothing but the message (and
+    the padded rests' 8 floats per chunk): it can run before the ranks agree (``prepare``)."""
 
     BFLOAT16_ERRORS = True
 
     def encode_all(self, flat, e, bits, C, n_enc, n_fold) -> list[float]:
         old = self.old()
-        tails = None if old is None else self.tails.values
-        if old is not None and e.dtype == torch.bfloat16:  # z kept for the decompress pass, this call only
-            self.zbuf = torch.empty(e.numel(), dtype=torch.float32)
-        return fold_encode_all(flat, e, bits, C, n_enc, n_fold, self.table, old=old, tails=tails, n=self.n,
-                               zbuf=getattr(self, "zbuf", None))
+        return fold_encode_all(flat, e, bits, C, n_enc, n_fold, self.table, old=old,
+                               tails=None if old is None else self.tails.values, n=self.n)
 
     def step_all(self, bits, scales, flat, e, ws, C, n, update: bool = True) -> None:
         decompress_update_all(bits, scales, flat, e, ws, C, n, self.table, self.clip, old=self.old(),
-                              update=update, zbuf=getattr(self, "zbuf", None))
-        self.zbuf = None
+                              update=update)
 
     def tail(self, values, a: int, b: int) -> None:
         update(values[a:b], a, b, self.table, self.clip)

@@ -100,9 +100,9 @@ SIGNATURES = {
     "onebit_server_update": "-: p i64 i32 p i64 p p i64 i64 i64 i32 i32",
     "onebit_sumsq": "f64: p i64 i32 i32",
     "onebit_error_update": "-: p p p i64 i64 i64 i32 i32",
-    "onebit_fold_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p i32 p i64 p p i32 p i32 i32",
+    "onebit_fold_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p i32 p i64 p p i32 i32 i32",
     "onebit_decompress_update_all": ("-: p i64 p p p p i64 i32 p p p p p p p i32 f32 f32 p i64 p "
-                                     "i32 i32 p i32 i32"),
+                                     "i32 i32 i32 i32"),
     "onebit_update": "-: p i64 i64 p p p p i32 f32 f32 i32",
     "onebit_zoa_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p p i32 i32 i32 i32",
     "onebit_zoa_step_all": "-: p i64 p p p i64 i32 p p p p p p p p i32 f32 f32 i32 i32 i32",
