@@ -67,6 +67,19 @@ static inline __m512 decode16(const uint8_t* bits, __m512 s, int full) {
   return _mm512_mul_ps(wire(_mm512_mask_blend_ps(on, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f))), s);
 }
 
+/* The decoded values of a message whose scale is known take two values, sgn * s: a function of them
+   computed once on +1.0 * s and -1.0 * s (the same operations as on each decoded lane: bitwise, NaNs
+   included) and selected per element by its bit. unit: 1.0 read at run time (the compiler may not
+   turn a multiplication by a constant -1.0 into a negation, which differs on a NaN's sign). */
+static volatile float onebit_unit = 1.0f;
+
+/* 16 elements' pos where their bit is set, neg where not (a last 8: full 0), in element order */
+ONEBIT_AVX512
+static inline __m512 select16(const uint8_t* bits, __m512 neg, __m512 pos, int full) {
+  __mmask16 on = full ? load16(bits) : bits[0];
+  return wire(_mm512_mask_blend_ps(on, neg, pos));
+}
+
 /* 16 bfloat16 errors widened (exact, as widen_run) */
 ONEBIT_AVX512
 static inline __m512 widen16(const uint16_t* e) {
@@ -137,6 +150,96 @@ static double fold_encode_run512(float* u, const float* g, const float* v, const
   return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
+/* AVX2 + FMA: 8 decoded elements (decompress_avx2's arithmetic) */
+__attribute__((target("avx2,fma")))
+static inline __m256 decode8(const uint8_t* bits, __m256 s) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i bit = _mm256_and_si256(_mm256_set1_epi32(REV[bits[0]]), lane);
+  __m256 on = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane));
+  return _mm256_mul_ps(_mm256_blendv_ps(_mm256_set1_ps(-1.0f), _mm256_set1_ps(1.0f), on), s);
+}
+
+/* 8 elements' pos where their bit is set, neg where not (decompress_avx2's bit test) */
+__attribute__((target("avx2,fma")))
+static inline __m256 select8(const uint8_t* bits, __m256 neg, __m256 pos) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i bit = _mm256_and_si256(_mm256_set1_epi32(REV[bits[0]]), lane);
+  return _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane)));
+}
+
+/* 8 bfloat16 errors widened (exact) */
+__attribute__((target("avx2,fma")))
+static inline __m256 widen8(const uint16_t* e) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)e)), 16));
+}
+
+/* 8 float32 errors rounded into bfloat16 as round_bf16 does (narrow16's, 8 lanes), stored */
+__attribute__((target("avx2,fma")))
+static inline void narrow8(uint16_t* out, __m256 x, __m256i vkey) {
+  const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32((int)ROUND_GOLDEN));
+  __m256i xb = _mm256_castps_si256(x);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(vkey, lanes), 16);
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  __m256i res = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(xb, r), 16),
+                                   _mm256_or_si256(_mm256_srli_epi32(xb, 16), _mm256_set1_epi32(0x40)), nan);
+  _mm_storeu_si128((__m128i*)out, _mm_packus_epi32(_mm256_castsi256_si128(res), _mm256_extracti128_si256(res, 1)));
+}
+
+/* fold_encode_run512 in AVX2 + FMA, 8 at a time: bitwise den_run, fold_256 then blocks_avx2 over the run */
+__attribute__((target("avx2,fma")))
+static double fold_encode_run256(float* u, const float* g, const float* v, const float* e, const uint16_t* e16,
+                                 const uint8_t* old, float old_s, uint8_t* bits, const float* sc, int64_t n) {
+  const __m256 vb = _mm256_set1_ps(sc[0]), vw = _mm256_set1_ps(sc[1]), vf = _mm256_set1_ps(sc[SC_FLOOR]),
+               vr = _mm256_set1_ps(sc[SC_FLOOR + 1]), ve = _mm256_set1_ps(sc[SC_FLOOR + 2]),
+               vold = _mm256_set1_ps(old_s);
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(vf, _mm256_sqrt_ps(_mm256_loadu_ps(v + i))), vr), ve);
+    __m256 x = _mm256_add_ps(_mm256_mul_ps(old ? decode8(old + i / 8, vold) : _mm256_loadu_ps(u + i), vb),
+                             _mm256_div_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(g + i)), d));
+    if (!old) _mm256_storeu_ps(u + i, x);
+    __m256 z = _mm256_add_ps(x, e16 ? widen8(e16 + i) : _mm256_loadu_ps(e + i));
+    bits[i / 8] = REV[_mm256_movemask_ps(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_NLT_UQ))];
+    sq256(z, &a0, &a1);
+  }
+  return hsum256(a0, a1);
+}
+
+/* fold_decompress_update_run512 in AVX2 + FMA, 8 at a time (decompress_avx2's and update_256's
+   arithmetic) */
+__attribute__((target("avx2,fma")))
+static void fold_decompress_update_run256(const uint8_t* old_bits, float old_s, const float* g, const float* v,
+                                          float* e, uint16_t* e16, uint32_t key, uint32_t i0, const uint8_t* bits,
+                                          float s, float ws, float* p, const float* sc, float lo_c, float hi_c,
+                                          int64_t n) {
+  const __m256 vb = _mm256_set1_ps(sc[0]), vw = _mm256_set1_ps(sc[1]), vdecay = _mm256_set1_ps(sc[2]),
+               vnlr = _mm256_set1_ps(sc[3]), vbc1 = _mm256_set1_ps(sc[4]), vf = _mm256_set1_ps(sc[SC_FLOOR]),
+               vr = _mm256_set1_ps(sc[SC_FLOOR + 1]), ve = _mm256_set1_ps(sc[SC_FLOOR + 2]),
+               vlo = _mm256_set1_ps(lo_c), vhi = _mm256_set1_ps(hi_c), vold = _mm256_set1_ps(old_s),
+               vs = _mm256_set1_ps(s), vws = _mm256_set1_ps(ws), zero = _mm256_setzero_ps(),
+               mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const float one = onebit_unit; /* as in fold_decompress_update_run512 */
+  const __m256 up = _mm256_set1_ps(one), un = _mm256_set1_ps(-one);
+  const __m256 oldp = _mm256_mul_ps(_mm256_mul_ps(up, vold), vb), oldn = _mm256_mul_ps(_mm256_mul_ps(un, vold), vb);
+  const __m256 stepp = _mm256_mul_ps(vnlr, _mm256_min_ps(vhi, _mm256_max_ps(vlo, _mm256_div_ps(_mm256_mul_ps(up, vs), vbc1)))),
+               stepn = _mm256_mul_ps(vnlr, _mm256_min_ps(vhi, _mm256_max_ps(vlo, _mm256_div_ps(_mm256_mul_ps(un, vs), vbc1))));
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(vf, _mm256_sqrt_ps(_mm256_loadu_ps(v + i))), vr), ve);
+    __m256 x = _mm256_add_ps(select8(old_bits + i / 8, oldn, oldp),
+                             _mm256_div_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(g + i)), d));
+    if (e || e16) {
+      __m256 z = _mm256_add_ps(x, e16 ? widen8(e16 + i) : _mm256_loadu_ps(e + i));
+      __m256 c = _mm256_or_ps(_mm256_and_ps(vws, mag), _mm256_andnot_ps(mag, _mm256_add_ps(z, zero)));
+      if (e16)
+        narrow8(e16 + i, _mm256_sub_ps(z, c), _mm256_set1_epi32((int)(key + (i0 + (uint32_t)i) * ROUND_GOLDEN)));
+      else
+        _mm256_storeu_ps(e + i, _mm256_sub_ps(z, c));
+    }
+    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), vdecay), select8(bits + i / 8, stepn, stepp)));
+  }
+}
+
 /* the table's tensor holding all of [a, b), with a gradient, or -1 (k: the cursor, as fold_range's) */
 static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
   table_first(t->start, t->count, t->K, a, k);
@@ -162,10 +265,16 @@ static void fold_decompress_update_run512(const uint8_t* old_bits, float old_s, 
                vlo = _mm512_set1_ps(lo_c), vhi = _mm512_set1_ps(hi_c), vold = _mm512_set1_ps(old_s),
                vs = _mm512_set1_ps(s), vws = _mm512_set1_ps(ws), zero = _mm512_setzero_ps();
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+  const float one = onebit_unit;
+  const __m512 up = _mm512_set1_ps(one), un = _mm512_set1_ps(-one);
+  /* the old decode times b1, and the update's -lr clamp(mean / bc1), for sgn = +1 and -1 */
+  const __m512 oldp = _mm512_mul_ps(_mm512_mul_ps(up, vold), vb), oldn = _mm512_mul_ps(_mm512_mul_ps(un, vold), vb);
+  const __m512 stepp = _mm512_mul_ps(vnlr, _mm512_min_ps(vhi, _mm512_max_ps(vlo, _mm512_div_ps(_mm512_mul_ps(up, vs), vbc1)))),
+               stepn = _mm512_mul_ps(vnlr, _mm512_min_ps(vhi, _mm512_max_ps(vlo, _mm512_div_ps(_mm512_mul_ps(un, vs), vbc1))));
 #define ONEBIT_FDU_BODY(LOAD, STORE, FULL)                                                                   \
   {                                                                                                          \
     __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(LOAD(v + i))), vr), ve);           \
-    __m512 x = _mm512_add_ps(_mm512_mul_ps(decode16(old_bits + i / 8, vold, FULL), vb),                      \
+    __m512 x = _mm512_add_ps(select16(old_bits + i / 8, oldn, oldp, FULL),                                  \
                              _mm512_div_ps(_mm512_mul_ps(vw, LOAD(g + i)), d));                               \
     if (e || e16) {                                                                                          \
       __m512 z = _mm512_add_ps(x, e16 ? WIDEN(e16 + i) : LOAD(e + i));                                       \
@@ -177,8 +286,7 @@ static void fold_decompress_update_run512(const uint8_t* old_bits, float old_s, 
       else                                                                                                   \
         STORE(e + i, _mm512_sub_ps(z, c));                                                                   \
     }                                                                                                        \
-    __m512 y = _mm512_min_ps(vhi, _mm512_max_ps(vlo, _mm512_div_ps(decode16(bits + i / 8, vs, FULL), vbc1))); \
-    STORE(p + i, _mm512_add_ps(_mm512_mul_ps(LOAD(p + i), vdecay), _mm512_mul_ps(vnlr, y)));                  \
+    STORE(p + i, _mm512_add_ps(_mm512_mul_ps(LOAD(p + i), vdecay), select16(bits + i / 8, stepn, stepp, FULL))); \
   }
 #define ONEBIT_LOAD_ALL(a) _mm512_loadu_ps(a)
 #define ONEBIT_STORE_ALL(a, x) _mm512_storeu_ps(a, x)
@@ -245,12 +353,13 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
         float* u = flat ? flat + off + i : ub;
         const float* er = e + off + i;
 #ifdef ONEBIT_X86
-        int kk = isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
-        if (kk >= 0) { /* one loop (fold_encode_run512), the old message and a bfloat16 error read in it */
+        int kk = isa >= 1 ? one_tensor(off + i, off + i + len, &tab, &k) : -1;
+        if (kk >= 0) { /* one loop (fold_encode_run512 or 256), the old message and a bfloat16 error read in it */
           int64_t o = off + i - tab.start[kk];
-          r = fold_encode_run512(u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, er,
-                                 ebf16 ? (const uint16_t*)e + off + i : 0, flat ? 0 : old_bits + j * old_stride + i / 8,
-                                 flat ? 0.0f : old_scales[j], bits + j * stride + i / 8, tab.sc + SC * kk, len);
+          r = (isa >= 2 ? fold_encode_run512 : fold_encode_run256)(
+              u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, er, ebf16 ? (const uint16_t*)e + off + i : 0,
+              flat ? 0 : old_bits + j * old_stride + i / 8, flat ? 0.0f : old_scales[j], bits + j * stride + i / 8,
+              tab.sc + SC * kk, len);
           acc += r;
           continue;
         }
@@ -313,10 +422,10 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
         uint16_t* e16 = ebf16 && e ? (uint16_t*)e + off + i : 0;
         float* u = flat ? flat + off + i : ub;
 #ifdef ONEBIT_X86
-        int kk = !flat && isa >= 2 ? one_tensor(off + i, off + i + len, &tab, &kf) : -1;
-        if (kk >= 0) { /* one loop (fold_decompress_update_run512) */
+        int kk = !flat && isa >= 1 ? one_tensor(off + i, off + i + len, &tab, &kf) : -1;
+        if (kk >= 0) { /* one loop (fold_decompress_update_run512 or 256) */
           int64_t o = off + i - tab.start[kk];
-          fold_decompress_update_run512(old_bits + j * old_stride + i / 8, old_scales[j], (const float*)tab.g[kk] + o,
+          (isa >= 2 ? fold_decompress_update_run512 : fold_decompress_update_run256)(old_bits + j * old_stride + i / 8, old_scales[j], (const float*)tab.g[kk] + o,
                                         (const float*)tab.d[kk] + o, e16 ? 0 : e ? e + off + i : 0, e16,
                                         e16 ? round_key(ws[j], ROUND_WORKER) : 0, (uint32_t)(off + i),
                                         bits + j * stride + i / 8, s[j], e ? ws[j] : 0.0f, (float*)tab.p[kk] + o,
