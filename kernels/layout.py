@@ -11,6 +11,7 @@ inside the segment lets one all-to-all and one all-gather move bits and scales t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -40,7 +41,8 @@ def padded_numel(numel: int, world_size: int, block: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes derived from the padded length ``N``, the world size ``W`` and ``block``."""
+    """Sizes derived from the padded length ``N``, the world size ``W`` and ``block`` (each computed
+    once: the passes read them several times per bucket and step)."""
 
     N: int
     W: int
@@ -52,35 +54,35 @@ class Layout:
             what = "8 * W" if self.block is None else "block * W"
             raise ValueError(f"N: expected a multiple of {what} = {unit}, got {self.N}")
 
-    @property
+    @cached_property
     def C(self) -> int:
         """Chunk length in elements."""
         return self.N // self.W
 
-    @property
+    @cached_property
     def blocks(self) -> int:
         """Scales per chunk (1 without block scales)."""
         return 1 if self.block is None else self.C // self.block
 
-    @property
+    @cached_property
     def block_len(self) -> int:
         """Elements per scale."""
         return self.C if self.block is None else self.block
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         return self.C // 8
 
-    @property
+    @cached_property
     def scale_offset(self) -> int:
         """Byte offset of the float32 scale inside a segment (4-byte aligned)."""
         return -(-self.chunk_bytes // 4) * 4
 
-    @property
+    @cached_property
     def segment_bytes(self) -> int:
         return self.scale_offset + 4 * self.blocks
 
-    @property
+    @cached_property
     def message_bytes(self) -> int:
         return self.W * self.segment_bytes
 

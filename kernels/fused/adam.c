@@ -80,26 +80,6 @@ static inline __m512 select16(const uint8_t* bits, __m512 neg, __m512 pos, int f
   return wire(_mm512_mask_blend_ps(on, neg, pos));
 }
 
-/* 16 bfloat16 errors widened (exact, as widen_run) */
-ONEBIT_AVX512
-static inline __m512 widen16(const uint16_t* e) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)e)), 16));
-}
-
-/* 16 float32 errors rounded into bfloat16 as round_bf16 does, element k's index base + k (its r: the top
-   16 bits of key + index * ROUND_GOLDEN; vkey: key + base * ROUND_GOLDEN in every lane) */
-ONEBIT_AVX512
-static inline __m512i narrow16(__m512 x, __m512i vkey) {
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)ROUND_GOLDEN));
-  __m512i xb = _mm512_castps_si512(x);
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(vkey, lanes), 16);
-  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(xb, _mm512_set1_epi32(0x7FFFFFFF)),
-                                          _mm512_set1_epi32(0x7F800000));
-  return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(_mm512_add_epi32(xb, r), 16),
-                                 _mm512_or_si512(_mm512_srli_epi32(xb, 16), _mm512_set1_epi32(0x40)));
-}
-
 /* A run of n elements (a multiple of 8) inside one tensor with a gradient: the fold and the encode
    in one loop, the folded u stored and used from the register; bitwise den_run, fold_512 then
    blocks_avx512 over the run (the same operations, the same float64 accumulation order): d from v
@@ -165,25 +145,6 @@ static inline __m256 select8(const uint8_t* bits, __m256 neg, __m256 pos) {
   const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256i bit = _mm256_and_si256(_mm256_set1_epi32(REV[bits[0]]), lane);
   return _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane)));
-}
-
-/* 8 bfloat16 errors widened (exact) */
-__attribute__((target("avx2,fma")))
-static inline __m256 widen8(const uint16_t* e) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)e)), 16));
-}
-
-/* 8 float32 errors rounded into bfloat16 as round_bf16 does (narrow16's, 8 lanes), stored */
-__attribute__((target("avx2,fma")))
-static inline void narrow8(uint16_t* out, __m256 x, __m256i vkey) {
-  const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32((int)ROUND_GOLDEN));
-  __m256i xb = _mm256_castps_si256(x);
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(vkey, lanes), 16);
-  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
-  __m256i res = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(xb, r), 16),
-                                   _mm256_or_si256(_mm256_srli_epi32(xb, 16), _mm256_set1_epi32(0x40)), nan);
-  _mm_storeu_si128((__m128i*)out, _mm_packus_epi32(_mm256_castsi256_si128(res), _mm256_extracti128_si256(res, 1)));
 }
 
 /* fold_encode_run512 in AVX2 + FMA, 8 at a time: bitwise den_run, fold_256 then blocks_avx2 over the run */

@@ -29,6 +29,72 @@ void onebit_narrow(uint16_t* out, const float* src, const float* s, int64_t n, i
    contract, codec.c): each run of the error widened on the stack as the passes read it, the error pass's
    runs stored rounded with the new scale's key. The sums run by run as onebit_server_total's, so the
    bits and the scale are bitwise the float32 buffer's. */
+#ifdef ONEBIT_X86
+/* W rows' weighted signs of 16 elements in wire order (a last 8: full 0, element order), as server_avx512 and
+   server_update16 add them: rows in order, -w by flipping w's sign bit */
+ONEBIT_AVX512
+static inline __m512 server_sum16(const uint8_t* bits, int64_t stride, int W, const float* w, int full) {
+  const __m512i flip = _mm512_set1_epi32(INT32_MIN);
+  __m512 m = _mm512_setzero_ps();
+  for (int r = 0; r < W; r++) {
+    __mmask16 on = full ? load16(bits + r * stride) : (__mmask16)REV[bits[r * stride]];
+    __m512 wv = _mm512_set1_ps(w[r]);
+    __m512 v = _mm512_mask_blend_ps(on, _mm512_castsi512_ps(_mm512_xor_epi32(_mm512_castps_si512(wv), flip)), wv);
+    m = r == 0 ? v : _mm512_add_ps(m, v);
+  }
+  return m;
+}
+
+/* server_avx512 over a run of n elements (a multiple of 8) with one scale, its bfloat16 error widened in
+   registers: the same bits and float64 sum as widen_run then server_avx512 (block n) */
+ONEBIT_AVX512
+static double server_run16(const uint8_t* bits, int64_t stride, int W, const float* w, const uint16_t* e,
+                           uint8_t* out, int64_t n) {
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 m = _mm512_add_ps(server_sum16(bits + i / 8, stride, W, w, 1), wire(widen16(e + i)));
+    store16(out + i / 8, _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ));
+    sq512(m, &a0, &a1);
+  }
+  if (i < n) { /* the last 8, in element order */
+    float eb[8];
+    for (int k = 0; k < 8; k++) { uint32_t x = (uint32_t)e[i + k] << 16; memcpy(eb + k, &x, 4); }
+    __m512 m = _mm512_maskz_add_ps(0xFF, server_sum16(bits + i / 8, stride, W, w, 0), _mm512_maskz_loadu_ps(0xFF, eb));
+    out[i / 8] = REV[_mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NLT_UQ) & 255];
+    sq512(m, &a0, &a1);
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+}
+
+/* server_update16's error update over a run with one scale (sv), the bfloat16 error widened and the new one
+   rounded (key, element i0 + k's index) in registers: the same bits as widen_run, server_update_avx512 and
+   the narrow pass */
+ONEBIT_AVX512
+static void server_update_run16(const uint8_t* bits, int64_t stride, int W, const float* w, uint16_t* e, float s,
+                                uint32_t key, uint32_t i0, int64_t n) {
+  const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512 sv = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 m = _mm512_add_ps(server_sum16(bits + i / 8, stride, W, w, 1), wire(widen16(e + i)));
+    __m512i mm = _mm512_castps_si512(_mm512_add_ps(m, _mm512_setzero_ps()));
+    __m512 r = _mm512_sub_ps(m, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(sv), mm, 0xCA)));
+    __m512i q = narrow16(wire(r), _mm512_set1_epi32((int)(key + (i0 + (uint32_t)i) * ROUND_GOLDEN)));
+    _mm256_storeu_si256((__m256i*)(e + i), _mm512_cvtepi32_epi16(q));
+  }
+  if (i < n) { /* the last 8, in element order */
+    float eb[8];
+    for (int k = 0; k < 8; k++) { uint32_t x = (uint32_t)e[i + k] << 16; memcpy(eb + k, &x, 4); }
+    __m512 m = _mm512_add_ps(server_sum16(bits + i / 8, stride, W, w, 0), _mm512_maskz_loadu_ps(0xFF, eb));
+    __m512i mm = _mm512_castps_si512(_mm512_add_ps(m, _mm512_setzero_ps()));
+    __m512 r = _mm512_sub_ps(m, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_castps_si512(sv), mm, 0xCA)));
+    __m512i q = narrow16(r, _mm512_set1_epi32((int)(key + (i0 + (uint32_t)i) * ROUND_GOLDEN)));
+    _mm512_mask_cvtepi32_storeu_epi16(e + i, 0xFF, q);
+  }
+}
+#endif
+
 static double server_total16(const uint8_t* bits, int64_t stride, int W, const float* w, const uint16_t* e,
                              uint8_t* out, int64_t n, int isa, int threads) {
   enum { RUN = 4096 };
@@ -39,6 +105,12 @@ static double server_total16(const uint8_t* bits, int64_t stride, int W, const f
     float eb[RUN] __attribute__((aligned(64)));
     for (int64_t i = a; i < b; i += RUN) {
       int64_t len = b - i < RUN ? b - i : RUN;
+#ifdef ONEBIT_X86
+      if (isa >= 2) { /* in registers */
+        s += server_run16(bits + i / 8, stride, W, w, e + i, out + i / 8, len);
+        continue;
+      }
+#endif
       widen_run(isa, eb, e + i, len);
       f(bits + i / 8, stride, W, w, 1, 0, eb, out + i / 8, &r, len, len);
       s += r;
@@ -55,6 +127,12 @@ static void server_update_range16(int isa, server_update_fn f, void (*nr) NARROW
   uint32_t key = round_key(*scale, ROUND_SERVER);
   for (int64_t i = a; i < b; i += RUN) {
     int64_t len = b - i < RUN ? b - i : RUN;
+#ifdef ONEBIT_X86
+    if (isa >= 2) { /* in registers */
+      server_update_run16(bits + i / 8, stride, W, w, e + i, *scale, key, (uint32_t)i, len);
+      continue;
+    }
+#endif
     widen_run(isa, eb, e + i, len);
     f(bits + i / 8, stride, W, w, 1, 0, eb, scale, 0, len, len);
     nr(e + i, (const uint32_t*)eb, key, (uint32_t)i, len);
