@@ -22,6 +22,7 @@ parameters' dtype (torch would cast it to the parameter dtype).
 from __future__ import annotations
 
 import contextlib
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,10 +45,40 @@ from ._variance import VarianceState
 from .ddp import adopt_ddp_model
 
 
+def check_lr(name: str, value: object) -> float | torch.Tensor:
+    """A learning rate: a number >= 0, or (as torch's optimizers take it) a 0-dim floating tensor
+    holding one, kept as that tensor (a scheduler writes into it)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            raise ValueError(f"{name}: expected a number >= 0 or a 0-dim floating tensor, got a "
+                             f"{value.dtype} tensor of shape {list(value.shape)}")
+        check_number(name, float(value))
+        return value
+    return check_number(name, value)
+
+
+@contextmanager
+def float_lrs(groups: list[dict]):
+    """Each group's learning rate as a Python float for the duration of a step (a 0-dim tensor's
+    value read once per group and step: one host read on a GPU; the passes take scalars), the
+    group's own tensor put back afterwards (a scheduler keeps writing into it)."""
+    held = []
+    for i, g in enumerate(groups):
+        lr = g.get("lr")
+        if isinstance(lr, torch.Tensor):
+            held.append((g, lr))
+            g["lr"] = float(check_lr(f"param_groups[{i}]['lr']", lr))
+    try:
+        yield
+    finally:
+        for g, lr in held:
+            g["lr"] = lr
+
+
 def adam_defaults(lr: object, betas: object, eps: object, weight_decay: object, **extra: Any) -> dict:
     """The validated hyper-parameters every 1-bit optimizer shares, plus group options."""
     return dict(
-        lr=check_number("lr", lr),
+        lr=check_lr("lr", lr),
         betas=check_betas("betas", betas),
         eps=check_number("eps", eps),
         weight_decay=check_number("weight_decay", weight_decay),
@@ -197,7 +228,8 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
         """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
         Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
-        with local_params(self):  # DTensor parameters: the maths runs on the local slices
+        # DTensor parameters: the maths runs on the local slices; a tensor lr read as a float
+        with local_params(self), float_lrs(self.param_groups):
             self._step(check)
         if self._sharding is not None:  # FSDP all-reduces across replicas only when asked
             self._sharding.reduction.full(self.wants_averaged_gradients())
