@@ -36,6 +36,7 @@ bench/RESULTS.md "The DDP hook with SGD" and "with AdamW".
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import copy
 import time
 
 import torch
@@ -223,6 +224,39 @@ class OnebitCompressHookState:
         if self._frozen_adam is not None:
             state["frozen_adam"] = self._frozen_adam.state()
         return state
+
+    def __deepcopy__(self, memo: dict):
+        """A live copy that goes on bitwise as the original (issue 58): every attribute copied (the
+        error buffers, the parameters' names, the counters, the frozen Adam's scalars), the process
+        group and mesh shared. Copied in one call with the model and the optimizer
+        (``copy.deepcopy((model, opt, state))``), the names follow the copied parameters and the copy
+        works with the copied optimizer; copied alone, it keeps the same parameters and optimizer.
+        With ``freeze_step`` the copy hooks that optimizer's step as well (a state's hooks act only on
+        the iterations its own DDP hook compressed). ``pickle`` saves ``__getstate__`` instead: the
+        checkpoint, which resumes on a freshly built DDP (module docstring)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for handle in (self.process_group, self._mesh):
+            if handle is not None:
+                memo[id(handle)] = handle
+        if self._optimizer is not None and id(self._optimizer) not in memo:
+            memo[id(self._optimizer)] = self._optimizer  # copied alone: the same optimizer
+        fa = self._frozen_adam
+        handles = [] if fa is None else fa._handles
+        if fa is not None:
+            fa._handles = []  # the optimizer's hooks: made again for the copy
+        try:
+            rest = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_names"}, memo)
+        finally:
+            if fa is not None:
+                fa._handles = handles
+        new.__dict__.update(rest)
+        # the names are keyed by id(parameter): the copied parameters' ids where they were copied
+        new._names = {id(memo[i]) if i in memo else i: name for i, name in self._names.items()}
+        if new._frozen_adam is not None and new._optimizer is not None:
+            new._frozen_adam.attach(new._optimizer, lambda: new._names)
+        LIVE.add(new)
+        return new
 
     def __setstate__(self, state: dict) -> None:
         local = {k: v for k, v in self.__dict__.items()

@@ -9,6 +9,7 @@ in ``fragments`` synced in turn, each all-reduce overlapped with ``delay`` inner
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from ..collectives.wire import Traffic
 from ..kernels._checks import check_choice, check_instance, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
+from ._copying import _handles
 
 __all__ = ["DiLoCo"]
 
@@ -336,6 +338,22 @@ class DiLoCo:
                 "momentum_share": self.momentum_share, "error_decay": self.error_decay,
                 "world_size": self.world_size, "numel": list(self._numel),
                 "mesh": None if self.hierarchy is None else [self.hierarchy.nodes, self.hierarchy.per_node]}
+
+    def __deepcopy__(self, memo: dict):
+        """A copy that goes on bitwise as the original (issue 58): every attribute copied, the process
+        group, the mesh and its groups shared. Copied in one call with the model and both optimizers
+        (``copy.deepcopy((model, inner, outer, diloco))``) it works on the copied parameters and
+        optimizers; copied alone, on copies of its own (then of no model). A fragment's all-reduce in
+        flight is waited for first (as ``state_dict`` does: its mean, applied at its due step, is
+        the same)."""
+        if self._in_flight is not None:
+            self._finish()
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for handle in _handles(self.__dict__):
+            memo[id(handle)] = handle
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def state_dict(self) -> dict:
         """Everything but the model's weights: the global weights, both optimizers, the error
