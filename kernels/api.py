@@ -1,8 +1,9 @@
 """Public kernel functions: check arguments, allocate outputs, pick the implementation.
 
 The backend comes from :func:`onebit.kernels.backends.select` (the ``codec`` step): CUDA tensors go
-to the Triton kernels; CPU tensors to the native C codec (:mod:`onebit.kernels.native.codec`) from
-``MIN_NUMEL`` elements on where its library builds, else to the plain-torch path; ``use_backend``
+to the Triton kernels; CPU tensors to the native C codec (:mod:`onebit.kernels.native.codec`) at any
+size where its library builds (1.5x the plain path's speed at 1,024 elements, 5x at 2^20; bench/
+RESULTS.md "Kernels on CPU"), else to the plain-torch path; ``use_backend``
 and ``ONEBIT_BACKEND`` force one. ``backend`` overrides the choice for one call: "torch" (the
 plain path, the reference), "native" (CPU tensors only; "compiled" is its former name,
 deprecated), "triton" (on CPU tensors it needs ``TRITON_INTERPRET=1`` set before the first import
@@ -23,13 +24,12 @@ from .native import codec as native
 from .rounding import ERROR_DTYPES, SERVER, WORKER, narrow_, widen
 
 _BACKENDS = (None, "torch", "native", "compiled", "triton")
-MIN_NUMEL = 1 << 20  # elements (padded N) from which CPU calls take the native codec by default
 
 
 def _backend(device: torch.device, backend: str | None, block: int | None = None,
              layout: Layout | None = None) -> ModuleType:
     """The codec module for a call: ``backend`` where given, else :func:`backends.select`'s choice
-    for the ``codec`` step (by default native from ``MIN_NUMEL`` elements on; forced, any size)."""
+    for the ``codec`` step."""
     check_choice("backend", backend, _BACKENDS)
     if backend == "compiled":
         warn_user("onebit: backend='compiled' is now backend='native' (the C codec; the torch.compile "
@@ -38,9 +38,6 @@ def _backend(device: torch.device, backend: str | None, block: int | None = None
     explicit = backend is not None
     if not explicit:
         chosen = backends.select(device, "codec").name
-        small = layout is not None and layout.N < MIN_NUMEL
-        if chosen == "native" and small and not backends.forced("codec"):
-            chosen = "plain"  # small calls: the plain ops cost less than a native call's set-up
         backend = "torch" if chosen == "plain" else chosen
     if backend == "native":
         if device.type != "cpu":

@@ -195,16 +195,17 @@ def test_allreduce_matches_plain(block, encode):
 
 @compiles
 def test_default_choice(monkeypatch):
-    """CPU calls from MIN_NUMEL elements on take the native codec, smaller ones the plain one;
-    use_backend and ONEBIT_BACKEND force one at any size; the former switch ONEBIT_CPU_CODEC=torch
-    still keeps CPU tensors plain, with a FutureWarning; 'compiled' (native's former name) warns."""
+    """CPU calls take the native codec at every size (it is faster from 1,024 elements on: the plain
+    path's small-call rule of the torch.compile tier is gone); use_backend and ONEBIT_BACKEND force
+    one; the former switch ONEBIT_CPU_CODEC=torch still keeps CPU tensors plain, with a
+    FutureWarning; 'compiled' (native's former name) warns."""
     from onebit.kernels import api, backends
     from onebit.kernels.native import codec as native
 
-    big, small = Layout(api.MIN_NUMEL, 4), Layout(8 * 4 * 100, 4)
+    big, small = Layout(1 << 20, 4), Layout(8 * 4 * 100, 4)
     cpu = torch.device("cpu")
     assert api._backend(cpu, None, None, big) is native
-    assert api._backend(cpu, None, None, small).__name__.endswith("torch_kernels")
+    assert api._backend(cpu, None, None, small) is native
     with backends.use_backend("native"):
         assert api._backend(cpu, None, None, small) is native
     with backends.use_backend("plain"):
