@@ -7,7 +7,8 @@ all-reduces (non-finite check, freeze vote) theirs (``control``). CPU: host time
 (``time.perf_counter``) around each stage, the collectives' waiting included; asynchronous
 calls count from a collective's launch to its completion callback. CUDA: a pair of events per
 stage on the stream current when the call began, folded into seconds when read (no host
-synchronisation before); a stage that follows another directly (``stage(kind, follows=True)``)
+synchronisation before), or, in a counter that holds more than ``wire.PENDING_BOUND`` of them
+unread, as soon as they have completed (``Event.query``: no wait); a stage that follows another directly (``stage(kind, follows=True)``)
 starts at the other's end event, so a compressed call records 6 events, not 10. About 3 us per
 compressed call on the CPU (five stages; measured): always on.
 

@@ -29,6 +29,9 @@ def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> 
 _SECONDS = {kind: f"{kind}_seconds" for kind in ("codec", "comm", "full", "control")}
 
 
+PENDING_BOUND = 64  # CUDA stages a counter holds unread before it folds in the completed ones (6 per call)
+
+
 @dataclass
 class Traffic:
     """Bytes this process sent through onebit since the last ``reset()`` (the type of
@@ -63,8 +66,23 @@ class Traffic:
         setattr(self, name, getattr(self, name) + seconds)
 
     def add_pending(self, kind: str, start, end) -> None:
-        """A CUDA stage between two recorded events, folded in when read (:meth:`resolve`)."""
+        """A CUDA stage between two recorded events, folded in when read (:meth:`resolve`), or once
+        more than ``PENDING_BOUND`` wait, as soon as its end event has completed (without waiting:
+        a process that never reads its counters holds a bounded number of events)."""
         self._pending.append((kind, start, end))
+        if len(self._pending) > PENDING_BOUND:
+            self._fold_completed()
+
+    def _fold_completed(self) -> None:
+        """Fold in the oldest pending stages whose end event has completed (``query()``: no host
+        synchronisation), in order, up to the first that has not."""
+        done = 0
+        for kind, start, end in self._pending:
+            if not end.query():
+                break
+            self.add_seconds(kind, start.elapsed_time(end) / 1000.0)
+            done += 1
+        del self._pending[:done]
 
     def resolve(self) -> None:
         """Fold the pending CUDA stages into the seconds (waits for their end events)."""

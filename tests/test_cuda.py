@@ -176,6 +176,29 @@ def test_call_timer_uses_cuda_events_resolved_when_read():
     assert counter.codec_seconds > 0 and counter._pending == []
 
 
+def test_a_counter_never_read_holds_a_bounded_number_of_events():
+    """Issue 57's leak: every timed stage on a GPU records events into the process-wide counter (6
+    per compressed call); one that nothing reads folds in the completed ones once more than
+    PENDING_BOUND wait (no host synchronisation): 300 two-stage calls (600 events) leave fewer than
+    2 PENDING_BOUND unread."""
+    from onebit.collectives import traffic
+    from onebit.collectives.telemetry import CallTimer
+    from onebit.collectives.wire import PENDING_BOUND
+
+    x = torch.randn(1 << 16, device="cuda")
+    traffic.reset()
+    for _ in range(300):
+        timer = CallTimer(torch.device("cuda"))
+        with timer.stage("codec"):
+            x = x * 1.0001
+        with timer.stage("comm", follows=True):
+            x = x + 0.0
+    assert len(traffic._pending) < 2 * PENDING_BOUND, len(traffic._pending)
+    assert traffic.codec_seconds > 0  # the completed ones folded in
+    traffic.resolve()
+    assert traffic._pending == [] and traffic.comm_seconds > 0
+
+
 def test_call_timer_chains_a_stage_that_follows_another():
     """``follows=True``: the stage starts at the previous stage's end event (one event fewer);
     the stream is the one current when the timer was made."""

@@ -93,3 +93,44 @@ def _body_hook():
 def test_ddp_hook_stats_report_time(ranks, W):
     for stats in ranks(W).run(_body_hook):
         assert stats["seconds_full"] > 0 and stats["seconds_codec"] > 0 and stats["seconds_comm"] > 0
+
+
+class _Event:
+    """What a counter reads of a ``torch.cuda.Event`` (whether it completed, the milliseconds to
+    another), on the CPU: the counter's bookkeeping without a GPU (tests/test_cuda.py has the
+    real events)."""
+
+    def __init__(self, t: float, done: bool = True) -> None:
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def test_pending_gpu_stages_are_folded_in_once_completed_without_waiting():
+    """Issue 57: a counter that nothing reads held every stage's events (a million after 10,000
+    steps); past PENDING_BOUND it folds in the completed ones, oldest first, and stops at the first
+    that has not completed (no wait); resolve() waits for the rest."""
+    from onebit.collectives.wire import PENDING_BOUND, Traffic
+
+    c = Traffic()
+    for i in range(10_000):
+        c.add_pending("codec", _Event(i), _Event(i + 0.25))
+    assert len(c._pending) <= PENDING_BOUND
+    folded = 10_000 - len(c._pending)
+    assert c.codec_seconds == pytest.approx(0.25 * folded)
+    late = _Event(1e6 + 0.5, done=False)  # the GPU has not reached this one yet
+    c.add_pending("comm", _Event(1e6), late)
+    for i in range(3 * PENDING_BOUND):
+        c.add_pending("codec", _Event(2e6 + i), _Event(2e6 + i + 0.25))
+    kinds = [k for k, _, _ in c._pending]
+    assert kinds[0] == "comm" and len(kinds) == 3 * PENDING_BOUND + 1 and c.comm_seconds == 0
+    c.resolve()
+    assert c._pending == [] and c.comm_seconds == pytest.approx(0.5)
+    assert c.codec_seconds == pytest.approx(0.25 * (10_000 + 3 * PENDING_BOUND))
