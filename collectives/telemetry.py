@@ -8,8 +8,9 @@ all-reduces (non-finite check, freeze vote) theirs (``control``). CPU: host time
 calls count from a collective's launch to its completion callback. CUDA: a pair of events per
 stage on the stream current when the call began, folded into seconds when read (no host
 synchronisation before), or, in a counter that holds more than ``wire.PENDING_BOUND`` of them
-unread, as soon as they have completed (``Event.query``: no wait); a stage that follows another directly (``stage(kind, follows=True)``)
-starts at the other's end event, so a compressed call records 6 events, not 10. About 3 us per
+unread, as soon as they have completed (``Event.query``: no wait); a stage that follows another
+directly (``stage(kind, follows=True)``) starts at the other's end event, so a compressed call
+records 6 events, not 10. About 3 us per
 compressed call on the CPU (five stages; measured): always on.
 
 The seconds go to onebit's per-process counter (:data:`onebit.collectives.traffic`) and to
