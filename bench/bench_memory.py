@@ -7,8 +7,14 @@ their defaults), then rank 0 counts: ``torch.optim.AdamW``; OnebitAdam, OnebitLa
 (its variance frozen, in phase 2); AdamW behind the DDP hook with ``freeze_step`` (AdamW's state and
 the hook's). Issue 56's table (its targets: at most 8 bytes per parameter, the hook at most 12).
 
+``--device cuda``: the ranks share one GPU (gloo takes CUDA tensors), and after the count each rank
+times nothing but measures one more training step's peak (``torch.cuda.max_memory_allocated`` from a
+reset just before it) and what was allocated before it (the model, its gradients, the state): the
+step's transients are the difference. ``--blocks`` widens the model (hidden sizes times it).
+
   python bench/bench_memory.py                 # 2 ranks
   python bench/bench_memory.py --ranks 4 --csv bench/out/memory-w4.csv
+  python bench/bench_memory.py --device cuda --blocks 4   # the GPU rows (scripts/gpu_check.sh memory)
 """
 
 from __future__ import annotations
@@ -35,22 +41,28 @@ NAMES = ("adamw", "onebit_adam", "onebit_lamb", "zero_one_adam", "adamw_ddp_hook
 SIZES = (384, 1024, 640, 256, 10)  # Linear layers 384-1024-640-256-10: 8 tensors, 1.22M parameters
 
 
-def _model():
+def _sizes(blocks: int) -> tuple[int, ...]:
+    return (SIZES[0], *(s * blocks for s in SIZES[1:-1]), SIZES[-1])
+
+
+def _model(blocks: int = 1):
     torch.manual_seed(0)
     layers = []
-    for a, b in zip(SIZES[:-1], SIZES[1:], strict=True):
+    sizes = _sizes(blocks)
+    for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _count(name: str, args) -> float:
+def _count(name: str, args) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
     from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
     from onebit.memory import bytes_per_parameter
 
-    model, others = _model(), []
+    device = torch.device(args.device)
+    model, others = _model(args.blocks).to(device), []
     freeze, cap = args.freeze, args.bucket_mb
     kw = {} if args.error_dtype == "default" else {"error_dtype": getattr(torch, args.error_dtype)}
     if name == "adamw":
@@ -68,16 +80,30 @@ def _count(name: str, args) -> float:
     else:
         opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=freeze, bucket_cap_mb=cap, **kw)
     g = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(args.steps):
-        x = torch.randn(16, SIZES[0], generator=g)
+
+    def step():
+        x = torch.randn(16, SIZES[0], generator=g).to(device)
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    return bytes_per_parameter(opt, *others)
+
+    for _ in range(args.steps):
+        step()
+    out = {"state": bytes_per_parameter(opt, *others)}
+    if device.type == "cuda":  # one more step: its peak over what it starts from
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        out.update(before_mb=before / 2**20, peak_mb=torch.cuda.max_memory_allocated() / 2**20)
+    return out
 
 
 def child(args) -> None:
     dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(0)  # every rank on the one GPU (gloo moves CUDA tensors through the host)
     out = {name: _count(name, args) for name in NAMES}
     rank0_result(args.out, out)
 
@@ -90,21 +116,33 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=0.5)
     p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
                    help="the error buffers' dtype ('default': the library's)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--blocks", type=int, default=1, help="the hidden layers' widths times this")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "memory.csv"))
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
     res = ranks_json(__file__, args.ranks, ["--freeze", str(args.freeze), "--steps", str(args.steps),
                                             "--bucket-mb", str(args.bucket_mb),
-                                            "--error-dtype", args.error_dtype])
-    n = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:], strict=True))
-    print(f"# {args.ranks} gloo ranks, {n / 1e6:.2f}M parameters in 8 tensors, {args.steps} steps (freeze at "
-          f"{args.freeze}), buckets of {args.bucket_mb} MB, error buffers {args.error_dtype}; bytes of state "
-          f"per parameter, rank 0")
-    print(markdown_table(["", "bytes per parameter"], [[k, f"{v:.2f}"] for k, v in res.items()]))
-    meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps, freeze=args.freeze,
-                      bucket_mb=args.bucket_mb, error_dtype=args.error_dtype)
-    rows = [{**meta, "optimizer": k, "bytes_per_parameter": round(v, 3)} for k, v in res.items()]
+                                            "--error-dtype", args.error_dtype, "--device", args.device,
+                                            "--blocks", str(args.blocks)])
+    sizes = _sizes(args.blocks)
+    n = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+    print(f"# {args.ranks} gloo ranks on {args.device}, {n / 1e6:.2f}M parameters in 8 tensors, "
+          f"{args.steps} steps (freeze at {args.freeze}), buckets of {args.bucket_mb} MB, error buffers "
+          f"{args.error_dtype}; bytes of state per parameter, rank 0")
+    cuda = args.device == "cuda"
+    head = ["", "bytes per parameter"]
+    head += ["allocated before a step, MB", "the step's peak, MB"] if cuda else []
+    print(markdown_table(head, [[k, f"{v['state']:.2f}"]
+                                + ([f"{v['before_mb']:.1f}", f"{v['peak_mb']:.1f}"] if cuda else [])
+                                for k, v in res.items()]))
+    meta = provenance(torch.device(args.device) if cuda else None, ranks=args.ranks, parameters=n,
+                      steps=args.steps, freeze=args.freeze, bucket_mb=args.bucket_mb,
+                      error_dtype=args.error_dtype)
+    rows = [{**meta, "optimizer": k, "bytes_per_parameter": round(v["state"], 3),
+             **({"before_mb": round(v["before_mb"], 2), "peak_mb": round(v["peak_mb"], 2)} if cuda else {})}
+            for k, v in res.items()]
     write_csv(args.csv, rows)
 
 

@@ -6,17 +6,18 @@
 # without the network. Results go to $OUT (default bench/out/gpu).
 #
 #   bash scripts/gpu_check.sh            # everything, about 6 minutes on an H100
-#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer | profile
+#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer | profile | memory
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out/gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 py="${ONEBIT_GPU_PYTHON:-python3}"
-parts=("${@:-env tests kernels optimizer profile}")
+parts=("${@:-env tests memory kernels optimizer profile}")
 parts=(${parts[*]})
 has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
+rm -rf /tmp/onebit-site  # a rerun on a warm machine installs this tree, not the last run's package
 "$py" -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/onebit-site . \
   > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/onebit-site
@@ -32,6 +33,12 @@ if has tests; then
     tests/test_triton_fused.py tests/test_triton_fused_zoa.py tests/test_triton_hook.py tests/test_momentum_message.py \
     tests/test_rounding.py \
     --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
+fi
+if has memory; then
+  # issue 56's GPU rows: the state per parameter and one training step's peak (max_memory_allocated),
+  # each optimizer against AdamW, 2 gloo ranks sharing the GPU, a 14.7M-parameter MLP
+  timeout 120 "$py" bench/bench_memory.py --device cuda --ranks 2 --blocks 4 --csv "$OUT/memory-cuda.csv" 2>&1 \
+    | tee "$OUT/memory.log" | tail -n 9
 fi
 if has kernels; then
   timeout 200 "$py" bench/bench_kernels.py --device cuda --log2 20 24 26 28 --worlds 1 4 8 \
