@@ -11,23 +11,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from test_frozen_adam_hook import _batch, _model  # the same model and batches as the hook's tests
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
 from onebit.optimizers import DiLoCo
 
 F = 3  # the hook's freeze_step
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3))
-
-
-def _batch(t, r):
-    g = torch.Generator().manual_seed(1000 * t + r)
-    x = torch.randn(8, 12, generator=g) + 0.5 * r
-    return x, (x[:, :3] * (1 + r)).argmax(1)
 
 
 def _hooked(module, opt, state):
