@@ -184,6 +184,19 @@ class BucketedReducer:
     def device(self) -> torch.device:
         return self._device
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (or deep-copied): the buckets' views made again over their buffers (plain pickle
+        gives a view a storage of its own, so writes through it would no longer reach the buffer that the
+        compressed all-reduce reads)."""
+        self.__dict__.update(state)
+        for b in self.buckets:
+            if b.flat is None:
+                continue
+            b.views = [b.flat[off : off + size].view(self.shapes[i])
+                       for i, off, size in zip(b.indices, b.offsets, b.numels, strict=True)]
+            for i, view in zip(b.indices, b.views, strict=True):
+                self._views[i] = view
+
     @property
     def views(self) -> list[torch.Tensor]:
         """Tensor i's slice of its bucket (every bucket kept as a message decoded first, every released

@@ -55,6 +55,8 @@ class Agreement:
             "update_clip": self.update_clip,
             "block": self.block,
             "freeze": repr(self.schedule),
+            "cohorts": [[c.stage, {n: getattr(c, n) for n in c.COUNTERS if n != "freeze_state"}]
+                        for c in self._cohorts],
         }
 
     def verify_ranks(self) -> None:

@@ -36,6 +36,7 @@ from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
 from ._agreement import Agreement
 from ._clip import clip_grads_
+from ._cohorts import Cohorts
 from ._copying import Copying
 from ._overlap import BackwardOverlap
 from ._sharded import Sharding, local_params
@@ -103,7 +104,8 @@ def closure_loss(closure) -> Any:
         return closure()
 
 
-class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry, torch.optim.Optimizer):
+class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, Telemetry,
+                          torch.optim.Optimizer):
     """Base class: subclasses set FLAT_STATE / DENSE_STATE and implement step().
 
     ``nonfinite`` decides what a non-finite gradient on ANY rank does (checked at the start
@@ -164,6 +166,9 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
         self._default_warned = False  # said once that this run has not compressed (stats() or exit)
         self._ddp_checked = False  # the first step looked for a DDP model and compared replicas
         self._foreign_state = False  # a loaded state came from another rank: said at the next step
+        self._cohorts: list[OnebitOptimizerBase] = []  # groups added after the first update (_cohorts.py)
+        self._cohort = 0  # this optimizer's cohort: 0 for the one the user built
+        self._ddp_averaged_params: set[int] = set()  # marked by the DDP hook for this step's cohorts
         super().__init__(params, defaults)
         self.process_group = group
         # DTensor parameters (HSDP): compress across the mesh's replicate dimension, agree over
@@ -189,23 +194,10 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
         self.register_state_dict_post_hook(OnebitOptimizerBase._add_extra_state)
         self.register_load_state_dict_pre_hook(OnebitOptimizerBase._stash_loaded_state)
         self.register_load_state_dict_post_hook(OnebitOptimizerBase._restore_loaded_state)
+        self.register_state_dict_pre_hook(OnebitOptimizerBase._cohorts_pre_state_dict)
         # at interpreter exit, group rank 0 says whether this optimizer never compressed
         self._group_rank = self._rank()
         _LIVE.add(self)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """As torch's, before training starts. Refused once the optimizer has built its buckets
-        and error buffers (the first step) or its backward hooks (``overlap=True``): every rank
-        would need the same new buckets at the same step, and the saved states would no
-        longer match the model."""
-        started = getattr(self, "_reducer", None) is not None or any(self.state.values())
-        if started or getattr(self, "_overlap", None) is not None:
-            when = "training started" if started else "overlap=True hooked backward at construction"
-            raise ValueError(
-                f"add_param_group: {type(self).__name__} fixes its buckets, error buffers and hooks "
-                f"when they are made, and {when}; pass every parameter group to the constructor "
-                "(a group with lr=0 keeps parameters still until you raise its lr)")
-        super().add_param_group(param_group)
 
     def wants_averaged_gradients(self) -> bool:
         """Whether the next step() uses full-precision gradients averaged over the group."""
@@ -264,7 +256,10 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
                 self.verify_ranks()
             try:
                 prepare = self.nonfinite is not None and not self._grads_verified
-                usable = self._gradients_usable(self._prepare_step() if prepare else None)
+                verdict = self._prepare_step() if prepare else None
+                if verdict is not None and self._cohorts:  # the cohorts' gradients are checked here too
+                    verdict = verdict and self._grads_finite(self._cohort_grads())
+                usable = self._gradients_usable(verdict)
             except BaseException:
                 self._abandon_step()
                 raise
@@ -273,7 +268,9 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
                 self._take_step()
                 if averaged:
                     self._count_fsdp_all_reduce()
+                self._step_cohorts()
             else:
+                self._ddp_averaged_params = set()
                 self._abandon_step()
             return
         try:  # overlap=True: finish the collectives backward started, then agree and update
@@ -393,7 +390,7 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
     # -- parameters and buffers -------------------------------------------------------
     def compressed_params(self) -> list[tuple[torch.Tensor, dict]]:
         """(param, group) of every parameter whose state is compressed, in a fixed order."""
-        return [(p, g) for g in self.param_groups if not g.get("non_freeze", False) for p in g["params"]]
+        return [(p, g) for g in self._own_groups() if not g.get("non_freeze", False) for p in g["params"]]
 
     def reducer(self) -> BucketedReducer:
         if self._reducer is None:
@@ -413,9 +410,17 @@ class OnebitOptimizerBase(Copying, Agreement, StateIO, VarianceState, Telemetry,
             bucket_cap_mb=self.bucket_cap_mb, flat_padding=self.FLAT_PADDING, block=self.block,
             traffic=self.traffic, error_dtype=self.error_dtype,
         )
+        self._reducer_params = [id(p) for p in params]  # the parameters the buckets were laid out for
         self._reducer.on_release = self._flat_state_released
         self._reducer.on_materialise = self._bind_state
         self._bind_state()
+
+    def _cohorts_pre_state_dict(self) -> None:
+        """The cohorts' own state-dict pre-hooks (ZeroOneAdam's wake from rest), before the root's
+        ``state_dict()`` reads their state."""
+        for cohort in self._cohorts:
+            for hook in cohort._optimizer_state_dict_pre_hooks.values():
+                hook(cohort)
 
     def _may_keep(self, reducer, pairs, masks) -> bool:
         """Whether an unfused compressed step may keep its buckets as the calls' messages

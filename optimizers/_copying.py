@@ -61,6 +61,23 @@ class Copying:
                             f"which cannot be pickled; copy.deepcopy shares it, or save state_dict() instead")
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        reducer = self.__dict__.get("_reducer")
+        if reducer is None:
+            return
+        # the reducer made its views again over its buffers (BucketedReducer.__setstate__: plain pickle
+        # gives each view a storage of its own); the flat state is pointed at them, as _bind_state does
+        (flat_name,) = self.FLAT_STATE
+        pairs = self.compressed_params()
+        for b in reducer.buckets:
+            if b.flat is None:  # kept as its message, or released: no view
+                continue
+            for i, view in zip(b.indices, b.views, strict=True):
+                entry = self.state[pairs[i][0]]
+                if flat_name in entry:
+                    entry[flat_name] = view
+
     def __deepcopy__(self, memo: dict):
         state = self._copyable_state("deepcopy")
         for handle in _handles(state):

@@ -98,7 +98,7 @@ def zoa_applies(opt, reducer, pairs, phase: int = 1) -> bool:
 def prepared_verdict(opt, plan, pairs) -> bool | None:
     """``plan.prepare`` for ``opt``'s next step, and with it this rank's verdict on its gradients
     (those of the groups that are not compressed read as before); None: not prepared."""
-    others = [p.grad for g in opt.param_groups if g.get("non_freeze", False) for p in g["params"]
+    others = [p.grad for g in opt._own_groups() if g.get("non_freeze", False) for p in g["params"]
               if p.grad is not None]
     ok = plan.prepare(opt, pairs, opt.updates + 1)
     if ok is None or not others:
@@ -303,7 +303,7 @@ class ZeroOneSync(ZeroOneStep):
     RECORD = True  # ZeroOneAdam keeps the sync's messages at rest (ZeroOneAdam._rest)
 
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
-        index = {id(g): i for i, g in enumerate(opt.param_groups)}
+        index = {id(g): i for i, g in enumerate(opt._own_groups())}
         items = [(i, *pairs[i]) for i in bucket.indices]
         table.fill({"sync_params": [opt.state[p]["sync_params"] for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],

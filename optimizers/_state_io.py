@@ -35,7 +35,25 @@ class StateIO:
 
     def _add_extra_state(self, state_dict: dict) -> dict:
         reducer = self.reducer()
-        state_dict["onebit"] = {
+        state_dict["onebit"] = self._extra_entry()
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._add_kept_momenta(state_dict, reducer, params)
+        if self._cohorts:  # groups added after the first update (optimizers/_cohorts.py)
+            state_dict["onebit"]["cohorts"] = self._cohort_entries(state_dict, params)
+        sharding = self._sharding
+        if sharding is not None:  # DTensor parameters: their state as DTensors (what DCP saves per slice)
+            for key, entry in list(state_dict["state"].items()):
+                entry = state_dict["state"][key] = dict(entry)  # torch's entry is self.state's own dict
+                for name in self.FLAT_STATE + self.DENSE_STATE:
+                    if name in entry:  # bucket views cloned: torch.save fails on DTensors over views
+                        local = entry[name].clone() if name in self.FLAT_STATE else entry[name]
+                        entry[name] = sharding.wrap(local, params[key])
+        return state_dict
+
+    def _extra_entry(self) -> dict:
+        """This optimizer's own part of the ``"onebit"`` entry (a cohort's too)."""
+        reducer = self.reducer()
+        return {
             "rank": self._rank(),
             "world_size": self.world_size,
             "mesh": self._mesh_shape(),
@@ -47,26 +65,15 @@ class StateIO:
             "counters": {name: getattr(self, name) for name in self.COUNTERS + ("skipped_steps",)},
             "traffic": self.traffic.state(),
         }
-        self._add_kept_momenta(state_dict, reducer)
-        sharding = self._sharding
-        if sharding is not None:  # DTensor parameters: their state as DTensors (what DCP saves per slice)
-            params = [p for g in self.param_groups for p in g["params"]]
-            for key, entry in list(state_dict["state"].items()):
-                entry = state_dict["state"][key] = dict(entry)  # torch's entry is self.state's own dict
-                for name in self.FLAT_STATE + self.DENSE_STATE:
-                    if name in entry:  # bucket views cloned: torch.save fails on DTensors over views
-                        local = entry[name].clone() if name in self.FLAT_STATE else entry[name]
-                        entry[name] = sharding.wrap(local, params[key])
-        return state_dict
 
-    def _add_kept_momenta(self, state_dict: dict, reducer) -> None:
+    def _add_kept_momenta(self, state_dict: dict, reducer, params: list) -> None:
         """The flat state of the buckets kept as messages (``BucketedReducer.keep_as_message``: not in
-        ``self.state`` then), decoded into new tensors: a checkpoint holds it as float32 either way."""
+        ``self.state`` then), decoded into new tensors: a checkpoint holds it as float32 either way.
+        ``params``: every parameter of the state dict, in its order (the root's, cohorts included)."""
         kept = [b for b in reducer.buckets if b.message is not None]
         if not kept or "param_groups" not in state_dict:  # (rank_state: no per-parameter state)
             return
         (flat_name,) = self.FLAT_STATE
-        params = [p for g in self.param_groups for p in g["params"]]
         key_of = {id(p): key for key, p in enumerate(params)}
         pairs = self.compressed_params()
         for b in kept:
@@ -103,6 +110,7 @@ class StateIO:
         for g, mask in zip(self.param_groups, pending["masks"], strict=True):
             g["exp_avg_mask"] = mask
         params = [p for g in self.param_groups for p in g["params"]]
+        self._regroup()  # the cohorts the loaded groups name (optimizers/_cohorts.py)
         self.reducer()
         self._bind_state()  # torch replaced self.state: the buckets' views go back in
         for key, values in pending["tensors"].items():
@@ -119,6 +127,7 @@ class StateIO:
             extra = self._rank_state_loaded
         self._rank_state_loaded = None
         self._apply_rank_state(extra)
+        self._restore_cohorts(None if extra is None else extra.get("cohorts"))
 
     def rank_state(self) -> dict:
         """This rank's own part of the state (error buffers, bucket layout, counters): the
@@ -130,6 +139,8 @@ class StateIO:
         """Restore :meth:`rank_state` now, and again at the next ``load_state_dict`` whose state
         has no ``"onebit"`` entry (torch's ``set_optimizer_state_dict`` loads one after DCP)."""
         self._apply_rank_state(extra)
+        if self._cohorts:
+            self._restore_cohorts(extra.get("cohorts"))
         self._rank_state_loaded = extra
 
     def _apply_rank_state(self, extra: dict | None) -> None:
@@ -160,7 +171,8 @@ class StateIO:
         if extra is not None:
             for name, value in extra.get("counters", {}).items():
                 setattr(self, name, value)
-            self.traffic = Traffic(**extra.get("traffic", {}))
-            reducer.traffic = self.traffic
+            if "traffic" in extra:  # (a cohort's entry has none: counted with the root's)
+                self.traffic = Traffic(**extra["traffic"])
+                reducer.traffic = self.traffic
         if self._sharding is not None:  # the loaded counters decide FSDP's next reduction
             self._sharding.reduction.full(self.wants_averaged_gradients())

@@ -49,6 +49,8 @@ class Telemetry:
                    bytes_sent=self.traffic.compressed + self.traffic.full + self.traffic.control
                    + self.traffic.intra)
         out.update(self._seconds())
+        if self._cohorts:  # groups added after the first update, each with its own schedule (_cohorts.py)
+            out["cohorts"] = self._cohort_stats()
         out["state_bytes_per_parameter"] = bytes_per_parameter(self)
         schedule = self.schedule
         default = schedule.auto is None and schedule.fixed == DEFAULT_FREEZE

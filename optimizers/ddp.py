@@ -51,6 +51,8 @@ def warmup_averaging_hook(
         timer, start = CallTimer(buffer.device, optimizer.traffic), time.perf_counter()
         work = dist.all_reduce(buffer, group=group, async_op=True)
         optimizer.count_sent(buffer.numel(), buffer.element_size())
+        # the parameters whose gradients DDP averaged for this step (a cohort does not average them again)
+        optimizer._ddp_averaged_params.update(id(p) for p in bucket.parameters())
 
         def done(fut) -> torch.Tensor:
             timer.add("full", time.perf_counter() - start)  # launch to completion
@@ -124,3 +126,4 @@ def adopt_ddp_model(optimizer: OnebitOptimizer) -> None:
             "top of the optimizer's own 1-bit traffic; onebit registered the hook for you "
             "(onebit.optimizers.register_ddp_hook(model, opt) right after building both says so "
             "explicitly and silences this)", RuntimeWarning, optimizer.process_group)
+

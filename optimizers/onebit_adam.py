@@ -8,6 +8,7 @@ from ..collectives.bucket import allreduce_mean_
 from ..kernels import cpu_fused
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
+from ._cohorts import options
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
 
@@ -72,6 +73,7 @@ class OnebitAdam(WarmupThenCompress):
         error_dtype: torch.dtype = torch.bfloat16,
         overlap: bool = False,
     ) -> None:
+        self._options = options(locals())  # a cohort of groups added later is built with them
         defaults = adam_defaults(
             lr, betas, eps, weight_decay,
             bias_correction=bool(bias_correction), eps_inside_sqrt=bool(eps_inside_sqrt),
@@ -223,7 +225,7 @@ class OnebitAdam(WarmupThenCompress):
         p.add_(update, alpha=-g["lr"])
 
     def _step_non_freeze(self, t: int, communicate: bool) -> None:
-        for g in self.param_groups:
+        for g in self._own_groups():
             if not g.get("non_freeze", False):
                 continue
             for p in g["params"]:

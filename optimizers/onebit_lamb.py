@@ -12,6 +12,7 @@ from ..collectives._group import warn_collective
 from ..collectives.telemetry import CallTimer
 from ..kernels._checks import check_fraction, check_number, check_order
 from ._base import MODE_DEFAULT, WarmupThenCompress, adam_defaults
+from ._cohorts import options
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import (
     TRUST_SKETCH,
@@ -109,6 +110,7 @@ class OnebitLamb(WarmupThenCompress):
         block: int | None = None,
         error_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        self._options = options(locals())  # a cohort of groups added later is built with them
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         for name, value in [("max_coeff", max_coeff), ("min_coeff", min_coeff),
                             ("factor_max", factor_max), ("factor_min", factor_min)]:

@@ -10,6 +10,7 @@ from ..kernels import cpu_fused, decompress
 from ..kernels._checks import check_int
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
+from ._cohorts import options
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
 
@@ -84,6 +85,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         error_dtype: torch.dtype = torch.bfloat16,
         overlap: bool = False,
     ) -> None:
+        self._options = options(locals())  # a cohort of groups added later is built with them
         defaults = adam_defaults(lr, betas, eps, weight_decay)
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
@@ -111,10 +113,10 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._enable_overlap(self._compresses_gradients, self._load_grad)
 
     def add_param_group(self, param_group: dict) -> None:
-        """As the base class's (before training only); the new group's summed learning rate
-        starts at zero."""
+        """As the base class's; a group that joins this optimizer's own (before the first update)
+        starts its summed learning rate at zero (a cohort has its own)."""
         super().add_param_group(param_group)
-        if hasattr(self, "lrs"):  # torch's constructor adds the first groups before lrs exists
+        if hasattr(self, "lrs") and "cohort" not in param_group:  # (torch's constructor: before lrs exists)
             self.lrs.append(0.0)
 
     def _compresses_gradients(self) -> bool:
@@ -192,7 +194,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
             return
         reducer = self.reducer()
         pairs = self.compressed_params()
-        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        index = {id(g): i for i, g in enumerate(self._own_groups())}
         for b, message in zip(reducer.buckets, kept["messages"], strict=True):
             mean = torch.empty(b.n, dtype=torch.float32, device=reducer.device)
             if message is not None:
@@ -330,7 +332,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         masks = self.auto_masks()
         if not self._local_step_all(pairs, masks):
             self._local_step_each(pairs, masks)
-        for i, g in enumerate(self.param_groups):
+        for i, g in enumerate(self._own_groups()):
             self.lrs[i] += g["lr"]
         if t % self.local_step_interval == 0:
             self._sync(reducer, pairs, masks, t)
@@ -415,13 +417,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
         CPU or a GPU (preconditioned) inside the codec's passes (optimizers/_fused.py). A group whose
         learning rates summed to 0 since the last sync (a schedule at 0, a frozen group) did not move:
         it stays where it is and its momentum becomes the ranks' exact mean (docs/ALGORITHMS.md 6.4)."""
-        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        index = {id(g): i for i, g in enumerate(self._own_groups())}
         still = {i for i, lr in enumerate(self.lrs) if lr == 0.0}
         if not still and _fused.zoa_applies(self, reducer, pairs, phase=2):
             plan = _fused.plan(self, "_zos_cache", reducer, _fused.ZeroOneSync)
             plan.step(self, pairs, t)
             nl = [-lr for lr in self.lrs]
-            self.lrs = [0.0] * len(self.param_groups)
+            self.lrs = [0.0] * len(self._own_groups())
             self.last_sync = t
             messages, plan.messages = plan.messages, []  # the plan holds none between steps
             if self._may_keep(reducer, pairs, masks) and None not in messages:
@@ -454,7 +456,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
             p.copy_(sync)
             u.zero_()
         nl = [-lr for lr in self.lrs]
-        self.lrs = [0.0] * len(self.param_groups)
+        self.lrs = [0.0] * len(self._own_groups())
         self.last_sync = t
         if kept is not None:
             self._rest(kept, nl)

@@ -80,11 +80,15 @@ def _ranks_body(name: str, how: str, copy_at: int):
     return _run(name, how, copy_at, dist.get_rank())
 
 
-@pytest.mark.parametrize(("name", "how", "W"), [("adam", "deepcopy", 2), ("lamb", "pickle", 3),
-                                                ("zoa", "deepcopy", 3), ("zoa", "torch.save", 2)])
-def test_a_copy_goes_on_bitwise_on_several_ranks(ranks, name, how, W):
+@pytest.mark.parametrize(("name", "how", "W", "copy_at"), [
+    ("adam", "deepcopy", 2, 5), ("lamb", "pickle", 3, 5), ("zoa", "deepcopy", 3, 5),
+    ("zoa", "torch.save", 2, 5),
+    # pickled in the warm-up: plain pickle gave the buckets' views storages of their own, so the copy's
+    # warm-up wrote a momentum its compressed steps never read (BucketedReducer.__setstate__)
+    ("adam", "pickle", 2, 1), ("lamb", "pickle", 2, 1)])
+def test_a_copy_goes_on_bitwise_on_several_ranks(ranks, name, how, W, copy_at):
     # the copy and the original each run their collectives on the default group, in turn
-    for result in ranks(W).run(_ranks_body, name, how, 5):
+    for result in ranks(W).run(_ranks_body, name, how, copy_at):
         _check(result)
 
 
