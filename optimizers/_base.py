@@ -466,10 +466,16 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
             if old is not None and old is not view:
                 view.copy_(old)
             state[flat_name] = view
-            for name in self.DENSE_STATE:
-                state.setdefault(name, torch.zeros_like(p, dtype=torch.float32))
+            for name in self._missing_dense():  # (not setdefault: its zeros would be made every call)
+                if name not in state:
+                    state[name] = torch.zeros_like(p, dtype=torch.float32)
             for name, value in self.SCALAR_STATE.items():
-                state.setdefault(name, torch.tensor(value, dtype=torch.float64, device=view.device))
+                if name not in state:
+                    state[name] = torch.tensor(value, dtype=torch.float64, device=view.device)
+
+    def _missing_dense(self) -> tuple[str, ...]:
+        """The dense state that ``_bind_views`` makes (zero) where a parameter lacks it."""
+        return self.DENSE_STATE
 
     def dense_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

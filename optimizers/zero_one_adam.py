@@ -223,6 +223,11 @@ class ZeroOneAdam(OnebitOptimizerBase):
         """A load replaces the state: nothing kept at rest applies."""
         self._kept = None
 
+    def _missing_dense(self) -> tuple[str, ...]:
+        if getattr(self, "_kept", None) is not None:  # at rest: made by the next wake, not as zeros here
+            return tuple(n for n in self.DENSE_STATE if n not in ("exp_avg", "sync_params"))
+        return self.DENSE_STATE
+
     def _bind_views(self, reducer) -> None:
         super()._bind_views(reducer)
         if getattr(self, "_kept", None) is not None:  # at rest: the views made again hold no momentum
