@@ -111,14 +111,18 @@ def test_a_skipped_compressed_step_changes_nothing():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["phase 1", "sync"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_the_passes_agree_at_every_isa_level(wd):
+def test_the_passes_agree_at_every_isa_level(wd, sync):
     # zoa_encode_all and zoa_step_all in portable C (fmaf), AVX2 and AVX-512: the same bits, errors,
     # momenta and parameters, bitwise (the float64 sums: exact squares added in each ISA's order);
-    # a tensor without a gradient; with and without the error update
+    # a tensor without a gradient; with and without the error update; a bfloat16 error read and stored
+    # run by run in the passes: bitwise the float32 passes on the widened error, then rounded as
+    # onebit.kernels.rounding stores it (what the collective did around the passes before)
     from onebit.kernels import _chunks
     from onebit.kernels.fused import zero_one
     from onebit.kernels.layout import Layout, empty_message, message_bits
+    from onebit.kernels.rounding import WORKER, narrow_plain
 
     gen = torch.Generator().manual_seed(5)
     sizes, W = [30001, 7, 40000], 3
@@ -127,28 +131,42 @@ def test_the_passes_agree_at_every_isa_level(wd):
     splits = [_chunks.split(layout, n, j) for j in range(W)]
     grads = [torch.randn(s, generator=gen) for s in sizes]
     variances = [torch.rand(s, generator=gen) ** 2 for s in sizes]  # the floor 0.3 binds under sqrt(v) < 0.3
-    e0 = torch.randn(layout.N, generator=gen) * 0.1
+    e0 = (torch.randn(layout.N, generator=gen) * 0.1).bfloat16().float()  # exact in bfloat16 too
     m0, p0 = [torch.randn(s, generator=gen) for s in sizes], [torch.randn(s, generator=gen) for s in sizes]
+    sync0 = [x + 0.01 * torch.randn(x.shape, generator=gen) for x in p0]  # the last sync's parameters
     scales, wscales = torch.rand(W, generator=gen) + 0.1, torch.rand(W, generator=gen) + 0.1
+    nl = -0.05
     out = {}
     for isa in range(cpu_simd.best_isa() + 1):
         for update in (True, False):
-            e, ms, ps, flat = e0.clone(), [x.clone() for x in m0], [x.clone() for x in p0], torch.zeros(n)
-            t = zero_one.table([0, sizes[0], sizes[0] + sizes[1]], sizes, "cpu")
-            t.fill({"grad": [None if k == 1 else grads[k] for k in range(3)], "var": variances, "param": ps,
-                    "momentum": ms}, [(0.9, 0.1, wd, -1e-2, 0.0, 0.3, 1.25, 1e-8)] * 3)
-            bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
-            enc = [mid - lo for lo, mid, _ in splits]
-            fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
-            sums = zero_one.zoa_encode_all(flat, e, bits, layout.C, enc, fold, t, isa=isa)
-            coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])
-            ee, ws = (e, wscales) if update else (None, None)
-            zero_one.zoa_step_all(bits, scales, ee, ws, layout.C, enc, t, 0.5, isa=isa)
-            out[isa, update] = [torch.tensor(sums, dtype=torch.float64), coded, e, *ms, *ps]
-    for (isa, update), got in out.items():
-        torch.testing.assert_close(got[0], out[0, update][0], rtol=1e-12, atol=0)
-        for a, b in zip(got[1:], out[0, update][1:], strict=True):
-            assert torch.equal(a, b), (isa, update)
+            for dtype in (torch.float32, torch.bfloat16):
+                e, flat = e0.to(dtype, copy=True), torch.zeros(n)
+                ms, ps = [x.clone() for x in m0], [x.clone() for x in p0]
+                t = zero_one.table([0, sizes[0], sizes[0] + sizes[1]], sizes, "cpu")
+                first = ([x.clone() for x in sync0] if sync else
+                         [None if k == 1 else grads[k] for k in range(3)])
+                t.fill({"grad": first, "var": variances, "param": ps, "momentum": ms},
+                       [(0.9, 0.1, wd, -1e-2, nl, 0.3, 1.25, 1e-8)] * 3)
+                bits = message_bits(empty_message(layout, W, torch.device("cpu")), layout)
+                enc = [mid - lo for lo, mid, _ in splits]
+                fold = [max(0, min(hi, n) - lo) for lo, _, hi in splits]
+                sums = zero_one.zoa_encode_all(flat, e, bits, layout.C, enc, fold, t, isa=isa, sync=sync)
+                coded = torch.cat([bits[j, : enc[j] // 8] for j in range(W)])
+                ee, ws = (e, wscales) if update else (None, None)
+                zero_one.zoa_step_all(bits, scales, ee, ws, layout.C, enc, t, 0.5, isa=isa, sync=sync)
+                out[isa, update, dtype] = [torch.tensor(sums, dtype=torch.float64), coded, e, *ms, *ps,
+                                           *(first if sync else [])]
+    for (isa, update, dtype), got in out.items():
+        want = out[0, update, torch.float32]
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+        if dtype == torch.bfloat16:  # the float32 error rounded as the collective stores it
+            rounded = narrow_plain(want[2], wscales, layout.C, WORKER) if update else e0.bfloat16()
+            got, want = got[:2] + got[3:], want[:2] + want[3:]
+            stored = out[isa, update, dtype][2]
+            covered = torch.cat([torch.arange(j * layout.C, j * layout.C + enc[j]) for j in range(W)])
+            assert torch.equal(stored[covered].view(torch.int16), rounded[covered].view(torch.int16)), isa
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert torch.equal(a, b), (isa, update, dtype)
 
 
 def _phase_two(fused: bool, rank: int = 0, local: bool = True):

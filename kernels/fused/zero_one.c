@@ -109,7 +109,7 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
 }
 
 /* the error, momentum and parameter updates over flat elements [a, b), mean[0, b - a) the decoded
-   mean (e: the whole worker error buffer, NULL: not updated) */
+   mean (e: the worker error of element a on, NULL: not updated) */
 static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64_t a, int64_t b, const zoa_t* t,
                            float lo_c, float hi_c, int* k) {
   seg_t s;
@@ -118,7 +118,7 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
     const float* sc = t->sc + SC * kk;
     for (int64_t r = s.lo; r < s.hi; r += DEN_RUN) { /* run by run: the run's d from v */
       int64_t n = s.hi - r < DEN_RUN ? s.hi - r : DEN_RUN, o = r - s.lo;
-      float *m = (float*)t->m[kk] + s.o + o, *p = (float*)t->p[kk] + s.o + o, *ee = e ? e + r : 0;
+      float *m = (float*)t->m[kk] + s.o + o, *p = (float*)t->p[kk] + s.o + o, *ee = e ? e + (r - a) : 0;
       const float *mv = mean + (r - a), *g = s.g ? s.g + o : 0;
       den_run(isa, d, s.d + o, sc, n);
       if (t->sync) {
@@ -142,11 +142,11 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
 /* The worker pass of every chunk of a bucket (as onebit_fold_encode_all, the same thread split and
    sums): chunk j's [j C, j C + n_enc[j]) encoded from x + e run by run (x in a scratch run), and x
    written into flat over [j C + n_enc[j], j C + n_fold[j]) (the padded rest's data, for the caller's
-   plain encode). */
-void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t stride, int64_t C, int W,
+   plain encode). ebf16: the error is bfloat16, each run widened on the stack (exact). */
+void onebit_zoa_encode_all(float* flat, const void* e, uint8_t* bits, int64_t stride, int64_t C, int W,
                            const int64_t* n_enc, const int64_t* n_fold, double* sums, double* part,
                            const int64_t* start, const int64_t* count, const int64_t* g, const int64_t* d,
-                           const int64_t* p, const float* sc, int K, int sync, int isa, int threads) {
+                           const int64_t* p, const float* sc, int K, int sync, int ebf16, int isa, int threads) {
   enum { RUN = 4096 };
   zoa_t tab = {start, count, g, d, 0, p, sc, K, sync};
   blocks_fn f = pick(isa);
@@ -155,7 +155,7 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
-    float x[RUN] __attribute__((aligned(64)));
+    float x[RUN] __attribute__((aligned(64))), eb[RUN] __attribute__((aligned(64)));
     if (t == 0) used = T;
     for (int j = 0; j < W; j++) {
       int64_t off = j * C, lo, hi;
@@ -165,7 +165,12 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
         zoa_div_range(isa, x, off + i, off + i + len, &tab, &k);
-        f(x, e + off + i, bits + j * stride + i / 8, &r, len, len);
+        const float* er = (const float*)e + off + i;
+        if (ebf16) {
+          widen_run(isa, eb, (const uint16_t*)e + off + i, len);
+          er = eb;
+        }
+        f(x, er, bits + j * stride + i / 8, &r, len, len);
         acc += r;
       }
       part[(size_t)j * P + t] = acc;
@@ -180,25 +185,32 @@ void onebit_zoa_encode_all(float* flat, const float* e, uint8_t* bits, int64_t s
 
 /* The decompress pass of every chunk of a bucket: chunk j's [j C, j C + n[j]) decoded run by run
    (scale s[j]) into a scratch run, then the error (ws[j]; e NULL: not updated), momentum and
-   parameter updates. */
-void onebit_zoa_step_all(const uint8_t* bits, int64_t stride, const float* s, float* e, const float* ws, int64_t C,
+   parameter updates. ebf16: the error is bfloat16, each run widened on the stack and its new error
+   stored rounded (onebit.kernels.rounding, the worker's role, keyed by ws[j]): bitwise what widening
+   the whole buffer and storing it after the call gives. */
+void onebit_zoa_step_all(const uint8_t* bits, int64_t stride, const float* s, void* e, const float* ws, int64_t C,
                          int W, const int64_t* n, const int64_t* start, const int64_t* count, const int64_t* g,
                          const int64_t* d, const int64_t* m, const int64_t* p, const float* sc, int K, float lo_c,
-                         float hi_c, int sync, int isa, int threads) {
+                         float hi_c, int sync, int ebf16, int isa, int threads) {
   enum { RUN = 4096 };
   zoa_t tab = {start, count, g, d, m, p, sc, K, sync};
   decompress_fn f = pick_decompress(isa);
+  void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
   #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    float mean[RUN] __attribute__((aligned(64)));
+    float mean[RUN] __attribute__((aligned(64))), eb[RUN] __attribute__((aligned(64)));
     for (int j = 0; j < W; j++) {
       int k = 0;
       int64_t off = j * C, units = n[j] / 16, lo = units * t / T * 16, hi = t == T - 1 ? n[j] : units * (t + 1) / T * 16;
       for (int64_t i = lo; i < hi; i += RUN) {
         int64_t len = hi - i < RUN ? hi - i : RUN;
+        uint16_t* e16 = ebf16 && e ? (uint16_t*)e + off + i : 0;
+        float* er = e16 ? eb : e ? (float*)e + off + i : 0;
+        if (e16) widen_run(isa, eb, e16, len);
         f(bits + j * stride + i / 8, s + j, 0, mean, 0, 0, 0, len, len);
-        zoa_step_range(isa, mean, e, e ? ws[j] : 0.0f, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+        zoa_step_range(isa, mean, er, e ? ws[j] : 0.0f, off + i, off + i + len, &tab, lo_c, hi_c, &k);
+        if (e16) nr(e16, (const uint32_t*)eb, round_key(ws[j], ROUND_WORKER), (uint32_t)(off + i), len);
       }
     }
   }

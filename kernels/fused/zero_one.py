@@ -292,10 +292,9 @@ def zoa_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: i
     synchronisation, ``x = p - sync_params``."""
     t = table
     args = (t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("var"), t.ptr("param"),
-            t.scal.data_ptr(), t.K,
-            int(sync))
+            t.scal.data_ptr(), t.K, int(sync), int(e.dtype == torch.bfloat16))
     return _native.encode_all("zero_one.zoa_encode_all", library().onebit_zoa_encode_all, flat, e, bits, C,
-                              n_enc, n_fold, args, isa)
+                              n_enc, n_fold, args, isa, bfloat16_errors=True)
 
 
 def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | None,
@@ -307,13 +306,14 @@ def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | Non
     clip) [+ wd p])`` of the tensors they cover. ``sync``: phase 2's synchronisation instead: the error
     from ``z = p - sync_params + e``, ``m = mean d / nl``, ``sync_params = sync_params + mean``, ``p =
     sync_params``."""
-    _native.check_step("zero_one.zoa_step_all", bits, scales, e, worker_scales, C, n)
+    _native.check_step("zero_one.zoa_step_all", bits, scales, e, worker_scales, C, n, bfloat16_errors=True)
     counts, t = torch.tensor(n, dtype=torch.int64), table
     library().onebit_zoa_step_all(
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if e is None else e.data_ptr(),
         None if worker_scales is None else worker_scales.data_ptr(), C, len(n), counts.data_ptr(),
         t.start.data_ptr(), t.count.data_ptr(), t.addr[0].data_ptr(), t.ptr("var"), t.ptr("momentum"),
-        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, int(sync), _isa(isa), torch.get_num_threads())
+        t.ptr("param"), t.scal.data_ptr(), t.K, -clip, clip, int(sync),
+        int(e is not None and e.dtype == torch.bfloat16), _isa(isa), torch.get_num_threads())
 
 
 def zoa_step_range(mean: torch.Tensor, a: int, b: int, table: Table, clip: float,
@@ -331,9 +331,11 @@ def zoa_step_range(mean: torch.Tensor, a: int, b: int, table: Table, clip: float
 class NativePasses(_native.NativePasses):
     """``compressed_allreduce_passes``' worker and finish in the C passes: the worker encodes ``g / d``
     (every chunk in one C call; the padded rests through the accumulator, which it leaves zero);
-    ``SYNC``: the synchronisation's."""
+    ``SYNC``: the synchronisation's. A bfloat16 worker error is read and stored by the passes themselves,
+    run by run (as OnebitAdam's: :class:`onebit.kernels.fused.adam.NativePasses`)."""
 
     SYNC = False
+    BFLOAT16_ERRORS = True
 
     def encode_all(self, flat, e, bits, C, n_enc, n_fold) -> list[float]:
         return zoa_encode_all(flat, e, bits, C, n_enc, n_fold, self.table, sync=self.SYNC)

@@ -104,8 +104,8 @@ SIGNATURES = {
     "onebit_decompress_update_all": ("-: p i64 p p p p i64 i32 p p p p p p p i32 f32 f32 p i64 p "
                                      "i32 i32 i32 i32"),
     "onebit_update": "-: p i64 i64 p p p p i32 f32 f32 i32",
-    "onebit_zoa_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p p i32 i32 i32 i32",
-    "onebit_zoa_step_all": "-: p i64 p p p i64 i32 p p p p p p p p i32 f32 f32 i32 i32 i32",
+    "onebit_zoa_encode_all": "-: p p p i64 i64 i32 p p p p p p p p p p i32 i32 i32 i32 i32",
+    "onebit_zoa_step_all": "-: p i64 p p p i64 i32 p p p p p p p p i32 f32 f32 i32 i32 i32 i32",
     "onebit_zoa_step_range": "-: p i64 i64 p p p p p p p i32 f32 f32 i32 i32",
     "onebit_hook_pre": "f64: p p p f32 i64 i32 i32",
     "onebit_hook_encode": "f64: p p p p i64 i64 i64 p p p p p i32 p i32 i32",
