@@ -56,6 +56,24 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
                                  "gradient the momentum is rebuilt from)")
 
 
+def step_counts(steps: list) -> list[float]:
+    """An optimizer state's ``step`` entries as floats: numbers as they are, tensors read together, one
+    host read per device and dtype (torch's fused and capturable Adam-types keep them on the
+    parameters' device, where reading each would be a host synchronisation per parameter)."""
+    out: list[float] = [0.0] * len(steps)
+    together: dict[tuple, list[int]] = {}
+    for i, s in enumerate(steps):
+        if isinstance(s, torch.Tensor):
+            together.setdefault((s.device, s.dtype), []).append(i)
+        else:
+            out[i] = float(s)
+    for idx in together.values():
+        values = torch.stack([steps[i].detach().reshape(()) for i in idx]).tolist()
+        for i, value in zip(idx, values, strict=True):
+            out[i] = float(value)
+    return out
+
+
 class FrozenAdam:
     """The frozen denominators (by the hook's parameter names) and the step hooks."""
 
@@ -131,29 +149,35 @@ class FrozenAdam:
         self.pending = False
         self._saved = []
         own = OWN_STEP and type(opt) in (torch.optim.Adam, torch.optim.AdamW)
+        rows = []
         for group in opt.param_groups:
-            b1, b2 = group["betas"]
-            eps = group["eps"]
             for p in group["params"]:
                 name = names.get(id(p), (-1, -1))
                 entry = opt.state.get(p)
                 if (name not in self.scalars and name not in self.legacy) or p.grad is None or not entry \
                         or "exp_avg" not in entry:
                     continue
-                t = float(entry["step"]) + 1.0  # torch counts the step before its bias corrections
-                if own and self._own_step(p, entry, group, name, t):
-                    continue
-                d = self.denominator(opt, p, name)
-                if d is None:
-                    continue
-                m, grad = to_local(entry["exp_avg"]), to_local(p.grad)  # DTensors (FSDP2): their slices
-                m.mul_(b1).add_(grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
-                target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
-                v = to_local(entry["exp_avg_sq"])
-                self._saved.append((v, v.clone()))  # v_F, put back after the step
-                v.copy_(target)  # the optimizer's b2 * v gives the frozen one
-                self._saved.append((grad, grad.clone()))
-                grad.zero_()
+                rows.append((group, p, name, entry))
+        # every step count read at once (a fused or capturable AdamW keeps them on the device: one host
+        # synchronisation in all, not one per parameter)
+        counts = step_counts([entry["step"] for *_, entry in rows])
+        for (group, p, name, entry), count in zip(rows, counts, strict=True):
+            b1, b2 = group["betas"]
+            eps = group["eps"]
+            t = count + 1.0  # torch counts the step before its bias corrections
+            if own and self._own_step(p, entry, group, name, t):
+                continue
+            d = self.denominator(opt, p, name)
+            if d is None:
+                continue
+            m, grad = to_local(entry["exp_avg"]), to_local(p.grad)  # DTensors (FSDP2): their slices
+            m.mul_(b1).add_(grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
+            target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
+            v = to_local(entry["exp_avg_sq"])
+            self._saved.append((v, v.clone()))  # v_F, put back after the step
+            v.copy_(target)  # the optimizer's b2 * v gives the frozen one
+            self._saved.append((grad, grad.clone()))
+            grad.zero_()
 
     def _own_step(self, p: torch.Tensor, entry: dict, group: dict, name, t: float) -> bool:
         """torch's Adam/AdamW update of ``p`` on the frozen denominator, done here: the momentum

@@ -47,7 +47,7 @@ from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ..kernels.rounding import check_error_dtype
 from . import _hook_fused
-from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type
+from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type, step_counts
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
 from ._unwrap import unwrap_optimizer
@@ -352,18 +352,21 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
     adam, sgd = [], []  # (position, v, bc2, eps) / (position, buffer, factor)
     grads = bucket.gradients()
+    rows = []  # (position, entry, group) of the Adam-type parameters: their step counts read together
     for i, p in enumerate(bucket.parameters()):
         entry, group = opt.state.get(p, {}), groups.get(id(p))
         if group is None:
             continue
         v, buf = entry.get("exp_avg_sq"), entry.get("momentum_buffer")
         if v is not None and v.shape == grads[i].shape:
-            steps = float(entry.get("step", 0))
-            adam.append((i, v.detach().float(), 1.0 - group["betas"][1] ** steps if steps else 1.0,
-                         group.get("eps", 1e-8)))
+            rows.append((i, entry, group))
         elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
             factor = group["momentum"] / (1.0 - group.get("dampening", 0.0))
             sgd.append((i, buf.detach(), -factor if group.get("maximize", False) else factor))
+    counts = step_counts([e.get("step", 0) for _, e, _ in rows])
+    for (i, entry, group), steps in zip(rows, counts, strict=True):
+        bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
+        adam.append((i, entry["exp_avg_sq"].detach().float(), bc2, group.get("eps", 1e-8)))
     d = c = None
     if adam:
         parts = [torch.ones(g.numel(), dtype=torch.float32, device=g.device) for g in grads]
