@@ -216,3 +216,25 @@ def test_call_timer_chains_a_stage_that_follows_another():
     assert s2 is e1 and s1 is not e1 and e2 is not e1
     counter.resolve()
     assert counter.codec_seconds > 0 and counter.comm_seconds > 0
+
+
+def test_a_fused_table_refills_without_a_host_synchronisation():
+    # issue 57: the scalars change every step with a learning-rate schedule (and the addresses when a
+    # gradient is made anew); a copy from pageable memory waits for the device, one from pinned memory not
+    from onebit.kernels.fused.table import Table
+
+    device = torch.device("cuda")
+    xs = [torch.randn(n, device=device) for n in (5, 7)]
+    table = Table([0, 5], [5, 7], ("grad", "param"), ("lr", "b1"), device)
+    table.fill({"grad": xs, "param": xs}, [(1e-3, 0.9), (1e-3, 0.9)])
+    torch.cuda.synchronize()
+    ys = [torch.randn(n, device=device) for n in (5, 7)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):  # a schedule: new scalars every step, new gradient addresses once
+            table.fill({"grad": ys if step else xs, "param": xs}, [(1e-3 / (step + 2), 0.9)] * 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert table.scal[:, 0].tolist() == [torch.tensor(1e-3 / 4).item()] * 2
+    assert table.addr[0].tolist() == [y.data_ptr() for y in ys]

@@ -71,11 +71,22 @@ class Table:
         addrs = [[0 if t is None else t.data_ptr() for t in tensors[name]] for name in self.addresses]
         old = self.key or (None, None)
         if old[0] != addrs:
-            self.addr.copy_(torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
-        if old[1] != rows:
+            self._write(self.addr, torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
+        if old[1] != rows:  # every step with a learning-rate schedule or bias correction
             padded = [tuple(r) + (0.0,) * (SCALARS - len(r)) for r in rows]
-            self.scal.copy_(torch.tensor(padded, dtype=torch.float64).view(self.K, SCALARS).to(torch.float32))
+            values = torch.tensor(padded, dtype=torch.float64).view(self.K, SCALARS).to(torch.float32)
+            self._write(self.scal, values)
         self.key = (addrs, list(rows))
+
+    @staticmethod
+    def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (on the table's device) = ``src`` (CPU), in place. On a GPU from pinned memory without
+        waiting (issue 57: a copy from pageable memory synchronises the host with the device); the caching
+        host allocator keeps the pinned block until the copy is done."""
+        if dst.device.type == "cuda":
+            dst.copy_(src.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(src)
 
 
 class Tiles:
