@@ -10,6 +10,8 @@ inside the segment lets one all-to-all and one all-gather move bits and scales t
 
 from __future__ import annotations
 
+import functools
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -23,6 +25,13 @@ def check_block(block: object) -> int | None:
     if block is None:
         return None
     return check_int("block", block, low=8, multiple_of=8)
+
+
+@functools.lru_cache(maxsize=64)
+def inverse_world(world_size: int) -> float:
+    """``1 / world_size`` rounded to float32 (as ``torch.tensor(1 / W, dtype=torch.float32)``; the server
+    kernels' factor), without making a tensor and reading it back for every call."""
+    return struct.unpack("f", struct.pack("f", 1.0 / world_size))[0]
 
 
 def pad_unit(world_size: int, block: int | None = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import torch
 
@@ -48,8 +49,14 @@ def inverse_sqrt_bc2(bc2: float) -> float:
     """``1 / sqrt(bc2)`` as the stale denominator multiplies by it: ``sqrt(bc2)`` rounded to float32,
     its reciprocal divided in float32 (what a GPU's ``d.div_(sqrt(bc2))`` computes; the fused passes
     read this float32 value from their table). Exactly 1.0 for ``bc2 = 1``."""
-    one = torch.ones((), dtype=torch.float32)
-    return float(one / torch.tensor(math.sqrt(bc2), dtype=torch.float32))
+    # in Python floats, each result rounded to float32: a float64 quotient of float32 values rounds to
+    # the float32 quotient (double rounding is innocuous for division); no tensor read back
+    return _f32(1.0 / _f32(math.sqrt(bc2)))
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def stale_denominator(

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import Layout
+from .layout import Layout, inverse_world
 from .triton_kernels import (
     _INF,
     BOTH_PATHS,
@@ -335,7 +335,7 @@ def worker_compress_launches(x, e, msg, words, flag, ticket_, n: int, layout: La
 def server_reduce_launches(received, recv_words, e, out, out_words, flag, ticket_, layout: Layout):
     nb, warps = _tile_bytes(layout.block), _settings()[1]
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
-    inv_w = float(torch.tensor(1.0 / layout.W, dtype=torch.float32))
+    inv_w = inverse_world(layout.W)
     args = (
         received, recv_words, e, out, out_words, flag, ticket_, layout.chunk_bytes, layout.segment_bytes,
         seg_words, scale_word, layout.W, inv_w,

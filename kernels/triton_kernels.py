@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import Layout
+from .layout import Layout, inverse_world
 
 # constexpr so the compiler (and the interpreter) see plain constants
 _INF = tl.constexpr(float("inf"))
@@ -424,7 +424,7 @@ def server_reduce_launches(received, recv_words, e, out, out_words, partial, tic
     bb, warps = _settings()
     grid = server_partials(layout)
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
-    inv_w = float(torch.tensor(1.0 / layout.W, dtype=torch.float32))
+    inv_w = inverse_world(layout.W)
     args = (
         received, recv_words, e, out, out_words, partial, ticket, layout.chunk_bytes,
         layout.segment_bytes, seg_words, scale_word, layout.W, inv_w, layout.C,

@@ -92,8 +92,11 @@ class VarianceState:
         """Compressed parameter k's ``(floor, r, eps)``, from which the fused passes compute its stale
         denominator ``max(sqrt(v), floor) * r + eps`` (floor 0.0 without ``variance_floor``). The
         floors' values reach the host once per variance change (one synchronisation)."""
-        if self._floor_values is None:
-            self._floor_values = [0.0 if f is None else float(f) for f in self.sqrt_v_floors()]
+        if self._floor_values is None:  # every floor in one read (a GPU: one synchronisation, not one each)
+            floors = self.sqrt_v_floors()
+            known = [f for f in floors if f is not None]
+            values = iter(torch.stack([f.reshape(()) for f in known]).tolist() if known else [])
+            self._floor_values = [0.0 if f is None else float(next(values)) for f in floors]
         return self._floor_values[k], inverse_sqrt_bc2(self._stale_bc2(g)), float(g["eps"])
 
     def frozen_variance(self, k: int, p: torch.Tensor, g: dict):

@@ -1,0 +1,76 @@
+"""Host reads of tensor values per optimizer step on the GPU's path (issue 57): OnebitAdam and
+ZeroOneAdam with the Triton backend (under the interpreter on a CPU), on 2 gloo ranks, with 1 and with
+4 buckets: every step reads the same values whatever the bucket count, and a steady compression step
+reads two (the non-finite agreement's verdict and its count: what a device-side agreement is to
+remove). A read of a value into Python (``float``, ``int``, ``bool``, ``item``, ``tolist``) is a host
+synchronisation where the tensor lives on a GPU; counted here through patched methods."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.kernels.backends import use_backend
+from onebit.optimizers import OnebitAdam, ZeroOneAdam
+
+READS = ("__float__", "__int__", "__bool__", "item", "tolist")
+
+
+class _Reads:
+    """The reads during the block, by the library's line that made them."""
+
+    def __enter__(self):
+        self.where, self.saved = collections.Counter(), {n: getattr(torch.Tensor, n) for n in READS}
+        for n, fn in self.saved.items():
+            def counting(t, *a, _fn=fn, **k):
+                frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "onebit" in f.filename
+                              or "/optimizers/" in f.filename or "/kernels/" in f.filename
+                              or "/collectives/" in f.filename), None)
+                line = "?" if frame is None else f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                self.where[line] += 1
+                return _fn(t, *a, **k)
+            setattr(torch.Tensor, n, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for n, fn in self.saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def _body(name: str, cap: float):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)]
+    if name == "zero_one":
+        opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=4, var_update_scaler=1, bucket_cap_mb=cap)
+    else:
+        opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=cap)
+    g = torch.Generator().manual_seed(r)
+    rows = []
+    with use_backend("triton"):
+        for _ in range(9):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            stage = opt.stage
+            with _Reads() as reads:
+                opt.step()
+            rows.append((stage, sum(reads.where.values()), dict(reads.where)))
+    return len(opt.reducer().buckets), rows
+
+
+@pytest.mark.parametrize("name", ["adam", "zero_one"])
+def test_host_reads_per_step_do_not_grow_with_the_buckets(ranks, name):
+    pool = ranks(2)
+    (one, rows_1), _ = pool.run(_body, name, 1.0)
+    (four, rows_4), _ = pool.run(_body, name, 0.004)
+    assert (one, four) == (1, 4)
+    for t, (a, b) in enumerate(zip(rows_1, rows_4, strict=True)):
+        if t:  # (the first step's replica fingerprints: once)
+            assert a[:2] == b[:2], (t, a, b)
+    if name == "adam":
+        steady = rows_4[3:]
+        assert all(stage == "compression" and count == 2 for stage, count, _ in steady), steady
