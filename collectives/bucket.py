@@ -336,11 +336,15 @@ class BucketedReducer:
         if self._scratch is None:
             self._scratch = torch.empty(self._largest, dtype=torch.float32, device=self._device)
         out = self._scratch[: bucket.numel]
+        dst, src = [], []
         for t, off, size in zip(tensors, bucket.offsets, bucket.numels, strict=True):
             if t is None:
                 out[off : off + size].zero_()
             else:
-                out[off : off + size].copy_(t.reshape(-1))
+                dst.append(out[off : off + size])
+                src.append(t.reshape(-1))
+        if dst:  # one multi-tensor copy (a GPU: a few launches for the bucket, not one per tensor)
+            torch._foreach_copy_(dst, src)
         if communicate and self.world_size > 1 and bucket.numel:
             allreduce_mean_(out, self.group, self.world_size, self.traffic)
         return out
