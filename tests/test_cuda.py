@@ -238,3 +238,45 @@ def test_a_fused_table_refills_without_a_host_synchronisation():
     torch.cuda.synchronize()
     assert table.scal[:, 0].tolist() == [torch.tensor(1e-3 / 4).item()] * 2
     assert table.addr[0].tolist() == [y.data_ptr() for y in ys]
+
+
+def test_a_steady_compressed_step_synchronises_the_same_whatever_the_buckets():
+    # issue 57: OnebitAdam's compression stage on the fused Triton path (one rank's whole compute, the
+    # collectives as copies): host synchronisations per steady step, with 1 and with 8 buckets, counted by
+    # torch's sync debug mode. What remains is the non-finite agreement's verdict (one at W = 1), which the
+    # device-side agreement is to remove; the tables and the server's factor synchronise no more.
+    import warnings
+
+    from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
+    from onebit.optimizers import OnebitAdam
+
+    def local(tensor, worker_error, server_error, group=None):
+        _compressed_allreduce(tensor, worker_error, server_error, None, 1, None, LocalCopies(1))
+        return tensor
+
+    local.local_compute = 1
+    counts = {}
+    for cap in (100.0, 0.3):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(256, 256, device="cuda")) for _ in range(8)]
+        opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=cap)
+        opt.reducer().allreduce = local
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))  # new scalars every step
+        seen = []
+        for t in range(6):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            sched.step()
+            seen.append(sum("synchroniz" in str(w.message) for w in said))
+        counts[len(opt.reducer().buckets)] = seen
+    (one, many), (a, b) = sorted(counts), (counts[min(counts)], counts[max(counts)])
+    assert one == 1 and many >= 4, counts
+    assert a[3:] == b[3:] == [1, 1, 1], counts
