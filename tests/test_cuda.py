@@ -263,7 +263,7 @@ def test_a_steady_compressed_step_synchronises_the_same_whatever_the_buckets():
         opt.reducer().allreduce = local
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))  # new scalars every step
         seen = []
-        for t in range(6):
+        for _ in range(6):
             for p in params:
                 p.grad = torch.randn_like(p)
             torch.cuda.synchronize()
