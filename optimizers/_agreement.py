@@ -39,6 +39,7 @@ class Agreement:
                 "or broadcast rank 0's (DistributedDataParallel does that when it wraps the model)") from e
 
     def _describe(self) -> dict[str, Any]:
+        self._resolve_device_agreement()
         params = [p for g in self.param_groups for p in g["params"]]
         return {
             "optimizer": type(self).__name__,

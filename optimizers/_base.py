@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..collectives._group import group_size
+from ..collectives._group import group_size, warn_collective
 from ..collectives.bucket import BucketedReducer
 from ..collectives.mesh import flat_group, hierarchy, is_mesh
 from ..collectives.wire import Traffic, traffic
@@ -169,6 +169,11 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         self._cohorts: list[OnebitOptimizerBase] = []  # groups added after the first update (_cohorts.py)
         self._cohort = 0  # this optimizer's cohort: 0 for the one the user built
         self._ddp_averaged_params: set[int] = set()  # marked by the DDP hook for this step's cohorts
+        # the non-finite agreement on the device (optimizers/_device_agreement.py): None = on a GPU where
+        # it applies; the last such step's agreement until the host reads whether it skipped
+        self._device_agreement: bool | None = None
+        self._pending_agreement = None
+        self._on_device = None
         super().__init__(params, defaults)
         self.process_group = group
         # DTensor parameters (HSDP): compress across the mesh's replicate dimension, agree over
@@ -242,6 +247,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         return True
 
     def _step(self, check: bool) -> None:
+        self._resolve_device_agreement()
         if self._state_initialisation():
             return
         if not self._ddp_checked:
@@ -254,6 +260,16 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         if overlap is None or not overlap.wanted():
             if check:
                 self.verify_ranks()
+            agreement = self._agreement_on_device()
+            if agreement is not None:  # no host synchronisation: a skip is learnt at the next step
+                self._on_device = agreement
+                try:
+                    self._take_step()
+                finally:
+                    self._on_device = None
+                agreement.finish()
+                self._pending_agreement = agreement
+                return
             try:
                 prepare = self.nonfinite is not None and not self._grads_verified
                 verdict = self._prepare_step() if prepare else None
@@ -333,6 +349,30 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
     def _take_step(self) -> None:
         """The optimizer's update, on gradients every rank has agreed are usable."""
         raise NotImplementedError
+
+    def _agreement_on_device(self):
+        """This step's :class:`~onebit.optimizers._device_agreement.DeviceAgreement`, where the step can
+        agree on the device (None: the host agreement). The optimizers that can say so override it."""
+        return None
+
+    def _may_agree_on_device(self, device: torch.device) -> bool:
+        """The settings under which a step may agree on the device (module _device_agreement)."""
+        wanted = self._device_agreement if self._device_agreement is not None else device.type == "cuda"
+        return (wanted and self.nonfinite == "skip" and not self._grads_verified and not self._foreign_state
+                and self._overlap is None and not self._cohorts and self._sharding is None
+                and not any(g.get("non_freeze", False) for g in self.param_groups))
+
+    def _resolve_device_agreement(self) -> None:
+        """Learn whether the last step that agreed on the device was skipped: then it did not count
+        (``updates`` back by one), ``skipped_steps`` counts it and group rank 0 says so."""
+        pending, self._pending_agreement = getattr(self, "_pending_agreement", None), None
+        if pending is None or not pending.skipped_step():
+            return
+        self.updates -= 1
+        self.skipped_steps += 1
+        warn_collective(f"onebit: step skipped on every rank: a non-finite gradient at the {self.stage} step "
+                        f"after {self.updates} updates (agreed on the device: the ranks are not named, and "
+                        "this is said at the next step)", RuntimeWarning, self.control_group)
 
     def _prepare_step(self) -> bool | None:
         """The step's first phase before the ranks agree on the gradients, where an optimizer can
@@ -415,9 +455,10 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         self._reducer.on_materialise = self._bind_state
         self._bind_state()
 
-    def _cohorts_pre_state_dict(self) -> None:
+    def _cohorts_pre_state_dict(self) -> None:  # (and the last step's agreement, first)
         """The cohorts' own state-dict pre-hooks (ZeroOneAdam's wake from rest), before the root's
         ``state_dict()`` reads their state."""
+        self._resolve_device_agreement()
         for cohort in self._cohorts:
             for hook in cohort._optimizer_state_dict_pre_hooks.values():
                 hook(cohort)

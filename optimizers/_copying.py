@@ -51,6 +51,7 @@ class Copying:
             raise TypeError(f"{how}: an optimizer built with overlap=True cannot be copied (its backward "
                             f"hooks on the parameters hold it); build a new one and "
                             f"load_state_dict(state_dict())")
+        self._resolve_device_agreement()  # (its event and pinned flag are not copied)
         return {k: v for k, v in self.__dict__.items() if not k.endswith("_cache")}
 
     def __getstate__(self) -> dict:

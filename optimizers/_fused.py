@@ -145,10 +145,16 @@ class AdamStep:
                     "param": [p for _, p, _ in items]},
                    [adam.rows(g, t, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None):
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, poison=None):
         if self.backend == "native":
             return adam.NativePasses(table, clip, msg, kept=kept, n=n, tails=tails)
-        return adam.TritonPasses(table, clip)
+        return adam.TritonPasses(table, clip, poison)
+
+    def agrees_on_device(self) -> bool:
+        """Whether this step can take the agreement on the device (optimizers/_device_agreement.py):
+        Triton passes, every bucket's momentum kept as its message (a skipped step keeps it)."""
+        return (self.backend == "triton" and self.MESSAGE
+                and all(b.message is not None for b in self.reducer.buckets if b.numel))
 
     def forget(self) -> None:
         """The momentum was written elsewhere (the unfused step): no message restores it now."""
@@ -227,6 +233,7 @@ class AdamStep:
         self.messages: list = [None] * len(reducer.buckets)
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
+        agreement = getattr(opt, "_on_device", None)  # the step's agreement on the device, or None
         for k, (b, table) in enumerate(zip(reducer.buckets, self.tables, strict=True)):
             if not b.numel:
                 continue
@@ -235,7 +242,8 @@ class AdamStep:
             native_kept = self.backend == "native" and b.message is not None
             msg, tails = (None, None) if ready is None else ready[k]
             passes = self._passes(table, clip, msg, kept=b.message if native_kept else None, n=b.numel,
-                                  tails=tails)
+                                  tails=tails, poison=None if agreement is None else agreement.poison)
+            old = b.message
             u = self._momentum(b)
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
                 compressed_allreduce_passes(u, b.worker_error, b.server_error, reducer.group,
@@ -243,7 +251,10 @@ class AdamStep:
             reducer.count_compressed(b)
             if self.RECORD:
                 self.messages[k] = (passes.gathered, passes.layout)
-            if self.MESSAGE:
+            if agreement is not None:  # a skipped step keeps the old message (its decode: the momentum)
+                kept = agreement.keep(passes.gathered, passes.layout, old[0])
+                reducer.keep_as_message(b, kept, passes.layout)
+            elif self.MESSAGE:
                 reducer.keep_as_message(b, passes.gathered, passes.layout)
             elif self.backend == "native":
                 self.last[k] = (passes.gathered, passes.layout, b.flat._version)
@@ -268,8 +279,8 @@ class ZeroOneStep(AdamStep):
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
                    [zero_one.rows(g, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None):
-        if self.backend == "native":
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, poison=None):
+        if self.backend == "native":  # (poison: ZeroOneAdam agrees on the host)
             kind = zero_one.NativeSyncPasses if self.SYNC else zero_one.NativePasses
             return kind(table, clip, msg)
         return zero_one.TritonPasses(table, clip, self.SYNC)

@@ -37,6 +37,7 @@ class Telemetry:
         ``state_bytes_per_parameter``, the optimizer's state counted from outside as
         :func:`onebit.memory.bytes_per_parameter` counts it (every tensor reachable from the
         optimizer, parameters and gradients left out; docs/optimizers.md's table)."""
+        self._resolve_device_agreement()  # a skip agreed on the device is counted by now
         out = {name: getattr(self, name) for name in self.COUNTERS}
         out.pop("freeze_state", None)
         left = self.steps_to_compression()

@@ -9,6 +9,7 @@ from ..kernels import cpu_fused
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
 from ._cohorts import options
+from ._device_agreement import DeviceAgreement
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
 
@@ -159,6 +160,19 @@ class OnebitAdam(WarmupThenCompress):
         if not _fused.applies(self, reducer, pairs):
             return None
         return _fused.prepared_verdict(self, self._fused_plan(reducer), pairs)
+
+    def _agreement_on_device(self):
+        """The step's agreement on the device where it applies (optimizers/_device_agreement.py): the
+        fused Triton compression step over momenta kept as messages."""
+        if not self.compressing:
+            return None
+        reducer = self.reducer()
+        if not self._may_agree_on_device(reducer.device):
+            return None
+        pairs = self.compressed_params()
+        if not _fused.applies(self, reducer, pairs) or not self._fused_plan(reducer).agrees_on_device():
+            return None
+        return DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
 
     def _abandon_step(self) -> None:
         plan = getattr(self, "_fused_cache", None)

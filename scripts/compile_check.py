@@ -114,12 +114,14 @@ def fused_launches(N: int, W: int):
     layout, table = Layout(N, W), mock_table(3, N)
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
         tag = f"fused{align}"
-        for launch in adam.fold_worker_launches(T(f32), T(f32), T(u8), T(f32), T(f64), T(torch.int32), table,
-                                                n, layout):
-            yield tag, launch
-        for launch in adam.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), table, n, layout,
-                                                      1.0):
-            yield tag, launch
+        for poison in (None, T(f32)):  # the step's agreement on the device (issue 57): poison and gate
+            agreed = "" if poison is None else ", agreed on the device"
+            for launch in adam.fold_worker_launches(T(f32), T(f32), T(u8), T(f32), T(f64), T(torch.int32),
+                                                    table, n, layout, poison):
+                yield tag + agreed, launch
+            for launch in adam.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), table, n,
+                                                          layout, 1.0, gate=poison is not None):
+                yield tag + agreed, launch
 
 
 def zoa_launches(N: int, W: int):

@@ -41,7 +41,7 @@ class _Reads:
             setattr(torch.Tensor, n, fn)
 
 
-def _body(name: str, cap: float):
+def _body(name: str, cap: float, on_device: bool = False):
     r = dist.get_rank()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)]
@@ -49,6 +49,7 @@ def _body(name: str, cap: float):
         opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=4, var_update_scaler=1, bucket_cap_mb=cap)
     else:
         opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=cap)
+    opt._device_agreement = on_device  # (a GPU's default; here forced on the CPU)
     g = torch.Generator().manual_seed(r)
     rows = []
     with use_backend("triton"):
@@ -74,3 +75,12 @@ def test_host_reads_per_step_do_not_grow_with_the_buckets(ranks, name):
     if name == "adam":
         steady = rows_4[3:]
         assert all(stage == "compression" and count == 2 for stage, count, _ in steady), steady
+
+
+def test_the_agreement_on_the_device_reads_nothing_back_in_a_steady_step(ranks):
+    # OnebitAdam's compression steps with the agreement on the device (optimizers/_device_agreement.py):
+    # the only read is the previous step's skip flag, from pinned host memory (no synchronisation)
+    (buckets, rows), _ = ranks(2).run(_body, "adam", 0.004, True)
+    assert buckets == 4
+    for stage, _, where in rows[4:]:
+        assert stage == "compression" and all(f.startswith("_device_agreement") for f in where), where

@@ -83,11 +83,12 @@ def rows(group: dict, t: int, denominator: tuple[float, float, float]) -> tuple[
 def _fold_worker_kernel(
     u_ptr, e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
     scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word,
-    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr,
+    poison_ptr, BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, POISON: tl.constexpr,
 ):
     # u <- b1 u + ((1 - b1) g) / d for the elements of each tensor (g = 0 where its gradient is
     # None); then as _worker_pack_kernel on z = pad(u) + e: packed sgn(z), one float64 partial norm
-    # per program, the last program writes the scale
+    # per program, the last program writes the scale. POISON: z + poison, poison 0 or NaN (this rank's
+    # gradients not all finite: the scale NaN, which the collectives carry to every rank, issue 57)
     pid = tl.program_id(0)
     g, i, idx, live, in_x = elements(n, total_bytes, BLOCK_BYTES)
     u = tl.load(u_ptr + idx, mask=in_x, other=0.0)
@@ -102,6 +103,8 @@ def _fold_worker_kernel(
     u = u * b1 + tl.div_rn(w * grad, den)  # fold_preconditioned_: u.mul_(b1), u + (w * g) / d
     tl.store(u_ptr + idx, u, mask=in_x)
     z = u + tl.load(e_ptr + idx, mask=live, other=0.0)
+    if POISON:
+        z = z + tl.load(poison_ptr)
     encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
                 length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
 
@@ -110,10 +113,11 @@ def _fold_worker_kernel(
 def _decompress_update_kernel(
     g_ptr, g_words_ptr, u_ptr, e_ptr, w_words_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
     scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip,
-    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, GATE: tl.constexpr,
 ):
     # as _decompress_kernel with HAS_ERROR (the deferred worker error update if every scale is
-    # finite, then u <- s_j sgn), then p <- p (1 - lr wd) + (-lr) clamp(u / bc1, -clip, clip)
+    # finite, then u <- s_j sgn), then p <- p (1 - lr wd) + (-lr) clamp(u / bc1, -clip, clip);
+    # GATE: p too only if every scale is finite (the step skipped on the device, issue 57)
     pid = tl.program_id(0)  # int32 indices: the caller keeps N < 2^31
     ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
     idx, live, val = decoded_rows(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
@@ -130,60 +134,72 @@ def _decompress_update_kernel(
                           propagate_nan=tl.PropagateNan.ALL)
         p = tl.load(pp, mask=mine, other=0.0)
         p = p * scalar(scal_ptr, k, _DECAY) + scalar(scal_ptr, k, _NEG_LR) * step
-        tl.store(pp, p, mask=mine)
+        if GATE:
+            if ok:
+                tl.store(pp, p, mask=mine)
+        else:
+            tl.store(pp, p, mask=mine)
 
 
-def fold_worker_launches(u, e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout):
+def fold_worker_launches(u, e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout,
+                        poison: torch.Tensor | None = None):
     t = tiles(table, layout.N)
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
     return [Launch(_fold_worker_kernel, programs(layout.N),
                    (u, e, msg, partial, ticket_, t.lo, t.hi, table.start, table.count, table.addr, table.K,
                     table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.N, words,
-                    layout.W, seg_words, scale_word),
-                   dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=_FINAL_BLOCK), WARPS)]
+                    layout.W, seg_words, scale_word, partial if poison is None else poison),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=_FINAL_BLOCK, POISON=poison is not None), WARPS)]
 
 
 def decompress_update_launches(gathered, g_words, u, e, w_words, table: Table, n: int, layout: Layout,
-                               clip: float):
+                               clip: float, gate: bool = False):
     t = tiles(table, layout.N)
     return [Launch(_decompress_update_kernel, programs(layout.N),
                    (gathered, g_words, u, e, w_words, t.lo, t.hi, table.start, table.count, table.addr,
                     table.K, table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes,
                     layout.segment_bytes // 4, layout.scale_offset // 4, layout.W, clip),
-                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128), WARPS)]
+                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, GATE=gate), WARPS)]
 
 
-def fold_worker(u: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.Tensor, table: Table) -> None:
+def fold_worker(u: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.Tensor, table: Table,
+                poison: torch.Tensor | None = None) -> None:
     """The worker pass over a bucket in Triton: fold every tensor's gradient into u (flat, n
-    elements), then compress ``pad(u) + e`` into ``msg`` as ``worker_compress(update_error=False)``."""
+    elements), then compress ``pad(u) + e`` into ``msg`` as ``worker_compress(update_error=False)``.
+    ``poison``: a float32 scalar on the device, 0 or NaN, added to every z (NaN: the message's scale NaN)."""
     partial = _partials(programs(layout.N), e.device)
     for launch in fold_worker_launches(u, e, msg, msg.view(torch.float32), partial, ticket(e.device), table,
-                                       u.numel(), layout):
+                                       u.numel(), layout, poison):
         launch()
 
 
 def decompress_update(gathered: torch.Tensor, layout: Layout, u: torch.Tensor, e: torch.Tensor,
-                      msg: torch.Tensor, table: Table, clip: float) -> None:
+                      msg: torch.Tensor, table: Table, clip: float, gate: bool = False) -> None:
     """The decompress pass over a bucket in Triton: ``decompress(gathered, u, worker_error=e,
-    worker_message=msg)``, then every tensor's update from its part of u (``clip``: inf for none)."""
+    worker_message=msg)``, then every tensor's update from its part of u (``clip``: inf for none).
+    ``gate``: the parameters too only where every gathered scale is finite."""
     for launch in decompress_update_launches(gathered, gathered.view(torch.float32), u, e,
-                                             msg.view(torch.float32), table, u.numel(), layout, clip):
+                                             msg.view(torch.float32), table, u.numel(), layout, clip, gate):
         launch()
 
 
 class TritonPasses:
-    """``compressed_allreduce_passes``' worker and finish in the Triton passes."""
+    """``compressed_allreduce_passes``' worker and finish in the Triton passes. ``poison`` (a float32
+    scalar on the device, 0 or NaN): the step's agreement on the device (issue 57): a NaN makes this
+    rank's message scales NaN, so every rank's gathered scales are, and the decompress pass then leaves
+    the error and the parameters as they were."""
 
-    def __init__(self, table: Table, clip: float) -> None:
-        self.table, self.clip = table, clip
+    def __init__(self, table: Table, clip: float, poison: torch.Tensor | None = None) -> None:
+        self.table, self.clip, self.poison = table, clip, poison
         self.gathered = self.layout = None
 
     def worker(self, flat, worker_error, layout, msg) -> None:
-        fold_worker(flat, worker_error, layout, msg, self.table)
+        fold_worker(flat, worker_error, layout, msg, self.table, self.poison)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         self.gathered, self.layout = gathered, layout  # kept: the momentum's message
-        decompress_update(gathered, layout, flat, worker_error, msg, self.table, self.clip)
+        decompress_update(gathered, layout, flat, worker_error, msg, self.table, self.clip,
+                          gate=self.poison is not None)
 
 
 # ---- native C (kernels/fused/adam.c) -----------------------------------------------------------

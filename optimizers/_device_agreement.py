@@ -1,0 +1,74 @@
+"""The non-finite agreement on the device (issue 57): OnebitAdam's steady compression step on a GPU
+without a host synchronisation for it.
+
+The host agreement (optimizers/_agreement.py) reads this rank's verdict on its gradients (``bool``),
+all-reduces a count and reads it back (``int``) before any state changes: with NCCL, two or three
+synchronisations per step, each making the host wait for backward before it can issue the step. Here
+the verdict never leaves the device:
+
+- this rank's gradients are checked as the host check does (a norm per tensor, summed), into a float32
+  ``poison``: 0, or NaN where the sum is not finite;
+- the fused worker pass adds it to every encoded value, so a poisoned rank's messages carry NaN scales;
+  the collectives hand them to every rank: the server scales of every bucket are NaN on every rank
+  (the server's error update already skips a non-finite received scale), so is every gathered message;
+- the decompress pass already leaves the worker error as it was under a non-finite gathered scale; with
+  the gate it leaves the parameters too; the momentum, kept as the last gathered message, stays the old
+  message (a select on the device);
+- the host learns of the skip at the next step (or ``stats()``, ``state_dict()``, ``verify_ranks``):
+  the flag, copied to pinned memory after the step, is long complete by then; the update count goes
+  back by one, ``skipped_steps`` counts it, and group rank 0 warns, without naming the ranks (the
+  messages do not say which rank poisoned them).
+
+The run is bitwise the host agreement's, skipped steps included (tests/test_device_agreement.py).
+Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton step with the momentum
+kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
+``overlap``; everything else (the warm-up, ``nonfinite="raise"``) agrees on the host. Two differences,
+both on steps that the host would also not take as they are: the ranks are not named, and a finite
+gradient whose norm overflows float32 (all entries finite, their sum of squares not) skips the step
+(the host check then tests every element and takes it, with non-finite values in its update).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _multi
+
+
+class DeviceAgreement:
+    """One step's agreement on the device (module docstring)."""
+
+    def __init__(self, grads: list[torch.Tensor], device: torch.device) -> None:
+        if grads:
+            partials = torch._foreach_norm(grads) if _multi.applies(grads) else [g.sum() for g in grads]
+            finite = torch.isfinite(torch.stack(partials).sum())
+        else:
+            finite = torch.ones((), dtype=torch.bool, device=device)
+        self.poison = torch.where(finite, 0.0, float("nan")).to(device=device, dtype=torch.float32)
+        self.skipped = torch.zeros((), dtype=torch.bool, device=device)
+        self._host: torch.Tensor | None = None
+        self._event = None
+
+    def keep(self, gathered: torch.Tensor, layout, old: torch.Tensor) -> torch.Tensor:
+        """The message a bucket keeps as its momentum: ``gathered``, or ``old`` where a gathered scale is
+        not finite (the step skipped); notes the skip."""
+        from ..kernels.layout import message_scales
+
+        fine = torch.isfinite(message_scales(gathered, layout)).all()
+        self.skipped |= ~fine
+        return torch.where(fine, gathered, old)
+
+    def finish(self) -> None:
+        """After the step: the flag on its way to the host (pinned memory, no wait)."""
+        cuda = self.skipped.device.type == "cuda"
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=cuda)
+        self._host.copy_(self.skipped, non_blocking=cuda)
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def skipped_step(self) -> bool:
+        """Whether the step was skipped (waits for the flag's copy, long done by the next step)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host)

@@ -1,0 +1,74 @@
+"""The non-finite agreement on the device (issue 57; optimizers/_device_agreement.py): OnebitAdam's
+steady compression step on the fused Triton path (here under the interpreter, on 2 and 3 gloo ranks)
+agrees without reading anything back: a NaN gradient on one rank poisons its messages' scales, every
+rank's decompress pass leaves the error and the parameters, and the momentum keeps its old message.
+The run is bitwise the host agreement's, skipped steps included, with and without bias correction; the
+host learns of the skip at the next step (or at ``stats()``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.kernels.backends import use_backend
+from onebit.optimizers import OnebitAdam
+
+SHAPES = [(40, 30), (17,), (5, 7, 3), (300,)]
+STEPS = 9
+
+
+def _body(device_side: bool, bad_step: int | None, bias_correction: bool, stats_after_bad: bool):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OnebitAdam(params, lr=1e-2, weight_decay=0.01, freeze_step=2, bias_correction=bias_correction,
+                     bucket_cap_mb=0.004)  # several buckets
+    opt._device_agreement = device_side
+    g = torch.Generator().manual_seed(100 + r)
+    on_device, said, skipped_seen = [], [], None
+    with use_backend("triton"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(STEPS):
+            grads = [torch.randn(s, generator=g) for s in SHAPES]
+            if t == bad_step and r == 1:
+                grads[2].view(-1)[4] = float("nan")
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+            opt.step()
+            on_device.append(opt._pending_agreement is not None)
+            if t == bad_step and stats_after_bad:
+                skipped_seen = opt.stats()["skipped_steps"]
+        state = opt.state_dict()  # (learns of a skip at the last step first)
+        said = [str(w.message) for w in caught if "step skipped" in str(w.message)]
+    errors = [e.clone() for pair in opt.reducer().errors() for e in pair]
+    return {"params": [p.detach().clone() for p in params], "errors": errors,
+            "exp_avg": [state["state"][k]["exp_avg"].clone() for k in range(len(SHAPES))],
+            "updates": opt.updates, "skipped": opt.skipped_steps, "on_device": on_device, "said": said,
+            "skipped_seen": skipped_seen}
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("bad_step, bias_correction",
+                         [(None, False), (5, False), (5, True), (STEPS - 1, True)])
+def test_the_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, bias_correction):
+    pool = ranks(W)
+    stats_after = bad_step == 5 and not bias_correction
+    device = pool.run(_body, True, bad_step, bias_correction, stats_after)
+    host = pool.run(_body, False, bad_step, bias_correction, stats_after)
+    for r, (a, b) in enumerate(zip(device, host, strict=True)):
+        for key in ("params", "errors", "exp_avg"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert torch.equal(x, y), (r, key)
+        assert a["updates"] == b["updates"] == STEPS - (bad_step is not None)
+        assert a["skipped"] == b["skipped"] == (bad_step is not None)
+        # the device agreement ran from the second compressed step on (kept messages), never on the host's
+        assert a["on_device"] == [False] * 3 + [True] * (STEPS - 3) and not any(b["on_device"])
+        if stats_after:
+            assert a["skipped_seen"] == b["skipped_seen"] == 1
+        said = a["said"]
+        assert len(said) == (bad_step is not None and r == 0), said
+        if said:
+            assert "agreed on the device" in said[0]
