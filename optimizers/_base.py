@@ -172,7 +172,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         # the non-finite agreement on the device (optimizers/_device_agreement.py): None = on a GPU where
         # it applies; the last such step's agreement until the host reads whether it skipped
         self._device_agreement: bool | None = None
-        self._pending_agreement = None
+        self._pending_agreements: list = []
         self._on_device = None
         super().__init__(params, defaults)
         self.process_group = group
@@ -247,7 +247,8 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         return True
 
     def _step(self, check: bool) -> None:
-        self._resolve_device_agreement()
+        # the earlier steps' flags that have arrived (all of them where the update count enters this step)
+        self._resolve_device_agreement(wait=self._counts_enter_update())
         if self._state_initialisation():
             return
         if not self._ddp_checked:
@@ -268,7 +269,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
                 finally:
                     self._on_device = None
                 agreement.finish()
-                self._pending_agreement = agreement
+                self._pending_agreements.append(agreement)
                 return
             try:
                 prepare = self.nonfinite is not None and not self._grads_verified
@@ -362,17 +363,26 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
                 and self._overlap is None and not self._cohorts and self._sharding is None
                 and not any(g.get("non_freeze", False) for g in self.param_groups))
 
-    def _resolve_device_agreement(self) -> None:
-        """Learn whether the last step that agreed on the device was skipped: then it did not count
-        (``updates`` back by one), ``skipped_steps`` counts it and group rank 0 says so."""
-        pending, self._pending_agreement = getattr(self, "_pending_agreement", None), None
-        if pending is None or not pending.skipped_step():
-            return
-        self.updates -= 1
-        self.skipped_steps += 1
-        warn_collective(f"onebit: step skipped on every rank: a non-finite gradient at the {self.stage} step "
-                        f"after {self.updates} updates (agreed on the device: the ranks are not named, and "
-                        "this is said at the next step)", RuntimeWarning, self.control_group)
+    def _counts_enter_update(self) -> bool:
+        """Whether the next update's arithmetic reads the update count (a bias correction): then a skip
+        agreed on the device must be counted first."""
+        return any(g.get("bias_correction", False) for g in self.param_groups)
+
+    def _resolve_device_agreement(self, wait: bool = True) -> None:
+        """Learn whether the steps that agreed on the device were skipped: a skipped one did not count
+        (``updates`` back by one), ``skipped_steps`` counts it and group rank 0 says so. ``wait=False``:
+        only the flags that have arrived (the others stay pending: no wait for the device; a rank may then
+        count a skip a step after another, where the count enters no arithmetic). The flags are the
+        gathered messages', alike on every rank."""
+        pending = getattr(self, "_pending_agreements", [])
+        while pending and (wait or pending[0].arrived()):
+            if pending.pop(0).skipped_step():
+                self.updates -= 1
+                self.skipped_steps += 1
+                warn_collective(f"onebit: step skipped on every rank: a non-finite gradient at the "
+                                f"{self.stage} step after {self.updates} updates (agreed on the device: the "
+                                "ranks are not named, and this is said at a later step)", RuntimeWarning,
+                                self.control_group)
 
     def _prepare_step(self) -> bool | None:
         """The step's first phase before the ranks agree on the gradients, where an optimizer can

@@ -14,9 +14,10 @@ the verdict never leaves the device:
 - the decompress pass already leaves the worker error as it was under a non-finite gathered scale; with
   the gate it leaves the parameters too; the momentum, kept as the last gathered message, stays the old
   message (a select on the device);
-- the host learns of the skip at the next step (or ``stats()``, ``state_dict()``, ``verify_ranks``):
-  the flag, copied to pinned memory after the step, is long complete by then; the update count goes
-  back by one, ``skipped_steps`` counts it, and group rank 0 warns, without naming the ranks (the
+- the host learns of the skip at a later step, once the flag (copied to pinned memory after the step)
+  has arrived, without waiting for it, or waits for it where the next update reads the update count (a
+  bias correction), and at ``stats()``, ``state_dict()``, ``verify_ranks`` and a copy: the update count
+  goes back by one, ``skipped_steps`` counts it, and group rank 0 warns, without naming the ranks (the
   messages do not say which rank poisoned them).
 
 The run is bitwise the host agreement's, skipped steps included (tests/test_device_agreement.py).
@@ -66,6 +67,10 @@ class DeviceAgreement:
         if cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+
+    def arrived(self) -> bool:
+        """Whether the flag is on the host (no wait)."""
+        return self._event is None or self._event.query()
 
     def skipped_step(self) -> bool:
         """Whether the step was skipped (waits for the flag's copy, long done by the next step)."""

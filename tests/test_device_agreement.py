@@ -38,7 +38,7 @@ def _body(device_side: bool, bad_step: int | None, bias_correction: bool, stats_
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
             opt.step()
-            on_device.append(opt._pending_agreement is not None)
+            on_device.append(bool(opt._pending_agreements))
             if t == bad_step and stats_after_bad:
                 skipped_seen = opt.stats()["skipped_steps"]
         state = opt.state_dict()  # (learns of a skip at the last step first)
