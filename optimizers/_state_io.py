@@ -85,6 +85,7 @@ class StateIO:
                 state_dict["state"][key] = entry
 
     def _stash_loaded_state(self, state_dict: dict) -> dict:
+        self._resolve_device_agreement()  # a skip agreed on the device belongs to the state being replaced
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         # masks are configuration: the ones given at construction win over a checkpoint
@@ -138,6 +139,7 @@ class StateIO:
     def load_rank_state(self, extra: dict) -> None:
         """Restore :meth:`rank_state` now, and again at the next ``load_state_dict`` whose state
         has no ``"onebit"`` entry (torch's ``set_optimizer_state_dict`` loads one after DCP)."""
+        self._resolve_device_agreement()
         self._apply_rank_state(extra)
         if self._cohorts:
             self._restore_cohorts(extra.get("cohorts"))

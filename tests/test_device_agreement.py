@@ -72,3 +72,31 @@ def test_the_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, bi
         assert len(said) == (bad_step is not None and r == 0), said
         if said:
             assert "agreed on the device" in said[0]
+
+
+def _body_load_after_skip():
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=2, bucket_cap_mb=0.004)
+    opt._device_agreement = True
+    g = torch.Generator().manual_seed(100 + r)
+    with use_backend("triton"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        saved = opt.state_dict()  # 5 updates
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        params[0].grad.view(-1)[0] = float("nan") if r == 1 else 0.0
+        opt.step()  # skipped on the device: pending until a later call
+        opt.load_state_dict(saved)
+        stats = opt.stats()  # (learns of whatever is pending)
+    return stats["updates"], stats["skipped_steps"]
+
+
+def test_a_skip_pending_at_a_load_belongs_to_the_state_replaced(ranks):
+    for updates, skipped in ranks(2).run(_body_load_after_skip):
+        assert (updates, skipped) == (5, 0)
