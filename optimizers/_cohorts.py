@@ -123,10 +123,26 @@ class Cohorts:
         for cohort in self._cohorts:
             entry = cohort._extra_entry()
             entry.pop("traffic")  # counted with the root's
-            entry.update(cohort=cohort._cohort, joined_at=cohort.joined_at)
+            ids = {id(g) for g in cohort.param_groups}
+            entry.update(cohort=cohort._cohort, joined_at=cohort.joined_at,
+                         groups=[i for i, g in enumerate(self.param_groups) if id(g) in ids])
             entries.append(entry)
             cohort._add_kept_momenta(state_dict, cohort.reducer(), params)
         return entries
+
+    def _mark_cohorts(self, extra: dict | None) -> None:
+        """Where the loaded groups carry no cohort marks but this rank's state names its cohorts' groups
+        (a DCP load: torch's helpers load the group keys the target has, and a script that builds every
+        group at once has none), mark them from it."""
+        entries = (extra or {}).get("cohorts") or []
+        if any("cohort" in g for g in self.param_groups) or not entries:
+            return
+        n = len(self.param_groups)
+        if not all(0 <= i < n for e in entries for i in e.get("groups", [-1])):
+            return  # another model's state: the load keeps one optimizer (and resets the errors)
+        for e in entries:
+            for i in e["groups"]:
+                self.param_groups[i]["cohort"] = e["cohort"]
 
     def _regroup(self) -> None:
         """After ``load_state_dict`` (torch replaced ``param_groups`` and ``state``): the cohorts the

@@ -111,6 +111,11 @@ class StateIO:
         for g, mask in zip(self.param_groups, pending["masks"], strict=True):
             g["exp_avg_mask"] = mask
         params = [p for g in self.param_groups for p in g["params"]]
+        extra = pending["extra"]
+        if extra is None:  # DCP's optimizer state keeps no "onebit" entry: RankState brought this rank's
+            extra = self._rank_state_loaded
+        self._rank_state_loaded = None
+        self._mark_cohorts(extra)  # (DCP loads no group key the target lacks: the cohorts' groups from extra)
         self._regroup()  # the cohorts the loaded groups name (optimizers/_cohorts.py)
         self.reducer()
         self._bind_state()  # torch replaced self.state: the buckets' views go back in
@@ -123,10 +128,6 @@ class StateIO:
                 else:
                     dtype = torch.float64 if name in self.SCALAR_STATE else torch.float32
                     state[name] = value.to(device=p.device, dtype=dtype).clone()
-        extra = pending["extra"]
-        if extra is None:  # DCP's optimizer state keeps no "onebit" entry: RankState brought this rank's
-            extra = self._rank_state_loaded
-        self._rank_state_loaded = None
         self._apply_rank_state(extra)
         self._restore_cohorts(None if extra is None else extra.get("cohorts"))
 

@@ -254,3 +254,53 @@ def test_a_group_added_before_the_first_update_joins_the_optimizers_own_buckets(
     assert not opt._cohorts and "cohorts" not in opt.stats()
     for a, b in zip(A + B, A2 + B2, strict=True):
         assert torch.equal(a, b)
+
+
+def _body_dcp(directory: str):
+    """Through torch's DCP helpers with onebit's RankState: they load only the group keys that the
+    resuming optimizer's own state dict has, so the cohorts come back from this rank's state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import onebit.checkpoint
+
+    r = _rank()
+
+    def model(seed=0):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def train(m, opt, t0, t1):
+        for t in range(t0, t1):
+            if t == 3 and len(opt.param_groups) == 1:
+                opt.add_param_group({"params": list(m[2].parameters()), "lr": B_LR})
+            g = torch.Generator().manual_seed(100 * t + r)
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            m.zero_grad()
+
+    m = model()
+    opt = OnebitAdam(m[0].parameters(), lr=1e-2, freeze_step=2)
+    train(m, opt, 0, 10)
+    straight = [p.detach().clone() for p in m.parameters()]
+    m = model()
+    opt = OnebitAdam(m[0].parameters(), lr=1e-2, freeze_step=2)
+    train(m, opt, 0, 6)
+    msd, osd = get_state_dict(m, opt)
+    saved = {"model": msd, "optim": osd, "onebit": onebit.checkpoint.RankState(opt)}
+    dcp.save(saved, checkpoint_id=directory)
+    m = model(seed=1)  # other weights: the checkpoint brings them back
+    opt = OnebitAdam([{"params": list(m[0].parameters())}, {"params": list(m[2].parameters()), "lr": B_LR}],
+                     lr=1e-2, freeze_step=2)
+    msd, osd = get_state_dict(m, opt)
+    state = {"model": msd, "optim": osd, "onebit": onebit.checkpoint.RankState(opt)}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    cohorts, foreign = len(opt._cohorts), opt._foreign_state
+    train(m, opt, 6, 10)
+    return cohorts, foreign, all(torch.equal(a, b) for a, b in zip(straight, m.parameters(), strict=True))
+
+
+def test_a_checkpoint_through_dcp_brings_the_cohorts_back(ranks, tmp_path):
+    assert ranks(2).run(_body_dcp, str(tmp_path)) == [(1, False, True)] * 2
