@@ -166,8 +166,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
         return doubling if freeze is None else min(doubling, freeze)
 
     @property
-    def replicas_identical(self) -> bool:
-        return self.last_sync == self.updates
+    def replicas_identical(self) -> bool:  # and every cohort's (groups added later: their own syncs)
+        return self.last_sync == self.updates and all(c.replicas_identical for c in self._cohorts)
 
     def wants_averaged_gradients(self) -> bool:
         return self.phase == 1 and (self.updates + 1) % self.var_interval == 0

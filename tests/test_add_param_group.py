@@ -304,3 +304,32 @@ def _body_dcp(directory: str):
 
 def test_a_checkpoint_through_dcp_brings_the_cohorts_back(ranks, tmp_path):
     assert ranks(2).run(_body_dcp, str(tmp_path)) == [(1, False, True)] * 2
+
+
+def _body_zoa_identical():
+    """0/1 Adam with a cohort: after each step, whether it says the replicas are identical, whether the
+    root alone is synchronised, and the parameters."""
+    r = _rank()
+    A, B = _params(A_SHAPES, 0), _params(B_SHAPES, 1)
+    opt = _make("zero_one", A)
+    rows = []
+    for t in range(STEPS + 8):
+        if t == JOIN:
+            opt.add_param_group({"params": B, "lr": B_LR})
+        _give(A, _grads(A_SHAPES, t, r, 1))
+        if t >= JOIN:
+            _give(B, _grads(B_SHAPES, t, r, 2))
+        opt.step()
+        rows.append((opt.replicas_identical, opt.last_sync == opt.updates,
+                     torch.cat([p.detach().reshape(-1) for p in A + B])))
+    return rows
+
+
+def test_zero_one_adam_says_replicas_are_identical_only_when_its_cohorts_synchronised_too(ranks):
+    got = ranks(2).run(_body_zoa_identical)
+    for t, (mine, theirs) in enumerate(zip(*got, strict=True)):
+        assert mine[0] == theirs[0]
+        if mine[0]:
+            assert torch.equal(mine[2], theirs[2]), t
+    # the root alone synchronised while the cohort was between its synchronisations: not identical
+    assert any(root and not said for said, root, _ in got[0]), [row[:2] for row in got[0]]
