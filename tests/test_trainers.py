@@ -227,7 +227,7 @@ def test_lightning_resume_gives_each_rank_its_own_state(tmp_path):
 
 
 BACKBONE_FINETUNING = """
-import gc, hashlib, json, sys
+import gc, glob, hashlib, json, sys
 import pytorch_lightning as L
 import torch, torch.distributed as dist
 from pytorch_lightning.callbacks import BackboneFinetuning
@@ -262,9 +262,13 @@ start = [p.detach().clone() for p in module.backbone.parameters()]
 # the backbone frozen until epoch 1, then added with add_param_group (Lightning's BaseFinetuning)
 finetune = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1, verbose=False)
 onebit = [] if sys.argv[1] == "adamw" else [OnebitCallback()]
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=4, callbacks=[finetune] + onebit,
-                    enable_progress_bar=False, logger=False, enable_checkpointing=False)
-trainer.fit(module, loader)
+saving = sys.argv[2:] != []  # a checkpoint per epoch into sys.argv[2]; sys.argv[3] "resume": from step 18
+ckpt = [L.callbacks.ModelCheckpoint(dirpath=sys.argv[2], every_n_epochs=1, save_top_k=-1)] if saving else []
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=4,
+                    callbacks=[finetune] + onebit + ckpt, enable_progress_bar=False, logger=False,
+                    enable_checkpointing=saving)
+resume = sorted(glob.glob(sys.argv[2] + "/*step=18.ckpt"))[0] if sys.argv[3:] == ["resume"] else None
+trainer.fit(module, loader, ckpt_path=resume)
 flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 every = [torch.empty_like(flat) for _ in range(2)]
 dist.all_gather(every, flat)
@@ -295,6 +299,20 @@ def test_lightning_backbone_finetuning_adds_a_group_mid_run(tmp_path):
     assert cohort["joined_at"] == 6 and cohort["updates"] == 18 and cohort["stage"] == "compression"
     control, _ = run_script(tmp_path, code, "adamw")
     assert not control["same"]  # the check can fail: torch's AdamW replicas drift apart here
+
+
+def test_lightning_backbone_finetuning_resumes_with_its_cohort(tmp_path):
+    # a checkpoint at step 18 (the backbone's cohort 12 updates in, compressing): the resumed fit rebuilds the
+    # cohort from Lightning's checkpoint and each rank's onebit state (its own error buffers), ends with the
+    # cohort's count of the uninterrupted run and identical replicas (Lightning's own resume is not bitwise)
+    code = textwrap.dedent(BACKBONE_FINETUNING)
+    whole, _ = run_script(tmp_path, code, "onebit", str(tmp_path / "ckpt"))
+    resumed, err = run_script(tmp_path, code, "onebit", str(tmp_path / "ckpt"), "resume")
+    (cohorts,) = re.findall(r"^cohorts (.*) moved (\S+) groups (\d+)$", _last_stdout(tmp_path), flags=re.M)
+    (cohort,) = json.loads(cohorts[0])
+    assert resumed["same"] and resumed["sent"] == whole["sent"], (resumed, whole)
+    assert cohort["joined_at"] == 6 and cohort["updates"] == 18 and cohort["stage"] == "compression"
+    assert FOREIGN not in err, err[-3000:]
 
 
 CLIP_AND_SKIP = """
