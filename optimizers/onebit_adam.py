@@ -118,7 +118,8 @@ class OnebitAdam(WarmupThenCompress):
         pairs = self.compressed_params()
         # two passes per bucket (GPU, x86 CPU); where _prepare_step ran, applies held this step
         prepared = getattr(getattr(self, "_fused_cache", None), "ready", None) is not None
-        if compress and (prepared or _fused.applies(self, reducer, pairs)):
+        # (the agreement on the device chose the fused step already: _agreement_on_device)
+        if compress and (prepared or self._on_device is not None or _fused.applies(self, reducer, pairs)):
             self._fused_plan(reducer).step(self, pairs, t)
             return self._after_update(compress, t)
         forget = getattr(getattr(self, "_fused_cache", None), "forget", None)

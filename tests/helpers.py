@@ -325,3 +325,37 @@ def resume_point(opt, params, load: dict | None = None) -> dict:
     saved = copy.deepcopy(opt.state_dict())
     saved["params"] = [p.detach().clone() for p in params]
     return saved
+
+
+class ValueReads:
+    """Reads of tensor values into Python during the block (``float``, ``int``, ``bool``, ``item``,
+    ``tolist``: each a host synchronisation where the tensor lives on a GPU), counted through patched
+    methods: ``where``, by the library's line that made them; ``of(tensors)``, those of given tensors."""
+
+    NAMES = ("__float__", "__int__", "__bool__", "item", "tolist")
+    LIBRARY = ("onebit", "/optimizers/", "/kernels/", "/collectives/")
+
+    def __enter__(self):
+        import collections
+        import traceback
+
+        self.where, self.ids = collections.Counter(), []
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n, fn in self.saved.items():
+            def counting(t, *a, _fn=fn, **k):
+                frame = next((f for f in reversed(traceback.extract_stack()[:-1])
+                              if any(part in f.filename for part in self.LIBRARY)), None)
+                line = "?" if frame is None else f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                self.where[line] += 1
+                self.ids.append(id(t))
+                return _fn(t, *a, **k)
+            setattr(torch.Tensor, n, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for n, fn in self.saved.items():
+            setattr(torch.Tensor, n, fn)
+
+    def of(self, tensors) -> int:
+        mine = {id(t) for t in tensors}
+        return sum(i in mine for i in self.ids)

@@ -240,6 +240,18 @@ def test_a_fused_table_refills_without_a_host_synchronisation():
     assert table.addr[0].tolist() == [y.data_ptr() for y in ys]
 
 
+def _one_rank(tensor, worker_error, server_error, group=None):
+    """An optimizer reducer's collective as a one-rank group's whole compute (the collectives as copies):
+    the fused passes run as on any rank."""
+    from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
+
+    _compressed_allreduce(tensor, worker_error, server_error, None, 1, None, LocalCopies(1))
+    return tensor
+
+
+_one_rank.local_compute = 1
+
+
 def test_a_steady_compressed_step_synchronises_the_same_whatever_the_buckets():
     # issue 57: OnebitAdam's compression stage on the fused Triton path (one rank's whole compute, the
     # collectives as copies): host synchronisations per steady step, with 1 and with 8 buckets, counted by
@@ -248,20 +260,14 @@ def test_a_steady_compressed_step_synchronises_the_same_whatever_the_buckets():
     # first compressed step agrees on the host (one at W = 1).
     import warnings
 
-    from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
     from onebit.optimizers import OnebitAdam
 
-    def local(tensor, worker_error, server_error, group=None):
-        _compressed_allreduce(tensor, worker_error, server_error, None, 1, None, LocalCopies(1))
-        return tensor
-
-    local.local_compute = 1
     counts = {}
     for cap in (100.0, 0.3):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(256, 256, device="cuda")) for _ in range(8)]
         opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=cap)
-        opt.reducer().allreduce = local
+        opt.reducer().allreduce = _one_rank
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))  # new scalars every step
         seen = []
         for _ in range(6):
@@ -285,20 +291,14 @@ def test_a_steady_compressed_step_synchronises_the_same_whatever_the_buckets():
 
 def test_the_agreement_on_the_device_skips_bitwise_as_the_hosts():
     # a NaN gradient at a steady compression step: the same parameters after 8 steps either way
-    from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce
     from onebit.optimizers import OnebitAdam
 
-    def local(tensor, worker_error, server_error, group=None):
-        _compressed_allreduce(tensor, worker_error, server_error, None, 1, None, LocalCopies(1))
-        return tensor
-
-    local.local_compute = 1
     out = {}
     for on_device in (True, False):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((300, 200), (77,), (1000,))]
         opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=0.2, bias_correction=True)
-        opt.reducer().allreduce = local
+        opt.reducer().allreduce = _one_rank
         opt._device_agreement = on_device
         g = torch.Generator(device="cuda").manual_seed(1)
         for t in range(8):

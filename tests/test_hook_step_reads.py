@@ -2,14 +2,15 @@
 AdamW keep each parameter's ``step`` as a tensor on its device, where each read is a host
 synchronisation; the hook's pre-hook (``freeze_step``) and the Adam-type hook without it (per bucket)
 read them in one stacked read per device, whatever the number of parameters. Counted on CPU: the reads
-of tensor values into Python (``float``, ``item``, ``tolist``) made of the step tensors themselves
-(one per parameter before), and the stacked reads."""
+of tensor values into Python (helpers.ValueReads) made of the step tensors themselves (one per
+parameter before), and all reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ValueReads
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
@@ -19,29 +20,6 @@ def _model(layers: int):
     torch.manual_seed(0)
     mods = [torch.nn.Linear(12, 12) for _ in range(layers)] + [torch.nn.Linear(12, 3)]
     return torch.nn.Sequential(*mods)
-
-
-class _Reads:
-    """Reads of tensor values into Python during the block: of the step tensors ``steps``, and all."""
-
-    NAMES = ("__float__", "item", "tolist")
-
-    def __init__(self, steps) -> None:
-        self.steps = {id(s) for s in steps}
-
-    def __enter__(self):
-        self.of_steps, self.all, self.saved = 0, 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
-        for n, fn in self.saved.items():
-            def counting(t, *a, _fn=fn, **k):
-                self.all += 1
-                self.of_steps += id(t) in self.steps
-                return _fn(t, *a, **k)
-            setattr(torch.Tensor, n, counting)
-        return self
-
-    def __exit__(self, *exc):
-        for n, fn in self.saved.items():
-            setattr(torch.Tensor, n, fn)
 
 
 def _body(layers: int, freeze: bool):
@@ -57,11 +35,11 @@ def _body(layers: int, freeze: bool):
         x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         steps = [opt.state[p]["step"] for p in model.parameters() if "step" in opt.state[p]]
-        with _Reads(steps) as reads:
+        with ValueReads() as reads:
             loss.backward()
             opt.step()
         opt.zero_grad()
-        counts.append((reads.of_steps, reads.all))
+        counts.append((reads.of(steps), len(reads.ids)))
     assert all(isinstance(opt.state[p]["step"], torch.Tensor) for p in model.parameters())
     return counts, sum(1 for _ in model.parameters())
 

@@ -7,38 +7,13 @@ synchronisation where the tensor lives on a GPU; counted here through patched me
 
 from __future__ import annotations
 
-import collections
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ValueReads
 
 from onebit.kernels.backends import use_backend
 from onebit.optimizers import OnebitAdam, ZeroOneAdam
-
-READS = ("__float__", "__int__", "__bool__", "item", "tolist")
-
-
-class _Reads:
-    """The reads during the block, by the library's line that made them."""
-
-    def __enter__(self):
-        self.where, self.saved = collections.Counter(), {n: getattr(torch.Tensor, n) for n in READS}
-        for n, fn in self.saved.items():
-            def counting(t, *a, _fn=fn, **k):
-                frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "onebit" in f.filename
-                              or "/optimizers/" in f.filename or "/kernels/" in f.filename
-                              or "/collectives/" in f.filename), None)
-                line = "?" if frame is None else f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
-                self.where[line] += 1
-                return _fn(t, *a, **k)
-            setattr(torch.Tensor, n, counting)
-        return self
-
-    def __exit__(self, *exc):
-        for n, fn in self.saved.items():
-            setattr(torch.Tensor, n, fn)
 
 
 def _body(name: str, cap: float, on_device: bool = False):
@@ -57,7 +32,7 @@ def _body(name: str, cap: float, on_device: bool = False):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g)
             stage = opt.stage
-            with _Reads() as reads:
+            with ValueReads() as reads:
                 opt.step()
             rows.append((stage, sum(reads.where.values()), dict(reads.where)))
     return len(opt.reducer().buckets), rows
