@@ -218,6 +218,64 @@ def compressed_allreduce_passes(tensor: torch.Tensor, worker_error: torch.Tensor
     traffic.compressed_calls += 1
 
 
+def _slices(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, a = [], 0
+    for size in sizes:
+        out.append(buf[a : a + size])
+        a += size
+    return out
+
+
+def _message_buffer(sizes: list[int], layouts: list[Layout], device) -> list[torch.Tensor]:
+    """One buffer of ``sum(sizes)`` bytes cut into a message per layout; zero where a layout pads its
+    segments (the padding is never read; zero, the bytes on the wire are every run's)."""
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    if any(lay.scale_offset != lay.chunk_bytes for lay in layouts):
+        buf.zero_()
+    return _slices(buf, sizes)
+
+
+def compressed_allreduce_stage(layouts: list[Layout], group, passes, *, local: bool | int = False) -> list:
+    """:func:`compressed_allreduce_passes` for several buffers at once (the buckets of a fused step's
+    stage, one W, no block scales, arguments validated by the caller), their compute in launches that
+    take every buffer at once: ``passes.worker(msgs, received, segments, gathered)`` (the call's
+    messages, one per buffer and kind, allocated first so that the passes' tables are written once)
+    writes each one's message, then the all-to-all per buffer, ``passes.serve()``, the all-gather per
+    buffer and ``passes.finish()``. Each buffer's messages are its own (slices of one allocation per
+    kind), so the bytes on the wire are the per-buffer calls'. Returns the gathered messages.
+    ``local``: as for :func:`compressed_allreduce_passes`."""
+    W = int(local) if local else group_size(group)
+    transport = LocalCopies(W) if local else None
+    timer = CallTimer(passes.device)
+    sizes = [lay.message_bytes for lay in layouts]
+    with timer.stage("codec"):
+        msgs = _message_buffer(sizes, layouts, passes.device)
+        received = _slices(torch.empty(sum(sizes), dtype=torch.uint8, device=passes.device), sizes)
+        segments = _message_buffer([lay.segment_bytes for lay in layouts], layouts, passes.device)
+        gathered = _slices(torch.empty(sum(sizes), dtype=torch.uint8, device=passes.device), sizes)
+        passes.worker(msgs, received, segments, gathered)
+    with timer.stage("comm", follows=True), guard("compressed_allreduce (all_to_all)", group):
+        for recv, msg in zip(received, msgs, strict=True):
+            if transport is None:
+                dist.all_to_all_single(recv, msg, group=group)
+            else:
+                transport.all_to_all(recv, msg)
+    with timer.stage("codec", follows=True):
+        passes.serve()
+    with timer.stage("comm", follows=True), guard("compressed_allreduce (all_gather)", group):
+        for out, seg in zip(gathered, segments, strict=True):
+            if transport is None:
+                all_gather_single(out, seg, group)
+            else:
+                transport.all_gather(out, seg)
+    with timer.stage("codec", follows=True):
+        passes.finish()
+    for lay in layouts:
+        traffic.compressed += compressed_bytes(lay.N, W, None)
+        traffic.compressed_calls += 1
+    return gathered
+
+
 class LocalCopies:
     """The two collectives as rank 0 of a W-rank group would see them, with every rank's data
     its own, as copies: the all-to-all hands the server its W chunks' messages (this rank's own

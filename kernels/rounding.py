@@ -133,3 +133,31 @@ def _narrow_kernel(src_ptr, dst_ptr, scales_ptr, n, unit, role, BLOCK: tl.conste
     top = tl.where((x & 0x7FFFFFFF) > 0x7F800000, (x >> 16) | 0x40, (x + r) >> 16)
     tl.store(dst_ptr + idx, top.to(tl.uint16).to(tl.int16, bitcast=True), mask=live)
 
+
+
+# ---- inside other kernels: an error buffer read and stored in the same pass (the fused stage) --
+
+@jit
+def load_error(addr, idx, mask, BF16: tl.constexpr):
+    # the error buffer at address ``addr`` (int64), elements ``idx`` where ``mask`` (0 elsewhere), as
+    # float32: bfloat16 widened exactly where BF16
+    if BF16:
+        h = tl.load(addr.to(tl.pointer_type(tl.uint16)) + idx, mask=mask, other=0)
+        return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(addr.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+
+
+@jit
+def store_error(addr, idx, value, scale, role, mask, BF16: tl.constexpr):
+    # float32 ``value`` into the error buffer at ``addr``, elements ``idx`` where ``mask``: where BF16,
+    # rounded stochastically as ``narrow_`` rounds element ``idx`` with ``scale`` (float32 scalar) and
+    # ``role`` (a uint32 scalar): bitwise its bits
+    if BF16:
+        key = _fmix_tl(scale.to(tl.uint32, bitcast=True) ^ role.to(tl.uint32))
+        r = (key + idx.to(tl.uint32) * 0x9E3779B9) >> 16
+        x = value.to(tl.uint32, bitcast=True)
+        top = tl.where((x & 0x7FFFFFFF) > 0x7F800000, (x >> 16) | 0x40, (x + r) >> 16)
+        tl.store(addr.to(tl.pointer_type(tl.uint16)) + idx, top.to(tl.uint16), mask=mask)
+    else:
+        tl.store(addr.to(tl.pointer_type(tl.float32)) + idx, value, mask=mask)

@@ -357,13 +357,13 @@ def decoded_rows(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, s
 
 @triton.jit
 def encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
-                length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK: tl.constexpr):
+                length, words_ptr, num_slots, seg_words, scale_word, num_partials, FINAL_BLOCK: tl.constexpr):
     # as _worker_pack_kernel after its z: this program's float64 partial norm, the packed signs,
-    # and the last program to arrive writes the scale
+    # and the last of the message's num_partials programs to arrive writes the scale
     zd = tl.where(live, z, 0.0).to(tl.float64)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(zd * zd, axis=1), axis=0))
     _store_packed(msg_ptr, z, i, g, total_bytes, chunk_bytes, seg_bytes, False)
-    _finish_scale(partial_ptr, ticket_ptr, tl.num_programs(0), length, words_ptr, num_slots, seg_words,
+    _finish_scale(partial_ptr, ticket_ptr, num_partials, length, words_ptr, num_slots, seg_words,
                   scale_word, words_ptr, 0, False, FINAL_BLOCK)
 
 

@@ -18,10 +18,15 @@ import math
 
 import torch
 
-from ..collectives.allreduce import compressed_allreduce, compressed_allreduce_passes
+from ..collectives.allreduce import (
+    compressed_allreduce,
+    compressed_allreduce_passes,
+    compressed_allreduce_stage,
+)
 from ..collectives.telemetry import counting
 from ..kernels import backends
 from ..kernels.fused import adam, zero_one
+from ..kernels.fused.stage import Stage
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, message_scales
 from ..kernels.rounding import widen
@@ -124,6 +129,7 @@ class AdamStep:
 
     STEP, FUSED = "adam", adam
     MESSAGE = True  # the momentum kept as each bucket's last message between steps (see step)
+    STAGE = True  # in Triton, every bucket's passes in one launch each (_stage_step)
     RECORD = False  # each bucket's gathered message in ``messages`` after a step (ZeroOneSync: its rest)
 
     def __init__(self, reducer) -> None:
@@ -134,12 +140,16 @@ class AdamStep:
         self.last: list = [None] * len(reducer.buckets)  # (gathered, layout, flat._version) per bucket
         self.ready: list | None = None  # the prepared messages, until step or abandon
         self.scratch: torch.Tensor | None = None  # a kept bucket's momentum decoded for its step
+        self.staged = None  # the stage of every non-empty bucket (Triton): see _stage
 
     def _table(self, bucket, device) -> Table:
         return self.FUSED.table(list(bucket.offsets), list(bucket.numels), device)
 
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
-        items = [(i, *pairs[i]) for i in bucket.indices]
+        self._fill_items(opt, pairs, t, bucket.indices, table)
+
+    def _fill_items(self, opt, pairs, t: int, indices, table: Table) -> None:
+        items = [(i, *pairs[i]) for i in indices]
         table.fill({"grad": [p.grad for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items]},
@@ -209,8 +219,9 @@ class AdamStep:
 
     def _momentum(self, b) -> torch.Tensor:
         """Bucket ``b``'s momentum as float32 for its step: its buffer, or (a kept message) in the C
-        passes nothing (they decode the message as they read it), in Triton's the message decoded into
-        the scratch buffer (as large as the largest bucket, kept)."""
+        passes nothing (they decode the message as they read it), in Triton's per-bucket passes the
+        message decoded into the scratch buffer (as large as the largest bucket, kept; the stage's
+        passes decode it as they read it, ``_stage_step``)."""
         if b.message is None:
             return b.flat
         if self.backend == "native":
@@ -219,6 +230,47 @@ class AdamStep:
         if self.scratch is None or self.scratch.numel() < largest:
             self.scratch = torch.empty(largest, dtype=torch.float32, device=self.reducer.device)
         return self.reducer.decoded(b, self.scratch[: b.numel])
+
+    def _stages(self) -> bool:
+        """Whether this step runs every bucket's passes in one launch each (kernels/fused/stage.py): the
+        Triton passes, each bucket's momentum a float32 buffer or kept as its message, the errors all
+        float32 or all bfloat16."""
+        if not (self.STAGE and self.backend == "triton"):
+            return False
+        live = [b for b in self.reducer.buckets if b.numel]
+        dtypes = {e.dtype for b in live for e in (b.worker_error, b.server_error)}
+        held = all((b.message is not None and self.MESSAGE) or b.flat is not None for b in live)
+        return bool(live) and len(dtypes) == 1 and held
+
+    def _stage(self):
+        """(buckets, their layouts, their :class:`Stage`, one table over their tensors), made once."""
+        if self.staged is None:
+            live = [b for b in self.reducer.buckets if b.numel]
+            layouts = [Layout(b.worker_error.numel(), self._W(), None) for b in live]
+            offsets = [o for b in live for o in b.offsets]
+            table = self.FUSED.table(offsets, [c for b in live for c in b.numels], self.reducer.device)
+            st = Stage(layouts, [b.numel for b in live], [(list(b.offsets), list(b.numels)) for b in live],
+                       self.reducer.device)
+            self.staged = (live, layouts, st, table)
+        return self.staged
+
+    def _stage_step(self, opt, pairs, t: int, clip: float, local, agreement) -> None:
+        """Every bucket's step in four launches (``adam.StagePasses``) around each bucket's collectives."""
+        reducer = self.reducer
+        live, layouts, st, table = self._stage()
+        self._fill_items(opt, pairs, t, [i for b in live for i in b.indices], table)
+        olds = [b.message if b.flat is None else None for b in live]
+        buffers = [(b.flat if old is None else None, None if old is None else old[0], b.worker_error,
+                    b.server_error) for b, old in zip(live, olds, strict=True)]
+        passes = adam.StagePasses(st, table, clip, buffers, None if agreement is None else agreement.poison)
+        with counting(reducer.traffic):
+            gathered = compressed_allreduce_stage(layouts, reducer.group, passes, local=local)
+        if agreement is not None:  # a skipped step keeps the old messages (their decode: the momentum)
+            agreement.keep_stage(st)
+        for b, g, layout in zip(live, gathered, layouts, strict=True):
+            reducer.count_compressed(b)
+            if self.MESSAGE:
+                reducer.keep_as_message(b, g, layout)
 
     def step(self, opt, pairs, t: int) -> None:
         """Every bucket's step (the worker pass already done where ``prepare`` ran). With ``MESSAGE``
@@ -234,6 +286,9 @@ class AdamStep:
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         local = getattr(reducer.allreduce, "local_compute", False)  # True or the emulated W (benchmarks)
         agreement = getattr(opt, "_on_device", None)  # the step's agreement on the device, or None
+        if ready is None and self._stages():
+            self._stage_step(opt, pairs, t, clip, local, agreement)
+            return
         for k, (b, table) in enumerate(zip(reducer.buckets, self.tables, strict=True)):
             if not b.numel:
                 continue
@@ -267,6 +322,7 @@ class ZeroOneStep(AdamStep):
 
     STEP, FUSED, SYNC = "zoa", zero_one, False
     MESSAGE = False  # the accumulator is not a momentum: it stays a float32 buffer
+    STAGE = False
 
     def _table(self, bucket, device) -> Table:
         return zero_one.table(list(bucket.offsets), list(bucket.numels), device, sync=self.SYNC)

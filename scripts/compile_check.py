@@ -64,7 +64,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from onebit.kernels import triton_blocks as tb  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
-from onebit.kernels.fused import adam  # noqa: E402
+from onebit.kernels.fused import adam, stage  # noqa: E402
 from onebit.kernels.fused import hook as th  # noqa: E402
 from onebit.kernels.fused import zero_one as tz  # noqa: E402
 from onebit.kernels.fused.table import Tiles  # noqa: E402
@@ -97,6 +97,7 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
     yield from fused_launches(N, W)
     yield from hook_launches(N)
     yield from zoa_launches(N, W)
+    yield from stage_launches(W)
 
 
 def mock_table(columns: int, N: int, per: int = 1024) -> SimpleNamespace:
@@ -122,6 +123,25 @@ def fused_launches(N: int, W: int):
             for launch in adam.decompress_update_launches(T(u8), T(f32), T(f32), T(f32), T(f32), table, n,
                                                           layout, 1.0, gate=poison is not None):
                 yield tag + agreed, launch
+
+
+def stage_launches(W: int):
+    """OnebitAdam's fused passes over every bucket of a stage (onebit.kernels.fused.stage; sizes in its
+    bucket table): float32 and bfloat16 errors, with and without the agreement on the device, and the
+    kept messages' select."""
+    T, f32, i32, i64 = MockTensor, torch.float32, torch.int32, torch.int64
+    st = SimpleNamespace(table=T(i64, shape=[3, len(stage.FIELDS)]), map=T(i32), server_map=T(i32), lo=T(i32),
+                         hi=T(i32), partials=T(torch.float64), tickets=T(i32), W=W, P=17, Q=5, B=3)
+    table = mock_table(3, 2**20)
+    for ebf16 in (False, True):
+        for poison in (None, T(f32)):
+            tag = f"stage, {'bf16' if ebf16 else 'fp32'} errors"
+            tag += "" if poison is None else ", agreed on the device"
+            for launches in adam.stage_launches(st, table, 1.0, ebf16, poison).values():
+                for launch in launches:
+                    yield tag, launch
+    for launch in stage.keep_launches(st, T(torch.uint8)):
+        yield "stage", launch
 
 
 def zoa_launches(N: int, W: int):

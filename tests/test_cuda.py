@@ -311,3 +311,50 @@ def test_the_agreement_on_the_device_skips_bitwise_as_the_hosts():
     for a, b in zip(out[True][0], out[False][0], strict=True):
         assert torch.equal(a, b)
     assert out[True][1:] == out[False][1:] == (7, 1)
+
+
+def test_the_stage_is_bitwise_the_per_bucket_passes_on_cuda():
+    # issue 57: OnebitAdam's compression step over every bucket in one launch per pass
+    # (kernels/fused/stage.py) against the per-bucket launches (AdamStep.STAGE off), bfloat16 and float32
+    # errors, odd sizes, 5+ buckets; and the launches per steady step, the same for 1 bucket and many
+    from onebit.kernels.triton_kernels import Launch
+    from onebit.optimizers import OnebitAdam, _fused
+
+    shapes = ((300, 200), (77,), (1000,), (3, 5), (40000,))
+
+    def run(stage: bool, error_dtype, cap: float):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+        opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=cap, bias_correction=True,
+                         weight_decay=0.01, error_dtype=error_dtype)
+        opt.reducer().allreduce = _one_rank
+        g = torch.Generator(device="cuda").manual_seed(1)
+        names, calls = [], Launch.__call__
+
+        def counted(self):
+            names.append(self.name)
+            calls(self)
+
+        _fused.AdamStep.STAGE = stage
+        try:
+            for t in range(7):
+                for p in params:
+                    p.grad = torch.randn(p.shape, device="cuda", generator=g)
+                names.clear()
+                Launch.__call__ = counted
+                try:
+                    opt.step()
+                finally:
+                    Launch.__call__ = calls
+        finally:
+            _fused.AdamStep.STAGE = True
+        errors = [e.clone() for pair in opt.reducer().errors() for e in pair]
+        return [p.detach().clone() for p in params], errors, len(opt.reducer().buckets), list(names)
+
+    for error_dtype in (torch.bfloat16, torch.float32):
+        staged, alone = run(True, error_dtype, 0.05), run(False, error_dtype, 0.05)
+        assert staged[2] >= 5
+        for a, b in zip(staged[0] + staged[1], alone[0] + alone[1], strict=True):
+            assert torch.equal(a, b)
+        one = run(True, error_dtype, 100.0)
+        assert one[2] == 1 and one[3] == staged[3] and len(staged[3]) == 5, (one[3], staged[3])

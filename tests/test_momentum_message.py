@@ -81,15 +81,13 @@ def test_the_momentum_kept_as_a_message_is_bitwise_the_float32_run_on_four_ranks
         _assert_same(message, buffer)
         assert message[3] and not buffer[3]  # kept as messages / as float32 buffers
         # the float32 momentum (4 bytes per element) became its message (1/8 and the scales, which
-        # the C passes' run kept already for a skipped step's restore); Triton's passes decode it
-        # into one scratch buffer as large as the largest bucket
-        n = sum(torch.Size(s).numel() for s in SHAPES)
-        largest = max(u.numel() for u in message[1])
+        # the C passes' run kept already for a skipped step's restore); Triton's passes decode it as
+        # they read it too (kernels/fused/stage.py: no scratch buffer), so there the message is new
         saved = buffer[4] - message[4]
         if backend == "native":
             assert saved == 4.0, saved
         else:
-            assert 4 - 0.2 - 4 * largest / n <= saved <= 4 - 4 * largest / n, (saved, largest, n)
+            assert 4 - 0.2 <= saved < 4, saved
     for other in results[1:]:  # and every rank holds the same parameters and momenta
         for a, b in zip(other[0][0] + other[0][1], results[0][0][0] + results[0][0][1], strict=True):
             assert torch.equal(a, b)
@@ -97,8 +95,8 @@ def test_the_momentum_kept_as_a_message_is_bitwise_the_float32_run_on_four_ranks
 
 @pytest.mark.cuda
 def test_the_momentum_kept_as_a_message_is_bitwise_the_float32_run_in_cudas_triton_passes():
-    # one rank's whole compute on CUDA tensors (the Triton passes; the message decoded into the
-    # scratch buffer), an unfused step in between
+    # one rank's whole compute on CUDA tensors (the Triton stage's passes decode the message as they
+    # read it), an unfused step in between
     message, buffer = (_run("triton", m, plain_at=(4,), device="cuda") for m in (True, False))
     _assert_same(message, buffer)
     assert message[3] and not buffer[3]

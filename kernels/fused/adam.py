@@ -30,7 +30,8 @@ import torch
 from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
-from . import _native
+from ..rounding import WORKER
+from . import _native, stage
 from .table import (
     BLOCK_BYTES,
     DENOMINATOR,
@@ -46,6 +47,7 @@ from .table import (
 )
 
 if AVAILABLE:
+    from ..rounding import load_error, store_error
     from ..triton_kernels import (
         _FINAL_BLOCK,
         Launch,
@@ -106,7 +108,7 @@ def _fold_worker_kernel(
     if POISON:
         z = z + tl.load(poison_ptr)
     encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
-                length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
+                length, words_ptr, num_slots, seg_words, scale_word, tl.num_programs(0), FINAL_BLOCK)
 
 
 @jit
@@ -200,6 +202,166 @@ class TritonPasses:
         self.gathered, self.layout = gathered, layout  # kept: the momentum's message
         decompress_update(gathered, layout, flat, worker_error, msg, self.table, self.clip,
                           gate=self.poison is not None)
+
+
+# ---- Triton, every bucket of the stage in one launch per pass (kernels/fused/stage.py) ----------
+
+@jit
+def _kept_or_buffer(row, idx, g, i, in_x, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word):
+    # the bucket's momentum at idx: its float32 buffer (column U), or its kept message (OLD) decoded;
+    # with U and which elements each holds (the addresses broadcast: a scalar mask is refused)
+    u_addr, old = tl.load(row + stage.U), tl.load(row + stage.OLD)
+    wide = (idx * 0).to(tl.int64)
+    in_u, in_old = in_x & ((wide + u_addr) != 0), in_x & ((wide + old) != 0)
+    u = tl.load(u_addr.to(tl.pointer_type(tl.float32)) + idx, mask=in_u, other=0.0)
+    kept = (g < total_bytes) & ((g * 0).to(tl.int64) + old != 0)
+    j = g // chunk_bytes
+    byte = tl.load(old.to(tl.pointer_type(tl.uint8)) + j * seg_bytes + g % chunk_bytes, mask=kept,
+                   other=0).to(tl.int32)
+    s = tl.load(old.to(tl.pointer_type(tl.float32)) + j * seg_words + scale_word, mask=kept, other=0.0)
+    bit = (byte[:, None] >> (7 - i)[None, :]) & 1
+    return tl.where(in_old, tl.where(bit == 1, s[:, None], -s[:, None]), u), u_addr, in_u, in_old
+
+
+@jit
+def _fold(u, idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
+          BLOCK_BYTES: tl.constexpr):
+    # u * b1 + ((1 - b1) g) / d per element, each operation rounded (fold_preconditioned_)
+    grad, den = grad_denom(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, _GRAD,
+                           _VAR, BLOCK_BYTES)
+    b1 = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    w = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
+        _, mine = owned(idx, k, start_ptr, count_ptr)
+        b1 = tl.where(mine, scalar(scal_ptr, k, _B1), b1)
+        w = tl.where(mine, scalar(scal_ptr, k, _W1), w)
+    return u * b1 + tl.div_rn(w * grad, den)
+
+
+@jit
+def _stage_fold_worker_kernel(
+    bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, partial_ptr, ticket_ptr, W,
+    poison_ptr, BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, POISON: tl.constexpr,
+    EBF16: tl.constexpr,
+):
+    # _fold_worker_kernel on each program's bucket; the momentum read from its buffer (and the folded
+    # one stored there) or decoded from its kept message (nothing stored: the decompress pass folds again)
+    q = tl.program_id(0)
+    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
+    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
+    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
+    scale_word = stage.field(row, stage.SCALE_WORD)
+    total_bytes, seg_words = N // 8, seg_bytes // 4
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    live = (g < total_bytes)[:, None]
+    in_x = live & (idx < n)
+    u, u_addr, in_u, _ = _kept_or_buffer(row, idx, g, i, in_x, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                                         scale_word)
+    u = _fold(u, idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK_BYTES)
+    tl.store(u_addr.to(tl.pointer_type(tl.float32)) + idx, u, mask=in_u)
+    z = u + load_error(tl.load(row + stage.E), idx, live, EBF16)
+    if POISON:
+        z = z + tl.load(poison_ptr)
+    msg = tl.load(row + stage.MSG)
+    first = tl.load(row + stage.P0)
+    encode_rows(z, live, i, g, pid, msg.to(tl.pointer_type(tl.uint8)), partial_ptr + first, ticket_ptr + b,
+                total_bytes, chunk_bytes, seg_bytes, N, msg.to(tl.pointer_type(tl.float32)), W, seg_words,
+                scale_word, stage.field(row, stage.P), FINAL_BLOCK)
+
+
+@jit
+def _stage_decompress_update_kernel(
+    bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, W, clip, role,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, GATE: tl.constexpr, EBF16: tl.constexpr,
+):
+    # _decompress_update_kernel on each program's bucket: this rank's u (its buffer, or folded again
+    # from the kept message: bitwise the worker pass's) and the error give the deferred error update
+    # (every gathered scale finite), the decoded mean goes to the buffer (none where kept), then the update
+    q = tl.program_id(0)
+    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
+    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
+    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
+    scale_word = stage.field(row, stage.SCALE_WORD)
+    total_bytes, seg_words = N // 8, seg_bytes // 4
+    gath = tl.load(row + stage.GATH)
+    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
+    ok = _segments_finite(g_words, W, seg_words, scale_word, GATE_BLOCK)
+    idx, live, val = decoded_rows(g_ptr, g_words, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                                  scale_word, BLOCK_BYTES)
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    in_x = live[:, None] & (idx < n)
+    x, u_addr, in_u, refold = _kept_or_buffer(row, idx, g, i, in_x, total_bytes, chunk_bytes, seg_bytes,
+                                              seg_words, scale_word)
+    x = tl.where(refold, _fold(x, idx, refold, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
+                               BLOCK_BYTES), x)
+    e_addr = tl.load(row + stage.E)
+    z = x + load_error(e_addr, idx, live[:, None], EBF16)
+    sw = tl.load(tl.load(row + stage.MSG).to(tl.pointer_type(tl.float32)) + scale_word)
+    if ok:
+        store_error(e_addr, idx, tl.where(z < 0, z + sw, z - sw), sw, role, live[:, None], EBF16)
+    tl.store(u_addr.to(tl.pointer_type(tl.float32)) + idx, val, mask=in_u)
+    for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        pp = address(addr_ptr, _PARAM, K, k) + off
+        step = tl.div_rn(val, scalar(scal_ptr, k, _BC1))
+        step = tl.minimum(tl.maximum(step, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                          propagate_nan=tl.PropagateNan.ALL)
+        p = tl.load(pp, mask=mine, other=0.0)
+        p = p * scalar(scal_ptr, k, _DECAY) + scalar(scal_ptr, k, _NEG_LR) * step
+        if GATE:
+            if ok:
+                tl.store(pp, p, mask=mine)
+        else:
+            tl.store(pp, p, mask=mine)
+
+
+def stage_launches(st, table: Table, clip: float, ebf16: bool, poison: torch.Tensor | None = None) -> dict:
+    """The stage's passes over every bucket (``st``: its :class:`~onebit.kernels.fused.stage.Stage`,
+    ``table`` every bucket's tensors): ``worker`` (one launch), ``server`` (two), ``finish`` (one)."""
+    common = (st.table, st.map, st.lo, st.hi, table.start, table.count, table.addr, table.K, table.scal)
+    worker = Launch(_stage_fold_worker_kernel, st.P,
+                    (*common, st.partials, st.tickets, st.W, st.partials if poison is None else poison),
+                    dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=_FINAL_BLOCK, POISON=poison is not None,
+                         EBF16=ebf16), WARPS)
+    finish = Launch(_stage_decompress_update_kernel, st.P, (*common, st.W, clip, WORKER),
+                    dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, GATE=poison is not None, EBF16=ebf16),
+                    WARPS)
+    return {"worker": [worker], "server": stage.server_launches(st, ebf16), "finish": [finish]}
+
+
+class StagePasses:
+    """``compressed_allreduce_stage``'s passes: OnebitAdam's compression step over every bucket of a
+    stage in four launches (:func:`stage_launches`). ``buffers``: per bucket its float32 momentum (None:
+    kept as ``old``, its last gathered message), ``old`` and its worker and server errors (float32, or
+    all bfloat16). ``poison``: as for :class:`TritonPasses`."""
+
+    def __init__(self, st, table: Table, clip: float, buffers: list[tuple], poison=None) -> None:
+        self.st, self.table, self.clip, self.buffers, self.poison = st, table, clip, buffers, poison
+        self.device = st.device
+        self.ebf16 = buffers[0][2].dtype == torch.bfloat16
+        self.launches = None
+
+    def worker(self, msgs, received, segments, gathered) -> None:
+        a = stage.address
+        self.st.fill([(a(u), a(old), a(e), a(m), a(g), a(r), a(s), a(se))
+                      for (u, old, e, se), m, r, s, g in zip(self.buffers, msgs, received, segments, gathered,
+                                                             strict=True)])
+        self.launches = stage_launches(self.st, self.table, self.clip, self.ebf16, self.poison)
+        self._run("worker")
+
+    def serve(self) -> None:
+        self._run("server")
+
+    def finish(self) -> None:
+        self._run("finish")
+
+    def _run(self, name: str) -> None:
+        for launch in self.launches[name]:
+            launch()
 
 
 # ---- native C (kernels/fused/adam.c) -----------------------------------------------------------

@@ -80,13 +80,17 @@ class Table:
 
     @staticmethod
     def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst`` (on the table's device) = ``src`` (CPU), in place. On a GPU from pinned memory without
-        waiting (issue 57: a copy from pageable memory synchronises the host with the device); the caching
-        host allocator keeps the pinned block until the copy is done."""
-        if dst.device.type == "cuda":
-            dst.copy_(src.pin_memory(), non_blocking=True)
-        else:
-            dst.copy_(src)
+        _write_to(dst, src)
+
+
+def _write_to(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` (on a table's device) = ``src`` (CPU), in place. On a GPU from pinned memory without
+    waiting (issue 57: a copy from pageable memory synchronises the host with the device); the caching
+    host allocator keeps the pinned block until the copy is done."""
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 class Tiles:
@@ -97,18 +101,25 @@ class Tiles:
         self.lo, self.hi, self.key = lo, hi, (N, per)
 
 
-def tiles(table: Table, N: int, per: int = BLOCK_BYTES * 8) -> Tiles:
-    """The program -> tensor ranges of ``table`` over N (padded) elements, ``per`` elements per
-    program; kept on the table."""
-    if table.tiles is not None and table.tiles.key == (N, per):
-        return table.tiles
-    ends = [o + c for o, c in zip(table.offsets, table.numels, strict=True)]
+def tile_ranges(offsets: list[int], numels: list[int], N: int, per: int) -> tuple[list[int], list[int]]:
+    """For each program of ``per`` elements over N (padded) elements of a bucket whose tensors cover
+    ``[offsets[k], offsets[k] + numels[k])``: the first tensor it meets and one past the last."""
+    ends = [o + c for o, c in zip(offsets, numels, strict=True)]
     lo, hi = [], []
     for t in range(-(-N // per)):
         a, b = t * per, (t + 1) * per
         k0 = bisect.bisect_right(ends, a)  # the first tensor ending after a
         lo.append(k0)
-        hi.append(max(k0, bisect.bisect_left(table.offsets, b)))  # the first starting at or after b
+        hi.append(max(k0, bisect.bisect_left(offsets, b)))  # the first starting at or after b
+    return lo, hi
+
+
+def tiles(table: Table, N: int, per: int = BLOCK_BYTES * 8) -> Tiles:
+    """The program -> tensor ranges of ``table`` over N (padded) elements, ``per`` elements per
+    program; kept on the table."""
+    if table.tiles is not None and table.tiles.key == (N, per):
+        return table.tiles
+    lo, hi = tile_ranges(table.offsets, table.numels, N, per)
     as_i32 = dict(dtype=torch.int32, device=table.device)
     table.tiles = Tiles(torch.tensor(lo, **as_i32), torch.tensor(hi, **as_i32), N, per)
     return table.tiles

@@ -121,7 +121,7 @@ def _zoa_worker_kernel(
         x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
     encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
-                length, words_ptr, num_slots, seg_words, scale_word, FINAL_BLOCK)
+                length, words_ptr, num_slots, seg_words, scale_word, tl.num_programs(0), FINAL_BLOCK)
 
 
 @jit
