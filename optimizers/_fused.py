@@ -26,7 +26,7 @@ from ..collectives.allreduce import (
 from ..collectives.telemetry import counting
 from ..kernels import backends
 from ..kernels.fused import adam, zero_one
-from ..kernels.fused.stage import Stage
+from ..kernels.fused.stage import Stage, StagePasses
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, message_scales
 from ..kernels.rounding import widen
@@ -143,7 +143,10 @@ class AdamStep:
         self.staged = None  # the stage of every non-empty bucket (Triton): see _stage
 
     def _table(self, bucket, device) -> Table:
-        return self.FUSED.table(list(bucket.offsets), list(bucket.numels), device)
+        return self._table_for(list(bucket.offsets), list(bucket.numels), device)
+
+    def _table_for(self, offsets: list[int], numels: list[int], device) -> Table:
+        return self.FUSED.table(offsets, numels, device)
 
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
         self._fill_items(opt, pairs, t, bucket.indices, table)
@@ -248,7 +251,7 @@ class AdamStep:
             live = [b for b in self.reducer.buckets if b.numel]
             layouts = [Layout(b.worker_error.numel(), self._W(), None) for b in live]
             offsets = [o for b in live for o in b.offsets]
-            table = self.FUSED.table(offsets, [c for b in live for c in b.numels], self.reducer.device)
+            table = self._table_for(offsets, [c for b in live for c in b.numels], self.reducer.device)
             st = Stage(layouts, [b.numel for b in live], [(list(b.offsets), list(b.numels)) for b in live],
                        self.reducer.device)
             self.staged = (live, layouts, st, table)
@@ -262,15 +265,21 @@ class AdamStep:
         olds = [b.message if b.flat is None else None for b in live]
         buffers = [(b.flat if old is None else None, None if old is None else old[0], b.worker_error,
                     b.server_error) for b, old in zip(live, olds, strict=True)]
-        passes = adam.StagePasses(st, table, clip, buffers, None if agreement is None else agreement.poison)
+        passes = StagePasses(st, buffers, self._stage_launches(st, table, clip, agreement))
         with counting(reducer.traffic):
             gathered = compressed_allreduce_stage(layouts, reducer.group, passes, local=local)
         if agreement is not None:  # a skipped step keeps the old messages (their decode: the momentum)
             agreement.keep_stage(st)
         for b, g, layout in zip(live, gathered, layouts, strict=True):
             reducer.count_compressed(b)
+            if self.RECORD:
+                self.messages[next(k for k, x in enumerate(reducer.buckets) if x is b)] = (g, layout)
             if self.MESSAGE:
                 reducer.keep_as_message(b, g, layout)
+
+    def _stage_launches(self, st, table: Table, clip: float, agreement):
+        poison = None if agreement is None else agreement.poison
+        return lambda ebf16: adam.stage_launches(st, table, clip, ebf16, poison)
 
     def step(self, opt, pairs, t: int) -> None:
         """Every bucket's step (the worker pass already done where ``prepare`` ran). With ``MESSAGE``
@@ -322,13 +331,13 @@ class ZeroOneStep(AdamStep):
 
     STEP, FUSED, SYNC = "zoa", zero_one, False
     MESSAGE = False  # the accumulator is not a momentum: it stays a float32 buffer
-    STAGE = False
+    STAGE = True  # (a switch of its own: the tests compare against the per-bucket launches)
 
-    def _table(self, bucket, device) -> Table:
-        return zero_one.table(list(bucket.offsets), list(bucket.numels), device, sync=self.SYNC)
+    def _table_for(self, offsets: list[int], numels: list[int], device) -> Table:
+        return zero_one.table(offsets, numels, device, sync=self.SYNC)
 
-    def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
-        items = [(i, *pairs[i]) for i in bucket.indices]
+    def _fill_items(self, opt, pairs, t: int, indices, table: Table) -> None:
+        items = [(i, *pairs[i]) for i in indices]
         table.fill({"grad": [p.grad for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items],
@@ -343,6 +352,9 @@ class ZeroOneStep(AdamStep):
 
     def _restorable(self) -> bool:
         return True  # the worker pass writes no state
+
+    def _stage_launches(self, st, table: Table, clip: float, agreement):
+        return lambda ebf16: zero_one.stage_launches(st, table, clip, ebf16, self.SYNC)
 
     def prepare(self, opt, pairs, t: int) -> bool | None:
         self.reducer.materialise()  # a released accumulator (phase 2 frees it between steps) made again
@@ -369,9 +381,9 @@ class ZeroOneSync(ZeroOneStep):
     SYNC = True
     RECORD = True  # ZeroOneAdam keeps the sync's messages at rest (ZeroOneAdam._rest)
 
-    def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
+    def _fill_items(self, opt, pairs, t: int, indices, table: Table) -> None:
         index = {id(g): i for i, g in enumerate(opt._own_groups())}
-        items = [(i, *pairs[i]) for i in bucket.indices]
+        items = [(i, *pairs[i]) for i in indices]
         table.fill({"sync_params": [opt.state[p]["sync_params"] for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items],

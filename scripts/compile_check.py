@@ -126,9 +126,9 @@ def fused_launches(N: int, W: int):
 
 
 def stage_launches(W: int):
-    """OnebitAdam's fused passes over every bucket of a stage (onebit.kernels.fused.stage; sizes in its
-    bucket table): float32 and bfloat16 errors, with and without the agreement on the device, and the
-    kept messages' select."""
+    """OnebitAdam's and ZeroOneAdam's fused passes over every bucket of a stage (onebit.kernels.fused.stage;
+    sizes in its bucket table): float32 and bfloat16 errors, with and without the agreement on the device,
+    the synchronisation, and the kept messages' select."""
     T, f32, i32, i64 = MockTensor, torch.float32, torch.int32, torch.int64
     st = SimpleNamespace(table=T(i64, shape=[3, len(stage.FIELDS)]), map=T(i32), server_map=T(i32), lo=T(i32),
                          hi=T(i32), partials=T(torch.float64), tickets=T(i32), W=W, P=17, Q=5, B=3)
@@ -140,6 +140,11 @@ def stage_launches(W: int):
             for launches in adam.stage_launches(st, table, 1.0, ebf16, poison).values():
                 for launch in launches:
                     yield tag, launch
+        for sync in (False, True):
+            for fma in (True, False):
+                made = tz.stage_launches(st, mock_table(4, 2**20), 1.0, ebf16, sync, fma)
+                for launch in made["worker"] + made["finish"]:
+                    yield f"zoa stage, {'bf16' if ebf16 else 'fp32'} errors", launch
     for launch in stage.keep_launches(st, T(torch.uint8)):
         yield "stage", launch
 

@@ -337,7 +337,7 @@ def test_the_stage_is_bitwise_the_per_bucket_passes_on_cuda():
 
         _fused.AdamStep.STAGE = stage
         try:
-            for t in range(7):
+            for _ in range(7):
                 for p in params:
                     p.grad = torch.randn(p.shape, device="cuda", generator=g)
                 names.clear()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from onebit.kernels.backends import use_backend
 from onebit.kernels.triton_kernels import Launch
-from onebit.optimizers import OnebitAdam, _fused
+from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused
 
 SHAPES = [(40, 30), (17,), (5, 7, 3), (300,), (3,), (257,)]
 STEPS = 8
@@ -97,3 +97,76 @@ def test_launches_per_step_do_not_grow_with_the_buckets(ranks, device_side):
                 f"stage_decompress_update[GATE={device_side},EBF16=True]"]
     expected += ["stage_keep"] if device_side else []
     assert all(c == expected for c in counts.values()), counts
+
+
+def _zoa(stage: bool, error_dtype, cap_mb: float, count_from: int = 99):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    groups = [{"params": params[:3], "weight_decay": 0.1},
+              {"params": params[3:], "lr": 3e-3, "betas": (0.8, 0.99)}]
+    # phase 1 to step 8 (variance steps at 1, 2, 4, 8: the others compressed), then phase 2: local steps
+    # and synchronisations
+    opt = ZeroOneAdam(groups, lr=1e-2, var_freeze_step=8, var_update_scaler=1, local_step_scaler=2,
+                      local_step_clipper=4, bucket_cap_mb=cap_mb, error_dtype=error_dtype)
+    g = torch.Generator().manual_seed(300 + r)
+    launches: list[list[str]] = []
+    calls = Launch.__call__
+
+    def counted(self):
+        launches[-1].append(self.name)
+        calls(self)
+
+    before = _fused.ZeroOneStep.STAGE
+    _fused.ZeroOneStep.STAGE = stage
+    try:
+        with use_backend("triton"):
+            for t in range(16):
+                for i, p in enumerate(params):
+                    p.grad = None if (t == 7 and i == 1) else torch.randn(p.shape, generator=g)
+                launches.append([])
+                Launch.__call__ = counted if t >= count_from else calls
+                opt.step()
+                Launch.__call__ = calls
+            opt._wake()
+    finally:
+        _fused.ZeroOneStep.STAGE = before
+        Launch.__call__ = calls
+    return {"params": [p.detach().clone() for p in params],
+            "exp_avg": [opt.state[p]["exp_avg"].clone() for p in params],
+            "errors": [e.clone() for pair in opt.reducer().errors() for e in pair],
+            "buckets": len(opt.reducer().buckets), "launches": launches}
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("error_dtype", [torch.float32, torch.bfloat16])
+def test_zero_one_adams_stage_is_bitwise_its_per_bucket_passes(ranks, W, error_dtype):
+    # phase 1's compressed steps and phase 2's synchronisations (ZeroOneSync) over every bucket at once
+    pool = ranks(W)
+    staged, alone = pool.run(_zoa, True, error_dtype, 0.0015), pool.run(_zoa, False, error_dtype, 0.0015)
+    assert staged[0]["buckets"] >= 3
+    for r, (a, b) in enumerate(zip(staged, alone, strict=True)):
+        for key in ("params", "exp_avg", "errors"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert torch.equal(x, y), (r, key)
+
+
+def test_zero_one_adams_launches_do_not_grow_with_the_buckets(ranks):
+    pool = ranks(2)
+    counts = {}
+    for cap in (1.0, 0.0005):
+        out = pool.run(_zoa, True, torch.bfloat16, cap, 0)[0]
+        # phase 2's wake after a rest (ZeroOneAdam._wake: the momentum made again from the kept messages)
+        # still decodes bucket by bucket, a launch each: left out here (issue 57 names it)
+        counts[out["buckets"]] = [[n for n in step if n != "decompress[HAS_ERROR=False]"]
+                                  for step in out["launches"]]
+    assert min(counts) == 1 and max(counts) >= 5, counts
+    one, many = counts[min(counts)], counts[max(counts)]
+    assert one == many, counts  # step by step the same launches
+    server = ["stage_server[UPDATE=False,EBF16=True]", "stage_server[UPDATE=True,EBF16=True]"]
+    phase1 = ["stage_zoa_worker[SYNC=False,EBF16=True]", *server,
+              "stage_zoa_step[SYNC=False,FMA=True,EBF16=True]"]
+    sync = ["stage_zoa_worker[SYNC=True,EBF16=True]", *server,
+            "stage_zoa_step[SYNC=True,FMA=True,EBF16=True]"]  # after the step's local step (zoa_local)
+    assert one.count(phase1) >= 3 and one.count(["zoa_local", *sync]) >= 2, one
+    assert all(step in ([], phase1, sync, ["zoa_local"], ["zoa_local", *sync]) for step in one), one

@@ -333,37 +333,6 @@ def stage_launches(st, table: Table, clip: float, ebf16: bool, poison: torch.Ten
     return {"worker": [worker], "server": stage.server_launches(st, ebf16), "finish": [finish]}
 
 
-class StagePasses:
-    """``compressed_allreduce_stage``'s passes: OnebitAdam's compression step over every bucket of a
-    stage in four launches (:func:`stage_launches`). ``buffers``: per bucket its float32 momentum (None:
-    kept as ``old``, its last gathered message), ``old`` and its worker and server errors (float32, or
-    all bfloat16). ``poison``: as for :class:`TritonPasses`."""
-
-    def __init__(self, st, table: Table, clip: float, buffers: list[tuple], poison=None) -> None:
-        self.st, self.table, self.clip, self.buffers, self.poison = st, table, clip, buffers, poison
-        self.device = st.device
-        self.ebf16 = buffers[0][2].dtype == torch.bfloat16
-        self.launches = None
-
-    def worker(self, msgs, received, segments, gathered) -> None:
-        a = stage.address
-        self.st.fill([(a(u), a(old), a(e), a(m), a(g), a(r), a(s), a(se))
-                      for (u, old, e, se), m, r, s, g in zip(self.buffers, msgs, received, segments, gathered,
-                                                             strict=True)])
-        self.launches = stage_launches(self.st, self.table, self.clip, self.ebf16, self.poison)
-        self._run("worker")
-
-    def serve(self) -> None:
-        self._run("server")
-
-    def finish(self) -> None:
-        self._run("finish")
-
-    def _run(self, name: str) -> None:
-        for launch in self.launches[name]:
-            launch()
-
-
 # ---- native C (kernels/fused/adam.c) -----------------------------------------------------------
 
 def fold_encode_all(flat: torch.Tensor | None, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],

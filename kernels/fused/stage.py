@@ -92,6 +92,37 @@ def address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+class StagePasses:
+    """``collectives.allreduce.compressed_allreduce_stage``'s passes over a stage's buckets: ``buffers``
+    per bucket (its float32 momentum or None, its kept message or None, its worker and server errors:
+    float32, or all bfloat16), ``make(ebf16)`` the step's launches (``worker``, ``server``, ``finish``:
+    ``adam.stage_launches``, ``zero_one.stage_launches``). The bucket table is written once per call,
+    with every message's address."""
+
+    def __init__(self, st: Stage, buffers: list[tuple], make) -> None:
+        self.st, self.buffers, self.make = st, buffers, make
+        self.device = st.device
+        self.launches = None
+
+    def worker(self, msgs, received, segments, gathered) -> None:
+        self.st.fill([(address(u), address(old), address(e), address(m), address(g), address(r), address(s),
+                       address(se))
+                      for (u, old, e, se), m, r, s, g in zip(self.buffers, msgs, received, segments, gathered,
+                                                             strict=True)])
+        self.launches = self.make(self.buffers[0][2].dtype == torch.bfloat16)
+        self._run("worker")
+
+    def serve(self) -> None:
+        self._run("server")
+
+    def finish(self) -> None:
+        self._run("finish")
+
+    def _run(self, name: str) -> None:
+        for launch in self.launches[name]:
+            launch()
+
+
 @jit
 def bucket_of(bt_ptr, map_ptr, q, FIRST: tl.constexpr):
     # program q's bucket's row of the bucket table and q's index among that bucket's programs

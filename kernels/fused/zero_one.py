@@ -34,7 +34,8 @@ import torch
 from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, library
 from ..layout import Layout
-from . import _native
+from ..rounding import WORKER
+from . import _native, stage
 from .table import (
     BLOCK_BYTES,
     DENOMINATOR,
@@ -51,6 +52,7 @@ from .table import (
 )
 
 if AVAILABLE:
+    from ..rounding import load_error, store_error
     from ..triton_kernels import Launch, _partials, _segments_finite, decoded_rows, encode_rows, ticket
 
 ADDRESSES = ("grad", "var", "param", "momentum")
@@ -147,33 +149,40 @@ def _zoa_step_kernel(
     if ok:
         tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw), mask=live[:, None])
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off, mine = owned(idx, k, start_ptr, count_ptr)
-        mine = mine & in_x
-        mp = address(addr_ptr, _MOM, K, k) + off
-        pp = address(addr_ptr, _PARAM, K, k) + off
-        d = denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine)
-        if SYNC:
-            sp = address(addr_ptr, _SYNC, K, k) + off
-            m = tl.div_rn(mean * d, scalar(scal_ptr, k, _NL))
-            s = tl.load(sp, mask=mine, other=0.0) + mean
-            tl.store(mp, m, mask=mine)
-            tl.store(sp, s, mask=mine)
-            tl.store(pp, s, mask=mine)
-        else:
-            m = tl.load(mp, mask=mine, other=0.0)
-            p = tl.load(pp, mask=mine, other=0.0)
-            wd = scalar(scal_ptr, k, _WD)
-            if FMA:  # the fold's one multiply-add (docs/ALGORITHMS.md 6.4)
-                m = tl.fma(scalar(scal_ptr, k, _W1) * mean, d, m * scalar(scal_ptr, k, _B1))
-            else:  # the compile check's twin: the same kernel with no FMA written (it must show none)
-                m = m * scalar(scal_ptr, k, _B1) + (scalar(scal_ptr, k, _W1) * mean) * d
-            v = tl.div_rn(m, d)
-            v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
-                           propagate_nan=tl.PropagateNan.ALL)
-            v = tl.where(wd > 0.0, v + wd * p, v)
-            p = p + scalar(scal_ptr, k, _NEG_LR) * v
-            tl.store(mp, m, mask=mine)
-            tl.store(pp, p, mask=mine)
+        _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, SYNC, FMA)
+
+
+@jit
+def _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, SYNC: tl.constexpr,
+            FMA: tl.constexpr):
+    # tensor k's part of the decompress pass: the fold and the stale step (SYNC: the synchronisation's)
+    off, mine = owned(idx, k, start_ptr, count_ptr)
+    mine = mine & in_x
+    mp = address(addr_ptr, _MOM, K, k) + off
+    pp = address(addr_ptr, _PARAM, K, k) + off
+    d = denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine)
+    if SYNC:
+        sp = address(addr_ptr, _SYNC, K, k) + off
+        m = tl.div_rn(mean * d, scalar(scal_ptr, k, _NL))
+        s = tl.load(sp, mask=mine, other=0.0) + mean
+        tl.store(mp, m, mask=mine)
+        tl.store(sp, s, mask=mine)
+        tl.store(pp, s, mask=mine)
+    else:
+        m = tl.load(mp, mask=mine, other=0.0)
+        p = tl.load(pp, mask=mine, other=0.0)
+        wd = scalar(scal_ptr, k, _WD)
+        if FMA:  # the fold's one multiply-add (docs/ALGORITHMS.md 6.4)
+            m = tl.fma(scalar(scal_ptr, k, _W1) * mean, d, m * scalar(scal_ptr, k, _B1))
+        else:  # the compile check's twin: the same kernel with no FMA written (it must show none)
+            m = m * scalar(scal_ptr, k, _B1) + (scalar(scal_ptr, k, _W1) * mean) * d
+        v = tl.div_rn(m, d)
+        v = tl.minimum(tl.maximum(v, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                       propagate_nan=tl.PropagateNan.ALL)
+        v = tl.where(wd > 0.0, v + wd * p, v)
+        p = p + scalar(scal_ptr, k, _NEG_LR) * v
+        tl.store(mp, m, mask=mine)
+        tl.store(pp, p, mask=mine)
 
 
 def worker_launches(e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout,
@@ -231,6 +240,80 @@ class TritonPasses:
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip, self.sync)
         self.gathered, self.layout = gathered, layout  # kept: the synchronisation's message
+
+
+# ---- Triton, every bucket of the stage in one launch per pass (kernels/fused/stage.py) ----------
+
+@jit
+def _stage_zoa_worker_kernel(
+    bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, partial_ptr, ticket_ptr, W,
+    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr, EBF16: tl.constexpr,
+):
+    # _zoa_worker_kernel on each program's bucket
+    q = tl.program_id(0)
+    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
+    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
+    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
+    scale_word = stage.field(row, stage.SCALE_WORD)
+    total_bytes, seg_words = N // 8, seg_bytes // 4
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    i = tl.arange(0, 8)
+    idx = g[:, None] * 8 + i[None, :]
+    live = (g < total_bytes)[:, None]
+    in_x = live & (idx < n)
+    if SYNC:
+        x = _x_sync(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+    else:
+        x = _x(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
+    z = x + load_error(tl.load(row + stage.E), idx, live, EBF16)
+    msg = tl.load(row + stage.MSG)
+    first = tl.load(row + stage.P0)
+    encode_rows(z, live, i, g, pid, msg.to(tl.pointer_type(tl.uint8)), partial_ptr + first, ticket_ptr + b,
+                total_bytes, chunk_bytes, seg_bytes, N, msg.to(tl.pointer_type(tl.float32)), W, seg_words,
+                scale_word, stage.field(row, stage.P), FINAL_BLOCK)
+
+
+@jit
+def _stage_zoa_step_kernel(
+    bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, W, clip, role,
+    BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr, FMA: tl.constexpr,
+    EBF16: tl.constexpr,
+):
+    # _zoa_step_kernel on each program's bucket
+    q = tl.program_id(0)
+    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
+    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
+    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
+    scale_word = stage.field(row, stage.SCALE_WORD)
+    total_bytes, seg_words = N // 8, seg_bytes // 4
+    gath = tl.load(row + stage.GATH)
+    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
+    ok = _segments_finite(g_words, W, seg_words, scale_word, GATE_BLOCK)
+    idx, live, mean = decoded_rows(g_ptr, g_words, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
+                                   scale_word, BLOCK_BYTES)
+    in_x = live[:, None] & (idx < n)
+    if SYNC:
+        x = _x_sync(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
+    else:
+        x = _x(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
+    e_addr = tl.load(row + stage.E)
+    z = x + load_error(e_addr, idx, live[:, None], EBF16)
+    sw = tl.load(tl.load(row + stage.MSG).to(tl.pointer_type(tl.float32)) + scale_word)
+    if ok:
+        store_error(e_addr, idx, tl.where(z < 0, z + sw, z - sw), sw, role, live[:, None], EBF16)
+    for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
+        _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, SYNC, FMA)
+
+
+def stage_launches(st, table: Table, clip: float, ebf16: bool, sync: bool = False, fma: bool = True) -> dict:
+    """The stage's passes over every bucket (as :func:`onebit.kernels.fused.adam.stage_launches`):
+    ``worker`` (one launch), ``server`` (two), ``finish`` (one); ``sync``: phase 2's synchronisation."""
+    common = (st.table, st.map, st.lo, st.hi, table.start, table.count, table.addr, table.K, table.scal)
+    worker = Launch(_stage_zoa_worker_kernel, st.P, (*common, st.partials, st.tickets, st.W),
+                    dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync, EBF16=ebf16), WARPS)
+    finish = Launch(_stage_zoa_step_kernel, st.P, (*common, st.W, clip, WORKER),
+                    dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync, FMA=fma, EBF16=ebf16), WARPS)
+    return {"worker": [worker], "server": stage.server_launches(st, ebf16), "finish": [finish]}
 
 
 LOCAL_BLOCK = BLOCK_BYTES * 8  # elements per program of the local step, over the tensors end to end
