@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.fused import hook
-from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_v_floors, stale_denominator
+from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_rn, sqrt_v_floors, stale_denominator
 from . import _hook_fused
 from ._fsdp_replicas import to_local
 
@@ -161,11 +161,12 @@ class FrozenAdam:
         # every step count read at once (a fused or capturable AdamW keeps them on the device: one host
         # synchronisation in all, not one per parameter)
         counts = step_counts([entry["step"] for *_, entry in rows])
+        batch = OwnSteps()  # what the C does not take, made at the end (multi-tensor)
         for (group, p, name, entry), count in zip(rows, counts, strict=True):
             b1, b2 = group["betas"]
             eps = group["eps"]
             t = count + 1.0  # torch counts the step before its bias corrections
-            if own and self._own_step(p, entry, group, name, t):
+            if own and self._own_step(p, entry, group, name, t, batch):
                 continue
             d = self.denominator(opt, p, name)
             if d is None:
@@ -178,8 +179,9 @@ class FrozenAdam:
             v.copy_(target)  # the optimizer's b2 * v gives the frozen one
             self._saved.append((grad, grad.clone()))
             grad.zero_()
+        batch.run()
 
-    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, name, t: float) -> bool:
+    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, name, t: float, batch: OwnSteps) -> bool:
         """torch's Adam/AdamW update of ``p`` on the frozen denominator, done here: the momentum
         takes this iteration's gradient, ``p -= lr * m / (bc1 * d)`` (after AdamW's decay; Adam's
         L2 term joins the gradient), ``d`` computed from ``exp_avg_sq`` (``v_F``, left as it is) and
@@ -187,8 +189,10 @@ class FrozenAdam:
         restored by the post-hook), which skips the parameter. One pass over p, g, m and v
         instead of preparing the state, torch's step and the restore (bench/TRAFFIC.md section 4,
         item 1). The same maths as :meth:`prepare`'s route, to rounding (that route's denominator
-        is ``d`` after a square and a root). False: not done (options this does not model: the
-        caller takes the preparing route)."""
+        is ``d`` after a square and a root). Where the C pass does not take it (a GPU, a small tensor,
+        an old checkpoint's denominator) the update joins ``batch``, which :func:`own_steps` makes for
+        the whole group in multi-tensor ops (:class:`OwnSteps`), and the step counts advance there, all
+        at once. False: not done (options this does not model: the caller takes the preparing route)."""
         if any(group.get(k) for k in ("maximize", "amsgrad", "capturable", "differentiable")):
             return False
         b1 = group["betas"][0]
@@ -197,17 +201,15 @@ class FrozenAdam:
         decoupled = group.get("decoupled_weight_decay", False)
         pl, grad = to_local(p).detach(), to_local(p.grad)
         m, v = to_local(entry["exp_avg"]), to_local(entry["exp_avg_sq"])
-        g = grad.add(pl, alpha=wd) if wd and not decoupled else grad
-        decay = 1.0 - lr * wd if wd and decoupled else 1.0
-        legacy = self.legacy.get(name)
-        if legacy is not None or not cpu_fused.frozen_adam_(pl, m, g, v, beta1=b1, decay=decay, step=lr / bc1,
-                                                            denominator=self._c_scalars(name)):
-            d = legacy if legacy is not None else self._denominator(v, name)
-            m.mul_(b1).add_(g, alpha=1.0 - b1)
-            if decay != 1.0:
-                pl.mul_(decay)
-            pl.addcdiv_(m, d, value=-lr / bc1)
-        entry["step"] += 1
+        legacy, done = self.legacy.get(name), False
+        if legacy is None and pl.device.type == "cpu":  # the C pass (a CPU tensor large enough)
+            g = grad.add(pl, alpha=wd) if wd and not decoupled else grad
+            decay = 1.0 - lr * wd if wd and decoupled else 1.0
+            done = cpu_fused.frozen_adam_(pl, m, g, v, beta1=b1, decay=decay, step=lr / bc1,
+                                          denominator=self._c_scalars(name))
+        if not done:
+            batch.add(group, (pl, m, grad, v, legacy, self.scalars.get(name), lr / bc1))
+        batch.steps.append(entry)
         self._hidden.append((p, p.grad))
         p.grad = None
         return True
@@ -291,6 +293,58 @@ class FrozenAdam:
             self.scalars, names = {}, state["names"]
             self._frozen = bool(names)
         self.legacy = {tuple(n): d for n, d in zip(names, state["denominators"], strict=True)}
+
+
+class OwnSteps:
+    """The own steps of one optimizer step (:meth:`FrozenAdam._own_step`) that the C pass does not make,
+    per group, and the step counts to advance: made at the end in multi-tensor ops (:func:`own_steps`;
+    the counts kept on a device, a fused AdamW's, in one ``_foreach_add_``)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, tuple[dict, list]] = {}
+        self.steps: list[dict] = []
+
+    def add(self, group: dict, item: tuple) -> None:
+        self.groups.setdefault(id(group), (group, []))[1].append(item)
+
+    def run(self) -> None:
+        for group, items in self.groups.values():
+            own_steps(items, group)
+        counts = [e["step"] for e in self.steps if isinstance(e["step"], torch.Tensor)]
+        if counts:
+            torch._foreach_add_(counts, 1.0)
+        for e in self.steps:
+            if not isinstance(e["step"], torch.Tensor):
+                e["step"] += 1
+
+
+def own_steps(items: list[tuple], group: dict) -> None:
+    """:meth:`FrozenAdam._own_step`'s update for several parameters of ``group`` in multi-tensor ops (on a
+    GPU one launch per operation for them all, not 7-8 per parameter: issue 57): each item ``(p, m, grad,
+    v, d, (floor, bc2, eps), lr / bc1)``, ``d`` an old checkpoint's denominator or None (made from ``v``:
+    ``max(sqrt(v), floor) * r + eps``, each operation rounded, as ``stale_denominator``). Each element
+    takes the per-parameter route's operations in its order: ``m = b1 m + (1 - b1) g`` (``g = grad + wd p``
+    for Adam's L2 term), ``p = p * (1 - lr wd)`` (AdamW), ``p = p + (-lr / bc1) m / d``."""
+    b1, lr, wd = group["betas"][0], float(group["lr"]), float(group["weight_decay"])
+    decoupled = group.get("decoupled_weight_decay", False)
+    ps, ms, grads, vs = ([it[k] for it in items] for k in range(4))
+    gs = torch._foreach_add(grads, ps, alpha=wd) if wd and not decoupled else grads
+    ds = [it[4] for it in items]
+    fresh = [k for k, d in enumerate(ds) if d is None]
+    if fresh:
+        roots = [vs[k].float() for k in fresh]
+        # a CPU's float32 sqrt is not correctly rounded (preconditioning.sqrt_rn); a GPU's is
+        roots = [sqrt_rn(x) for x in roots] if roots[0].device.type == "cpu" else torch._foreach_sqrt(roots)
+        torch._foreach_maximum_(roots, [items[k][5][0] for k in fresh])
+        torch._foreach_mul_(roots, [inverse_sqrt_bc2(items[k][5][1]) for k in fresh])  # exactly 1.0: bc2 1
+        torch._foreach_add_(roots, [items[k][5][2] for k in fresh])
+        for k, d in zip(fresh, roots, strict=True):
+            ds[k] = d
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, gs, alpha=1.0 - b1)
+    if wd and decoupled:
+        torch._foreach_mul_(ps, 1.0 - lr * wd)
+    torch._foreach_addcdiv_(ps, ms, ds, [-it[6] for it in items])
 
 
 def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
