@@ -5,6 +5,9 @@ zero-padded float32 copy (fewer than 8 W elements, or a block, per chunk), so th
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from . import cpu_simd
@@ -38,13 +41,13 @@ def padded(src: torch.Tensor, mid: int, end: int, hi: int) -> torch.Tensor:
 
 
 def encode_tail(x: torch.Tensor, e: torch.Tensor, layout: Layout, bits: torch.Tensor, j: int, lo: int,
-                mid: int, hi: int) -> torch.Tensor:
+                mid: int, hi: int) -> torch.Tensor | float:
     """Chunk j's padded rest ``[mid, hi)`` (``split``): its bits into ``bits[j]``, and its float64
-    sums of squares (per block, or one), as the native codec encodes it."""
+    sums of squares (per block, a tensor; one scale per chunk: a float), as the native codec encodes it."""
     xs, row = padded(x, mid, max(mid, min(hi, x.numel())), hi), bits[j, (mid - lo) // 8 : (hi - lo) // 8]
     es = widen(e[mid:hi])  # a bfloat16 error: its rest widened (fewer than 8 W elements, or a block)
     if layout.block is None:
-        return torch.tensor([cpu_simd.encode_total(xs, es, row)], dtype=torch.float64)
+        return cpu_simd.encode_total(xs, es, row)
     return cpu_simd.encode_blocks(xs, es, row, layout.block)
 
 
@@ -72,20 +75,38 @@ def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.T
     encodes chunk j's ``[lo, mid)`` into ``bits[j]`` (the codec's pass, with whatever maths a fused
     pass adds) and returns its float64 sums of squares (per block, or one total), an empty list
     where ``mid == lo``; the padded rest ``[mid, hi)`` takes :func:`encode_tail`. The scales: one
-    from every chunk's sums, or one per block; a non-finite block poisons every scale."""
+    from every chunk's sums, or one per block; a non-finite block poisons every scale. One scale per
+    chunk: the sums are Python floats (IEEE doubles: the float64 tensor arithmetic's bits, without a
+    torch op per chunk, each of which waits for a core the C passes' threads still hold)."""
     bits, scales, n = message_bits(msg, layout), message_scales(msg, layout), x.numel()
+    if layout.block is None:
+        total = 0.0
+        for j in range(layout.W):
+            lo, mid, hi = split(layout, n, j)
+            pieces = [float(s) for s in piece(j, lo, mid, hi)]
+            if hi > mid:
+                pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))
+            if len(pieces) > 2:
+                raise AssertionError("encode_chunks: at most a piece and a rest per chunk")
+            total += pieces[0] if len(pieces) == 1 else pieces[0] + pieces[1]  # as cat(pieces).sum()
+        scales.fill_(rms(total, layout.N))
+        return
     total = torch.zeros((), dtype=torch.float64)
     for j in range(layout.W):
         lo, mid, hi = split(layout, n, j)
         pieces = list(piece(j, lo, mid, hi))
         if hi > mid:
             pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))
-        sums = torch.cat(pieces)
-        if layout.block is None:
-            total += sums.sum()
-        else:
-            scales[j] = torch.sqrt(sums / layout.block).to(torch.float32)
-    if layout.block is None:
-        scales.copy_(torch.sqrt(total / layout.N).to(torch.float32).expand(layout.W))
-    elif not bool(torch.isfinite(scales).all()):
+        scales[j] = torch.sqrt(torch.cat(pieces) / layout.block).to(torch.float32)
+    if not bool(torch.isfinite(scales).all()):
         scales.fill_(float("nan"))  # as the plain path
+
+
+def rms(total: float, N: int) -> float:
+    """``sqrt(total / N)`` in float64 rounded to float32, as ``torch.sqrt(t / N).to(torch.float32)``
+    rounds a float64 tensor ``t`` (to nearest, ties to even; past float32's range: inf)."""
+    value = math.sqrt(total / N) if total >= 0 else math.nan  # a negative sum: none (as torch: NaN)
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's largest: torch's conversion gives inf
+        return math.inf

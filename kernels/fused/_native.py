@@ -155,7 +155,7 @@ class NativePasses:
                                [max(0, min(hi, n) - lo) for lo, _, hi in splits])
 
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
-            return [torch.tensor([sums[j]], dtype=torch.float64)] if mid > lo else []
+            return [sums[j]] if mid > lo else []
 
         _chunks.encode_chunks(values, worker_error, layout, msg, piece)
 

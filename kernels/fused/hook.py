@@ -224,7 +224,7 @@ class NativePasses:
             sums = []
             if mid > lo:
                 got, q = hook_encode(flat, worker_error, bits[j], lo, mid - lo, layout.block, self.table)
-                sums.append(got if layout.block else torch.tensor([got], dtype=torch.float64))
+                sums.append(got)  # per block a tensor, one per chunk a float
                 sq[0] += q
             if min(hi, n) > mid:  # the padded chunk's data tail: the pre-pass alone, then the plain encode
                 sq[0] += hook_pre_range(flat, mid, min(hi, n), self.table)
