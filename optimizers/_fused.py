@@ -392,6 +392,38 @@ class ZeroOneSync(ZeroOneStep):
                     for i, _, g in items])
 
 
+def wake(opt, reducer, pairs, kept: dict) -> bool:
+    """ZeroOneAdam's wake (``ZeroOneAdam._wake``) in one launch over every bucket where its last
+    synchronisation ran in the Triton stage (kernels/fused/zero_one.py ``_stage_zoa_wake_kernel``):
+    the momentum and ``sync_params`` made new, then written from the kept messages, bitwise the
+    per-tensor ops. False: nothing done (the caller's per-tensor path)."""
+    plan = getattr(opt, "_zos_cache", None)
+    if (plan is None or plan.reducer is not reducer or plan.backend != "triton" or not plan.STAGE
+            or not opt.preconditioned or not pairs or not _tensors_ok(opt, pairs)
+            or any(g.get("eps_inside_sqrt", False) for _, g in pairs)):
+        return False
+    live, layouts, st, table = plan._stage()
+    messages = [m for b, m in zip(reducer.buckets, kept["messages"], strict=True) if b.numel]
+    if any(m is None or m[1] != layout for m, layout in zip(messages, layouts, strict=True)):
+        return False
+    index = {id(g): i for i, g in enumerate(opt._own_groups())}
+    for p, _ in pairs:
+        state = opt.state[p]
+        state["exp_avg"] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["sync_params"] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    items = [(i, *pairs[i]) for b in live for i in b.indices]
+    table.fill({"sync_params": [opt.state[p]["sync_params"] for _, p, _ in items],
+                "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
+                "param": [p for _, p, _ in items],
+                "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
+               [zero_one.sync_rows(kept["nl"][index[id(g)]], opt.denominator_scalars(i, g))
+                for i, _, g in items])
+    st.fill([(0, 0, 0, 0, m[0].data_ptr(), 0, 0, 0) for m in messages])
+    for launch in zero_one.wake_launches(st, table):
+        launch()
+    return True
+
+
 def local_applies(opt, pairs, masks) -> bool:
     """Whether ``opt``'s phase-2 local step can run as one launch (the ``local`` step's backend is
     ``triton``): the default maths, no dead-coordinate masks, no ``eps_inside_sqrt``, float32 contiguous

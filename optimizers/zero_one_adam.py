@@ -194,6 +194,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
             return
         reducer = self.reducer()
         pairs = self.compressed_params()
+        if _fused.wake(self, reducer, pairs, kept):  # every bucket in one launch (GPU)
+            return
         index = {id(g): i for i, g in enumerate(self._own_groups())}
         for b, message in zip(reducer.buckets, kept["messages"], strict=True):
             mean = torch.empty(b.n, dtype=torch.float32, device=reducer.device)

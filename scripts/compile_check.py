@@ -145,6 +145,8 @@ def stage_launches(W: int):
                 made = tz.stage_launches(st, mock_table(4, 2**20), 1.0, ebf16, sync, fma)
                 for launch in made["worker"] + made["finish"]:
                     yield f"zoa stage, {'bf16' if ebf16 else 'fp32'} errors", launch
+    for launch in tz.wake_launches(st, mock_table(4, 2**20)):
+        yield "zoa stage", launch
     for launch in stage.keep_launches(st, T(torch.uint8)):
         yield "stage", launch
 

@@ -316,6 +316,39 @@ def stage_launches(st, table: Table, clip: float, ebf16: bool, sync: bool = Fals
     return {"worker": [worker], "server": stage.server_launches(st, ebf16), "finish": [finish]}
 
 
+@jit
+def _stage_zoa_wake_kernel(bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
+                           BLOCK_BYTES: tl.constexpr):
+    # ZeroOneAdam's wake after a rest: from each bucket's kept synchronisation message (column GATH) the
+    # momentum m = (mean d) / nl and sync_params = p, as the synchronisation's pass wrote them
+    q = tl.program_id(0)
+    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
+    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
+    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
+    scale_word = stage.field(row, stage.SCALE_WORD)
+    gath = tl.load(row + stage.GATH)
+    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
+    idx, live, mean = decoded_rows(g_ptr, g_words, pid, N // 8, chunk_bytes, seg_bytes, seg_bytes // 4,
+                                   scale_word, BLOCK_BYTES)
+    in_x = live[:, None] & (idx < n)
+    for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        d = denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine)
+        m = tl.div_rn(mean * d, scalar(scal_ptr, k, _NL))
+        tl.store(address(addr_ptr, _MOM, K, k) + off, m, mask=mine)
+        p = tl.load(address(addr_ptr, _PARAM, K, k) + off, mask=mine, other=0.0)
+        tl.store(address(addr_ptr, _SYNC, K, k) + off, p, mask=mine)
+
+
+def wake_launches(st, table: Table) -> list:
+    """The wake over every bucket of the synchronisation's stage in one launch (``table``: its columns,
+    ``SYNC_ADDRESSES``, the scalars of :func:`sync_rows` with the rest's nl)."""
+    return [Launch(_stage_zoa_wake_kernel, st.P, (st.table, st.map, st.lo, st.hi, table.start, table.count,
+                                                 table.addr, table.K, table.scal),
+                   dict(BLOCK_BYTES=BLOCK_BYTES), WARPS)]
+
+
 LOCAL_BLOCK = BLOCK_BYTES * 8  # elements per program of the local step, over the tensors end to end
 
 
