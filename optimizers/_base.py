@@ -363,6 +363,15 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
                 and self._overlap is None and not self._cohorts and self._sharding is None
                 and not any(g.get("non_freeze", False) for g in self.param_groups))
 
+    def _undo_skipped(self, agreement) -> None:
+        """What a step skipped on the device changed on the host, undone: the update count (the step's own
+        counters, where it kept a ``snapshot`` of them: those)."""
+        if agreement.snapshot is None:
+            self.updates -= 1
+            return
+        for name, value in agreement.snapshot.items():
+            setattr(self, name, value)
+
     def _counts_enter_update(self) -> bool:
         """Whether the next update's arithmetic reads the update count (a bias correction): then a skip
         agreed on the device must be counted first."""
@@ -376,8 +385,9 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         gathered messages', alike on every rank."""
         pending = getattr(self, "_pending_agreements", [])
         while pending and (wait or pending[0].arrived()):
-            if pending.pop(0).skipped_step():
-                self.updates -= 1
+            agreement = pending.pop(0)
+            if agreement.skipped_step():
+                self._undo_skipped(agreement)
                 self.skipped_steps += 1
                 warn_collective(f"onebit: step skipped on every rank: a non-finite gradient at the "
                                 f"{self.stage} step after {self.updates} updates (agreed on the device: the "

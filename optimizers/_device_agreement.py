@@ -20,7 +20,14 @@ the verdict never leaves the device:
   goes back by one, ``skipped_steps`` counts it, and group rank 0 warns, without naming the ranks (the
   messages do not say which rank poisoned them).
 
-The run is bitwise the host agreement's, skipped steps included (tests/test_device_agreement.py).
+ZeroOneAdam's phase-2 local steps that synchronise nothing agree on the device too, with no collective
+of their own to carry a poison: it is summed over the ranks on the device (``all_reduce``, nothing read
+back) and the one Triton local step reads it as its gate; the host's counters are kept before the step
+(``snapshot``) and put back when the skip is learnt, at the next step, which waits for the flag (the
+counters choose its kind).
+
+The run is bitwise the host agreement's, skipped steps included (tests/test_device_agreement.py,
+tests/test_device_agreement_zoa.py).
 Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton step with the momentum
 kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
 ``overlap``; everything else (the warm-up, ``nonfinite="raise"``) agrees on the host. Two differences,
@@ -47,6 +54,7 @@ class DeviceAgreement:
             finite = torch.ones((), dtype=torch.bool, device=device)
         self.poison = torch.where(finite, 0.0, float("nan")).to(device=device, dtype=torch.float32)
         self.skipped = torch.zeros((), dtype=torch.bool, device=device)
+        self.snapshot: dict | None = None  # the host's counters before the step, put back on a skip
         self._host: torch.Tensor | None = None
         self._event = None
 
@@ -58,6 +66,16 @@ class DeviceAgreement:
         fine = torch.isfinite(message_scales(gathered, layout)).all()
         self.skipped |= ~fine
         return torch.where(fine, gathered, old)
+
+    def all_reduce(self, group) -> None:
+        """The ranks' poisons summed on the device (no read: NCCL queues it), for a step whose update
+        has no collective of its own to carry them (ZeroOneAdam's local steps): NaN where any rank's is;
+        the update then reads the agreed poison as its gate, and this flag is set from it."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.poison, group=group)
+        self.skipped |= torch.isnan(self.poison)
 
     def keep_stage(self, st) -> None:
         """:meth:`keep` for every bucket of a fused stage (kernels/fused/stage.py) at once, in place: each
@@ -81,7 +99,8 @@ class DeviceAgreement:
         return self._event is None or self._event.query()
 
     def skipped_step(self) -> bool:
-        """Whether the step was skipped (waits for the flag's copy, long done by the next step)."""
-        if self._event is not None:
+        """Whether the step was skipped (waits for the flag's copy, long done by the next step: no wait at
+        all where it has arrived)."""
+        if self._event is not None and not self._event.query():
             self._event.synchronize()
         return bool(self._host)

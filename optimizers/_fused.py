@@ -458,7 +458,8 @@ class LocalStep:
                          "param": params, "momentum": [opt.state[p]["exp_avg"] for p in params]},
                         [zero_one.rows(g, opt.denominator_scalars(k, g)) for k, (_, g) in enumerate(pairs)])
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
-        zero_one.local_step(self.table, sum(sizes), clip)
+        agreement = getattr(opt, "_on_device", None)  # the step's agreement on the device (its gate)
+        zero_one.local_step(self.table, sum(sizes), clip, None if agreement is None else agreement.poison)
 
 
 def plan(opt, attr: str, reducer, kind):

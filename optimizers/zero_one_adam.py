@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -11,6 +13,7 @@ from ..kernels._checks import check_int
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._cohorts import options
+from ._device_agreement import DeviceAgreement
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
 
@@ -252,6 +255,35 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._observe_variance()
         else:
             self._phase_two(reducer, pairs, t)
+
+    def _agreement_on_device(self):
+        """Phase 2's local steps that synchronise nothing, where the local step is the one Triton launch
+        (optimizers/_device_agreement.py): each rank's verdict a float32 poison, summed over the ranks on
+        the device (one all-reduce, nothing read back), the launch leaving every tensor where the sum is
+        NaN; the host's counters (``COUNTERS``: the update count, the local-step schedule, the summed
+        learning rates) kept before the step and put back when the skip is learnt, at the next step
+        (it waits for the flag: the counters choose that step's kind). The other steps agree on the host."""
+        if self.phase != 2 or self.updates == self.frozen_at:
+            return None
+        t = self.updates + 1
+        if t == self.frozen_at + 1 or t % self.local_step_interval == 0:
+            return None
+        reducer = self.reducer()
+        if not self._may_agree_on_device(reducer.device):
+            return None
+        self._wake()  # what the step does first (its local step reads the momentum)
+        pairs, masks = self.compressed_params(), self.auto_masks()
+        if not _fused.local_applies(self, pairs, masks):
+            return None
+        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
+        agreement.snapshot = {name: copy.deepcopy(getattr(self, name)) for name in self.COUNTERS}
+        agreement.all_reduce(reducer.group)
+        if reducer.world_size > 1:
+            self.count_sent(1, 4, control=True)
+        return agreement
+
+    def _counts_enter_update(self) -> bool:
+        return True  # the counters choose each step's kind (a local step, a synchronisation, phase 1's)
 
     def _prepare_step(self) -> bool | None:
         """Phase 1's fused compressed step (optimizers/_fused.py): its worker pass before the

@@ -162,7 +162,8 @@ def zoa_launches(N: int, W: int):
                                          sync),
                      *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync),
                      *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync, fma=False)]
-        made += tz.local_launches(mock_table(4, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, 1.0)
+        for agreed in (None, T(f32)):  # (the agreement on the device: its gate)
+            made += tz.local_launches(mock_table(4, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, 1.0, agreed)
         for launch in made:
             yield f"zoa{align}", launch
 

@@ -358,3 +358,46 @@ def test_the_stage_is_bitwise_the_per_bucket_passes_on_cuda():
             assert torch.equal(a, b)
         one = run(True, error_dtype, 100.0)
         assert one[2] == 1 and one[3] == staged[3] and len(staged[3]) == 5, (one[3], staged[3])
+
+
+def test_zero_one_adams_steady_local_steps_synchronise_nothing():
+    # issue 57: ZeroOneAdam's phase-2 local steps that synchronise nothing agree on the device (one rank's
+    # whole compute, the collectives as copies): no host synchronisation in them under torch's sync debug
+    # mode, the previous step's flag having arrived (the test waits for the device between steps, as a
+    # training loop's backward gives it time to); a NaN at one of them skips it bitwise as the host does
+    import warnings
+
+    from onebit.optimizers import ZeroOneAdam
+
+    out = {}
+    for on_device in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((300, 200), (77,), (1000,))]
+        opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=4, var_update_scaler=1, local_step_scaler=3,
+                          local_step_clipper=4, bucket_cap_mb=0.2)
+        opt.reducer().allreduce = _one_rank
+        opt._device_agreement = on_device
+        g = torch.Generator(device="cuda").manual_seed(1)
+        syncs, agreed = [], []
+        for t in range(18):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            if t == 13:
+                params[1].grad[3] = float("nan")
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(w.message) for w in said))
+            agreed.append(bool(opt._pending_agreements))
+        out[on_device] = ([p.detach().clone() for p in params], opt.updates, opt.stats()["skipped_steps"])
+        if on_device:
+            steady = [s for s, a in zip(syncs, agreed, strict=True) if a]
+            assert len(steady) >= 6 and agreed[13] and steady == [0] * len(steady), (syncs, agreed)
+    for a, b in zip(out[True][0], out[False][0], strict=True):
+        assert torch.equal(a, b)
+    assert out[True][1:] == out[False][1:] == (17, 1)

@@ -353,13 +353,17 @@ LOCAL_BLOCK = BLOCK_BYTES * 8  # elements per program of the local step, over th
 
 
 @jit
-def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n, clip,
-                      BLOCK: tl.constexpr):
+def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n, clip, agreed_ptr,
+                      BLOCK: tl.constexpr, GATE: tl.constexpr):
     # per tensor (laid end to end): m = b1 m + (1 - b1) g (b1 m without a gradient), then
-    # p = p + (-lr) (clamp(m / d) [+ wd p]); cpu_fused.local_step_'s operations, each rounded
+    # p = p + (-lr) (clamp(m / d) [+ wd p]); cpu_fused.local_step_'s operations, each rounded. GATE: nothing
+    # stored where the ranks' agreed poison (float32, 0 or NaN) is NaN (the step skipped on the device)
     pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     in_x = idx < n
+    if GATE:
+        agreed = idx.to(tl.float32) * 0.0 + tl.load(agreed_ptr)  # (a tensor: a scalar mask is refused)
+        in_x = in_x & (agreed == agreed)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
         off = idx - tl.load(start_ptr + k).to(tl.int32)
         mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
@@ -382,17 +386,19 @@ def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_pt
         tl.store(pp, p + scalar(scal_ptr, k, _NEG_LR) * v, mask=mine)
 
 
-def local_launches(table: Table, n: int, clip: float) -> list:
+def local_launches(table: Table, n: int, clip: float, agreed: torch.Tensor | None = None) -> list:
     t = tiles(table, -(-n // 8) * 8, LOCAL_BLOCK)
     return [Launch(_zoa_local_kernel, -(-n // LOCAL_BLOCK),
-                   (t.lo, t.hi, table.start, table.count, table.addr, table.K, table.scal, n, clip),
-                   dict(BLOCK=LOCAL_BLOCK), 8)]
+                   (t.lo, t.hi, table.start, table.count, table.addr, table.K, table.scal, n, clip,
+                    table.scal if agreed is None else agreed),
+                   dict(BLOCK=LOCAL_BLOCK, GATE=agreed is not None), 8)]
 
 
-def local_step(table: Table, n: int, clip: float) -> None:
+def local_step(table: Table, n: int, clip: float, agreed: torch.Tensor | None = None) -> None:
     """Phase 2's local step of every tensor in the table (laid end to end: n elements in all;
-    ``clip``: inf for none), in one Triton launch."""
-    for launch in local_launches(table, n, clip):
+    ``clip``: inf for none), in one Triton launch; ``agreed``: the ranks' agreed poison on the device
+    (float32, 0 or NaN: NaN leaves every tensor as it was)."""
+    for launch in local_launches(table, n, clip, agreed):
         launch()
 
 
