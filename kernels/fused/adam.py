@@ -94,15 +94,7 @@ def _fold_worker_kernel(
     pid = tl.program_id(0)
     g, i, idx, live, in_x = elements(n, total_bytes, BLOCK_BYTES)
     u = tl.load(u_ptr + idx, mask=in_x, other=0.0)
-    grad, den = grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, _GRAD,
-                           _VAR, BLOCK_BYTES)
-    b1 = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
-    w = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
-    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):  # each element's group scalars
-        _, mine = owned(idx, k, start_ptr, count_ptr)
-        b1 = tl.where(mine, scalar(scal_ptr, k, _B1), b1)
-        w = tl.where(mine, scalar(scal_ptr, k, _W1), w)
-    u = u * b1 + tl.div_rn(w * grad, den)  # fold_preconditioned_: u.mul_(b1), u + (w * g) / d
+    u = _fold(u, idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK_BYTES)
     tl.store(u_ptr + idx, u, mask=in_x)
     z = u + tl.load(e_ptr + idx, mask=live, other=0.0)
     if POISON:
@@ -128,19 +120,26 @@ def _decompress_update_kernel(
     sw = tl.load(w_words_ptr + scale_word)
     _store_decompressed(u_ptr, e_ptr, idx, live, in_x, val, sw, ok, True, False)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off, mine = owned(idx, k, start_ptr, count_ptr)
-        mine = mine & in_x
-        pp = address(addr_ptr, _PARAM, K, k) + off
-        step = tl.div_rn(val, scalar(scal_ptr, k, _BC1))
-        step = tl.minimum(tl.maximum(step, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
-                          propagate_nan=tl.PropagateNan.ALL)
-        p = tl.load(pp, mask=mine, other=0.0)
-        p = p * scalar(scal_ptr, k, _DECAY) + scalar(scal_ptr, k, _NEG_LR) * step
-        if GATE:
-            if ok:
-                tl.store(pp, p, mask=mine)
-        else:
+        _update(idx, in_x, val, ok, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, GATE)
+
+
+@jit
+def _update(idx, in_x, val, ok, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, GATE: tl.constexpr):
+    # tensor k's update from its decoded mean: p <- p (1 - lr wd) + (-lr) clamp(u / bc1, -clip, clip); GATE:
+    # only where ok (every gathered scale finite)
+    off, mine = owned(idx, k, start_ptr, count_ptr)
+    mine = mine & in_x
+    pp = address(addr_ptr, _PARAM, K, k) + off
+    step = tl.div_rn(val, scalar(scal_ptr, k, _BC1))
+    step = tl.minimum(tl.maximum(step, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
+                      propagate_nan=tl.PropagateNan.ALL)
+    p = tl.load(pp, mask=mine, other=0.0)
+    p = p * scalar(scal_ptr, k, _DECAY) + scalar(scal_ptr, k, _NEG_LR) * step
+    if GATE:
+        if ok:
             tl.store(pp, p, mask=mine)
+    else:
+        tl.store(pp, p, mask=mine)
 
 
 def fold_worker_launches(u, e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout,
@@ -304,19 +303,7 @@ def _stage_decompress_update_kernel(
         store_error(e_addr, idx, tl.where(z < 0, z + sw, z - sw), sw, role, live[:, None], EBF16)
     tl.store(u_addr.to(tl.pointer_type(tl.float32)) + idx, val, mask=in_u)
     for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
-        off, mine = owned(idx, k, start_ptr, count_ptr)
-        mine = mine & in_x
-        pp = address(addr_ptr, _PARAM, K, k) + off
-        step = tl.div_rn(val, scalar(scal_ptr, k, _BC1))
-        step = tl.minimum(tl.maximum(step, -clip, propagate_nan=tl.PropagateNan.ALL), clip,
-                          propagate_nan=tl.PropagateNan.ALL)
-        p = tl.load(pp, mask=mine, other=0.0)
-        p = p * scalar(scal_ptr, k, _DECAY) + scalar(scal_ptr, k, _NEG_LR) * step
-        if GATE:
-            if ok:
-                tl.store(pp, p, mask=mine)
-        else:
-            tl.store(pp, p, mask=mine)
+        _update(idx, in_x, val, ok, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, GATE)
 
 
 def stage_launches(st, table: Table, clip: float, ebf16: bool, poison: torch.Tensor | None = None) -> dict:
