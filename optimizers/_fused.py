@@ -258,7 +258,7 @@ class AdamStep:
         return self.staged
 
     def _stage_step(self, opt, pairs, t: int, clip: float, local, agreement) -> None:
-        """Every bucket's step in four launches (``adam.StagePasses``) around each bucket's collectives."""
+        """Every bucket's step, one launch per pass (stage.StagePasses), around each bucket's collectives."""
         reducer = self.reducer
         live, layouts, st, table = self._stage()
         self._fill_items(opt, pairs, t, [i for b in live for i in b.indices], table)
