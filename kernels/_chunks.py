@@ -70,14 +70,15 @@ def decode_tail(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
         out[mid:end] = values[: end - mid]
 
 
-def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.Tensor, piece) -> None:
+def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.Tensor, piece) -> float | None:
     """``worker_compress(update_error=False)``'s message, chunk by chunk: ``piece(j, lo, mid, hi)``
     encodes chunk j's ``[lo, mid)`` into ``bits[j]`` (the codec's pass, with whatever maths a fused
     pass adds) and returns its float64 sums of squares (per block, or one total), an empty list
     where ``mid == lo``; the padded rest ``[mid, hi)`` takes :func:`encode_tail`. The scales: one
     from every chunk's sums, or one per block; a non-finite block poisons every scale. One scale per
     chunk: the sums are Python floats (IEEE doubles: the float64 tensor arithmetic's bits, without a
-    torch op per chunk, each of which waits for a core the C passes' threads still hold)."""
+    torch op per chunk, each of which waits for a core the C passes' threads still hold); returns that
+    scale (None with block scales)."""
     bits, scales, n = message_bits(msg, layout), message_scales(msg, layout), x.numel()
     if layout.block is None:
         total = 0.0
@@ -89,8 +90,9 @@ def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.T
             if len(pieces) > 2:
                 raise AssertionError("encode_chunks: at most a piece and a rest per chunk")
             total += pieces[0] if len(pieces) == 1 else pieces[0] + pieces[1]  # as cat(pieces).sum()
-        scales.fill_(rms(total, layout.N))
-        return
+        scale = rms(total, layout.N)
+        scales.fill_(scale)
+        return scale
     total = torch.zeros((), dtype=torch.float64)
     for j in range(layout.W):
         lo, mid, hi = split(layout, n, j)
@@ -100,6 +102,7 @@ def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.T
         scales[j] = torch.sqrt(torch.cat(pieces) / layout.block).to(torch.float32)
     if not bool(torch.isfinite(scales).all()):
         scales.fill_(float("nan"))  # as the plain path
+    return None
 
 
 def rms(total: float, N: int) -> float:

@@ -201,7 +201,9 @@ class AdamStep:
             passes = self._passes(table, 0.0, kept=b.message if b.flat is None else None, n=b.numel)
             e = b.worker_error if getattr(passes, "BFLOAT16_ERRORS", False) else widen(b.worker_error)
             passes.worker(self._momentum(b), e, layout, msg)  # reads the error only
-            finite = finite and bool(torch.isfinite(message_scales(msg, layout)).all())
+            scale = getattr(passes, "scale", None)  # the message's scale, known to the C passes' caller
+            finite = finite and (math.isfinite(scale) if scale is not None
+                                 else bool(torch.isfinite(message_scales(msg, layout)).all()))
             ready.append((msg, passes.tails))
         if finite:
             return True

@@ -106,7 +106,7 @@ class NativePasses:
     def __init__(self, table, clip: float, msg: torch.Tensor | None = None, kept=None,
                  n: int | None = None, tails=None) -> None:
         self.table, self.clip = table, clip
-        self.gathered = self.layout = None
+        self.gathered = self.layout = self.scale = None
         self.kept, self.n, self.tails = kept, n, tails
         if msg is not None:  # the prepared message (collectives._async.worker_message)
             def ready(layout):
@@ -157,7 +157,7 @@ class NativePasses:
         def piece(j: int, lo: int, mid: int, hi: int) -> list:
             return [sums[j]] if mid > lo else []
 
-        _chunks.encode_chunks(values, worker_error, layout, msg, piece)
+        self.scale = _chunks.encode_chunks(values, worker_error, layout, msg, piece)  # (a float: no read)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
         """decompress (with the deferred worker error where the scales are finite) with the step's
