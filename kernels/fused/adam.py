@@ -39,6 +39,7 @@ from .table import (
     Table,
     address,
     elements,
+    elements_at,
     grad_denom,
     owned,
     programs,
@@ -246,16 +247,9 @@ def _stage_fold_worker_kernel(
     # _fold_worker_kernel on each program's bucket; the momentum read from its buffer (and the folded
     # one stored there) or decoded from its kept message (nothing stored: the decompress pass folds again)
     q = tl.program_id(0)
-    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
-    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
-    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
-    scale_word = stage.field(row, stage.SCALE_WORD)
+    b, row, pid, n, N, chunk_bytes, seg_bytes, scale_word = stage.bucket(bt_ptr, map_ptr, q, stage.P0)
     total_bytes, seg_words = N // 8, seg_bytes // 4
-    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    i = tl.arange(0, 8)
-    idx = g[:, None] * 8 + i[None, :]
-    live = (g < total_bytes)[:, None]
-    in_x = live & (idx < n)
+    g, i, idx, live, in_x = elements_at(pid, n, total_bytes, BLOCK_BYTES)
     u, u_addr, in_u, _ = _kept_or_buffer(row, idx, g, i, in_x, total_bytes, chunk_bytes, seg_bytes, seg_words,
                                          scale_word)
     u = _fold(u, idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK_BYTES)
@@ -263,11 +257,7 @@ def _stage_fold_worker_kernel(
     z = u + load_error(tl.load(row + stage.E), idx, live, EBF16)
     if POISON:
         z = z + tl.load(poison_ptr)
-    msg = tl.load(row + stage.MSG)
-    first = tl.load(row + stage.P0)
-    encode_rows(z, live, i, g, pid, msg.to(tl.pointer_type(tl.uint8)), partial_ptr + first, ticket_ptr + b,
-                total_bytes, chunk_bytes, seg_bytes, N, msg.to(tl.pointer_type(tl.float32)), W, seg_words,
-                scale_word, stage.field(row, stage.P), FINAL_BLOCK)
+    stage.encode_bucket(z, live, i, g, pid, b, row, partial_ptr, ticket_ptr, W, FINAL_BLOCK)
 
 
 @jit
@@ -279,19 +269,13 @@ def _stage_decompress_update_kernel(
     # from the kept message: bitwise the worker pass's) and the error give the deferred error update
     # (every gathered scale finite), the decoded mean goes to the buffer (none where kept), then the update
     q = tl.program_id(0)
-    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
-    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
-    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
-    scale_word = stage.field(row, stage.SCALE_WORD)
+    b, row, pid, n, N, chunk_bytes, seg_bytes, scale_word = stage.bucket(bt_ptr, map_ptr, q, stage.P0)
     total_bytes, seg_words = N // 8, seg_bytes // 4
-    gath = tl.load(row + stage.GATH)
-    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
-    ok = _segments_finite(g_words, W, seg_words, scale_word, GATE_BLOCK)
-    idx, live, val = decoded_rows(g_ptr, g_words, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
-                                  scale_word, BLOCK_BYTES)
+    ok = stage.gathered_finite(row, W, GATE_BLOCK)
+    idx, live, val, in_x = stage.gathered_rows(row, pid, n, N, chunk_bytes, seg_bytes, scale_word,
+                                               BLOCK_BYTES)
     g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     i = tl.arange(0, 8)
-    in_x = live[:, None] & (idx < n)
     x, u_addr, in_u, refold = _kept_or_buffer(row, idx, g, i, in_x, total_bytes, chunk_bytes, seg_bytes,
                                               seg_words, scale_word)
     x = tl.where(refold, _fold(x, idx, refold, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,

@@ -38,7 +38,16 @@ SERVER_BLOCK_BYTES = 512  # the codec's server programs (onebit.kernels.triton_k
 
 if AVAILABLE:
     from ..rounding import load_error, store_error
-    from ..triton_kernels import _FINAL_BLOCK, _INF, Launch, _finish_scale, _segments_finite, _store_packed
+    from ..triton_kernels import (
+        _FINAL_BLOCK,
+        _INF,
+        Launch,
+        _finish_scale,
+        _segments_finite,
+        _store_packed,
+        decoded_rows,
+        encode_rows,
+    )
 
 
 def programs(N: int, per_bytes: int = BLOCK_BYTES) -> int:
@@ -137,6 +146,41 @@ def field(row, column):
 
 
 @jit
+def bucket(bt_ptr, map_ptr, q, FIRST: tl.constexpr):
+    # bucket_of, and the bucket's sizes: n, N, a chunk's bytes, a segment's bytes, the scale's word
+    b, row, pid = bucket_of(bt_ptr, map_ptr, q, FIRST)
+    return (b, row, pid, field(row, NUMEL), field(row, PADDED), field(row, CHUNK_BYTES),
+            field(row, SEG_BYTES), field(row, SCALE_WORD))
+
+
+@jit
+def encode_bucket(z, live, i, g, pid, b, row, partial_ptr, ticket_ptr, W, FINAL_BLOCK: tl.constexpr):
+    # encode_rows of z into the bucket's message (MSG), with its own partial norms and ticket
+    N, seg_bytes, msg = field(row, PADDED), field(row, SEG_BYTES), tl.load(row + MSG)
+    encode_rows(z, live, i, g, pid, msg.to(tl.pointer_type(tl.uint8)), partial_ptr + tl.load(row + P0),
+                ticket_ptr + b, N // 8, field(row, CHUNK_BYTES), seg_bytes, N,
+                msg.to(tl.pointer_type(tl.float32)), W, seg_bytes // 4, field(row, SCALE_WORD), field(row, P),
+                FINAL_BLOCK)
+
+
+@jit
+def gathered_rows(row, pid, n, N, chunk_bytes, seg_bytes, scale_word, BLOCK_BYTES: tl.constexpr):
+    # the program's rows of the bucket's gathered message (GATH) decoded (decoded_rows), and in_x
+    gath = tl.load(row + GATH)
+    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
+    idx, live, val = decoded_rows(g_ptr, g_words, pid, N // 8, chunk_bytes, seg_bytes, seg_bytes // 4,
+                                  scale_word, BLOCK_BYTES)
+    return idx, live, val, live[:, None] & (idx < n)
+
+
+@jit
+def gathered_finite(row, W, GATE_BLOCK: tl.constexpr):
+    # whether every scale of the bucket's gathered message is finite
+    words = tl.load(row + GATH).to(tl.pointer_type(tl.float32))
+    return _segments_finite(words, W, field(row, SEG_BYTES) // 4, field(row, SCALE_WORD), GATE_BLOCK)
+
+
+@jit
 def _stage_server_kernel(bt_ptr, map_ptr, partial_ptr, ticket_ptr, W, inv_w, role, UPDATE: tl.constexpr,
                          EBF16: tl.constexpr, BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr):
     # onebit.kernels.triton_kernels._server_kernel (its masked path) on each program's bucket: m = sum_r
@@ -192,9 +236,9 @@ def _stage_keep_kernel(bt_ptr, flag_ptr, W, GATE_BLOCK: tl.constexpr, BLOCK: tl.
     # (OLD) is copied over it and the flag (uint8) set (the step skipped on the device, issue 57)
     b = tl.program_id(0)
     row = bt_ptr + b * _F
-    seg_bytes, scale_word = field(row, SEG_BYTES), field(row, SCALE_WORD)
+    seg_bytes = field(row, SEG_BYTES)
     gath, old = tl.load(row + GATH), tl.load(row + OLD)
-    if not _segments_finite(gath.to(tl.pointer_type(tl.float32)), W, seg_bytes // 4, scale_word, GATE_BLOCK):
+    if not gathered_finite(row, W, GATE_BLOCK):
         if old != 0:
             dst, src = gath.to(tl.pointer_type(tl.uint8)), old.to(tl.pointer_type(tl.uint8))
             size = W * seg_bytes

@@ -142,7 +142,13 @@ def elements(n, total_bytes, BLOCK_BYTES: tl.constexpr):
     # this program's byte rows of a message (g) and their elements: indices [BLOCK_BYTES, 8] (idx;
     # i the bit within a byte), which rows are in the message (live) and which elements in the data
     # (in_x); int32 indices: the caller keeps N < 2^31
-    g = tl.program_id(0) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    return elements_at(tl.program_id(0), n, total_bytes, BLOCK_BYTES)
+
+
+@jit
+def elements_at(pid, n, total_bytes, BLOCK_BYTES: tl.constexpr):
+    # elements() for the pid-th block of a message (a stage's program: its index within its bucket)
+    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     i = tl.arange(0, 8)
     idx = g[:, None] * 8 + i[None, :]
     live = (g < total_bytes)[:, None]

@@ -44,6 +44,7 @@ from .table import (
     address,
     denominator,
     elements,
+    elements_at,
     grad_denom,
     owned,
     programs,
@@ -251,26 +252,14 @@ def _stage_zoa_worker_kernel(
 ):
     # _zoa_worker_kernel on each program's bucket
     q = tl.program_id(0)
-    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
-    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
-    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
-    scale_word = stage.field(row, stage.SCALE_WORD)
-    total_bytes, seg_words = N // 8, seg_bytes // 4
-    g = pid * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    i = tl.arange(0, 8)
-    idx = g[:, None] * 8 + i[None, :]
-    live = (g < total_bytes)[:, None]
-    in_x = live & (idx < n)
+    b, row, pid, n, N, _, _, _ = stage.bucket(bt_ptr, map_ptr, q, stage.P0)
+    g, i, idx, live, in_x = elements_at(pid, n, N // 8, BLOCK_BYTES)
     if SYNC:
         x = _x_sync(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
     else:
         x = _x(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
     z = x + load_error(tl.load(row + stage.E), idx, live, EBF16)
-    msg = tl.load(row + stage.MSG)
-    first = tl.load(row + stage.P0)
-    encode_rows(z, live, i, g, pid, msg.to(tl.pointer_type(tl.uint8)), partial_ptr + first, ticket_ptr + b,
-                total_bytes, chunk_bytes, seg_bytes, N, msg.to(tl.pointer_type(tl.float32)), W, seg_words,
-                scale_word, stage.field(row, stage.P), FINAL_BLOCK)
+    stage.encode_bucket(z, live, i, g, pid, b, row, partial_ptr, ticket_ptr, W, FINAL_BLOCK)
 
 
 @jit
@@ -281,17 +270,10 @@ def _stage_zoa_step_kernel(
 ):
     # _zoa_step_kernel on each program's bucket
     q = tl.program_id(0)
-    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
-    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
-    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
-    scale_word = stage.field(row, stage.SCALE_WORD)
-    total_bytes, seg_words = N // 8, seg_bytes // 4
-    gath = tl.load(row + stage.GATH)
-    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
-    ok = _segments_finite(g_words, W, seg_words, scale_word, GATE_BLOCK)
-    idx, live, mean = decoded_rows(g_ptr, g_words, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
-                                   scale_word, BLOCK_BYTES)
-    in_x = live[:, None] & (idx < n)
+    b, row, pid, n, N, chunk_bytes, seg_bytes, scale_word = stage.bucket(bt_ptr, map_ptr, q, stage.P0)
+    ok = stage.gathered_finite(row, W, GATE_BLOCK)
+    idx, live, mean, in_x = stage.gathered_rows(row, pid, n, N, chunk_bytes, seg_bytes, scale_word,
+                                                BLOCK_BYTES)
     if SYNC:
         x = _x_sync(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, BLOCK_BYTES)
     else:
@@ -322,15 +304,9 @@ def _stage_zoa_wake_kernel(bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr
     # ZeroOneAdam's wake after a rest: from each bucket's kept synchronisation message (column GATH) the
     # momentum m = (mean d) / nl and sync_params = p, as the synchronisation's pass wrote them
     q = tl.program_id(0)
-    b, row, pid = stage.bucket_of(bt_ptr, map_ptr, q, stage.P0)
-    n, N = stage.field(row, stage.NUMEL), stage.field(row, stage.PADDED)
-    chunk_bytes, seg_bytes = stage.field(row, stage.CHUNK_BYTES), stage.field(row, stage.SEG_BYTES)
-    scale_word = stage.field(row, stage.SCALE_WORD)
-    gath = tl.load(row + stage.GATH)
-    g_ptr, g_words = gath.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.float32))
-    idx, live, mean = decoded_rows(g_ptr, g_words, pid, N // 8, chunk_bytes, seg_bytes, seg_bytes // 4,
-                                   scale_word, BLOCK_BYTES)
-    in_x = live[:, None] & (idx < n)
+    b, row, pid, n, N, chunk_bytes, seg_bytes, scale_word = stage.bucket(bt_ptr, map_ptr, q, stage.P0)
+    idx, live, mean, in_x = stage.gathered_rows(row, pid, n, N, chunk_bytes, seg_bytes, scale_word,
+                                                BLOCK_BYTES)
     for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
         off, mine = owned(idx, k, start_ptr, count_ptr)
         mine = mine & in_x
