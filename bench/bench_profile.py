@@ -40,8 +40,9 @@ from bench_optimizer import forced_single_rank, make_params  # noqa: E402
 MODEL_BYTES = {"adamw_fused": 28, "onebit_warmup": 100, "onebit_compress": 101, "onebit_compress_nosync": 97,
                "zoa_phase1_compressed": None, "zoa_phase2_local": None}
 # OnebitAdam's compression stage in its fused GPU passes (TRAFFIC.md section 3d): 56.9 B and the
-# non-finite check's 4
-FUSED_BYTES = {"onebit_compress": 61, "onebit_compress_nosync": 57}
+# non-finite check's 4; its warm-up's update in one launch per bucket (TRAFFIC.md section 2): the copy into the
+# averaging buffer 8, the update 28, the non-finite check's 4
+FUSED_BYTES = {"onebit_compress": 61, "onebit_compress_nosync": 57, "onebit_warmup": 40}
 
 
 def build(name: str, params, bucket_cap_mb: float = 25.0):
@@ -132,7 +133,7 @@ def main() -> None:
     if args.per_tensor:
         _multi.applies = lambda tensors: False
     if args.unfused or args.per_tensor:
-        use_backend("plain", steps=("adam", "zoa", "local")).__enter__()  # for the whole process
+        use_backend("plain", steps=("adam", "zoa", "local", "warmup")).__enter__()  # for the whole process
     rows = []
     for name in args.paths:
         rows.append(run(name, args, device))

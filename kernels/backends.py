@@ -17,6 +17,7 @@ and runs that backend's implementation of the whole step, or its plain path wher
 ``adam``   OnebitAdam's compression step in the codec's passes (``kernels/fused/adam.py``)
 ``zoa``    ZeroOneAdam's phase-1 step and phase-2 synchronisation in the codec's passes
 ``local``  ZeroOneAdam's phase-2 local step over every parameter at once
+``warmup`` OnebitAdam's warm-up update over a bucket (``kernels/fused/warmup.py``)
 ``hook``   the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective
 ``tensor`` the optimizers' per-tensor element-wise passes (``onebit.kernels.cpu_fused``)
 ``sketch`` OnebitLamb's count sketch with its hashed index (``onebit.kernels.sketch``)
@@ -48,7 +49,7 @@ from ._warn import warn_user
 __all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "STEPS", "Backend", "forced", "native_isa", "select",
            "use_backend"]
 
-STEPS = ("codec", "adam", "zoa", "local", "hook", "tensor", "sketch")
+STEPS = ("codec", "adam", "zoa", "local", "warmup", "hook", "tensor", "sketch")
 _OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
 
 
@@ -92,7 +93,8 @@ BACKENDS: dict[str, Backend] = {
     "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor", "sketch")),
                       _native_available,
                       "the C library on CPU tensors (AVX-512, AVX2 + FMA or portable C)"),
-    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "hook")), _triton_available,
+    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "warmup", "hook")),
+                      _triton_available,
                       "the Triton kernels on CUDA tensors (CPU tensors: forced, under TRITON_INTERPRET=1)"),
 }
 ORDER = {"cpu": ("native", "plain"), "cuda": ("triton", "plain")}  # the default, best first

@@ -20,6 +20,11 @@ the verdict never leaves the device:
   goes back by one, ``skipped_steps`` counts it, and group rank 0 warns, without naming the ranks (the
   messages do not say which rank poisoned them).
 
+ZeroOneAdam's phase-1 compressed steps agree as OnebitAdam's do, in its fused Triton passes: the poison in
+the worker pass, the decompress pass gated by the gathered scales (momenta, parameters and errors left as
+they were) and setting the flag itself (:meth:`flag`: no message is kept, nothing to select); the host's
+counters are kept before the step (``snapshot``) and put back when the skip is learnt.
+
 ZeroOneAdam's phase-2 local steps that synchronise nothing agree on the device too, with no collective
 of their own to carry a poison: it is summed over the ranks on the device (``all_reduce``, nothing read
 back) and the one Triton local step reads it as its gate; the host's counters are kept before the step
@@ -30,7 +35,9 @@ The run is bitwise the host agreement's, skipped steps included (tests/test_devi
 tests/test_device_agreement_zoa.py).
 Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton step with the momentum
 kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
-``overlap``; everything else (the warm-up, ``nonfinite="raise"``) agrees on the host. Two differences,
+``overlap``; ZeroOneAdam's phase-1 compressed steps (a fixed ``var_freeze_step``) and its phase-2 local
+steps; everything else (the warm-ups, phase 1's variance steps, ``nonfinite="raise"``) agrees on the
+host. Two differences,
 both on steps that the host would also not take as they are: the ranks are not named, and a finite
 gradient whose norm overflows float32 (all entries finite, their sum of squares not) skips the step
 (the host check then tests every element and takes it, with non-finite values in its update).
@@ -66,6 +73,11 @@ class DeviceAgreement:
         fine = torch.isfinite(message_scales(gathered, layout)).all()
         self.skipped |= ~fine
         return torch.where(fine, gathered, old)
+
+    def flag(self) -> torch.Tensor:
+        """The skip flag as the gated passes set it (uint8 [1] view: 1 where a gathered scale is not
+        finite), for a step that keeps no message (ZeroOneAdam's phase 1)."""
+        return self.skipped.view(torch.uint8).view(1)
 
     def all_reduce(self, group) -> None:
         """The ranks' poisons summed on the device (no read: NCCL queues it), for a step whose update

@@ -25,7 +25,7 @@ from ..collectives.allreduce import (
 )
 from ..collectives.telemetry import counting
 from ..kernels import backends
-from ..kernels.fused import adam, zero_one
+from ..kernels.fused import adam, warmup, zero_one
 from ..kernels.fused.stage import Stage, StagePasses
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, message_scales
@@ -89,10 +89,11 @@ def applies(opt, reducer, pairs) -> bool:
     return _backend("adam", pairs[0][0].device, reducer) is not None and _tensors_ok(opt, pairs)
 
 
-def zoa_applies(opt, reducer, pairs, phase: int = 1) -> bool:
+def zoa_applies(opt, reducer, pairs, phase: int = 1, during: bool = False) -> bool:
     """Whether ``opt`` (a ZeroOneAdam in ``phase``) can take this compressed step (phase 1) or
-    synchronisation (phase 2) fused."""
-    if not (pairs and opt.preconditioned and opt.phase == phase):
+    synchronisation (phase 2) fused. ``during``: asked inside the step, whose phase the caller knows
+    (phase 1's last step has moved the update count to the freeze already)."""
+    if not (pairs and opt.preconditioned and (during or opt.phase == phase)):
         return False
     if not _settings_ok(opt, reducer, pairs, opt._overlap is not None):
         return False
@@ -158,10 +159,10 @@ class AdamStep:
                     "param": [p for _, p, _ in items]},
                    [adam.rows(g, t, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, poison=None):
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, agreement=None):
         if self.backend == "native":
             return adam.NativePasses(table, clip, msg, kept=kept, n=n, tails=tails)
-        return adam.TritonPasses(table, clip, poison)
+        return adam.TritonPasses(table, clip, None if agreement is None else agreement.poison)
 
     def agrees_on_device(self) -> bool:
         """Whether this step can take the agreement on the device (optimizers/_device_agreement.py):
@@ -270,7 +271,7 @@ class AdamStep:
         passes = StagePasses(st, buffers, self._stage_launches(st, table, clip, agreement))
         with counting(reducer.traffic):
             gathered = compressed_allreduce_stage(layouts, reducer.group, passes, local=local)
-        if agreement is not None:  # a skipped step keeps the old messages (their decode: the momentum)
+        if agreement is not None and self.MESSAGE:  # a skipped step keeps the old messages (the momentum)
             agreement.keep_stage(st)
         for b, g, layout in zip(live, gathered, layouts, strict=True):
             reducer.count_compressed(b)
@@ -308,7 +309,7 @@ class AdamStep:
             native_kept = self.backend == "native" and b.message is not None
             msg, tails = (None, None) if ready is None else ready[k]
             passes = self._passes(table, clip, msg, kept=b.message if native_kept else None, n=b.numel,
-                                  tails=tails, poison=None if agreement is None else agreement.poison)
+                                  tails=tails, agreement=agreement)
             old = b.message
             u = self._momentum(b)
             with counting(reducer.traffic):  # the call's seconds (telemetry), as compressed_mean_ counts them
@@ -317,7 +318,7 @@ class AdamStep:
             reducer.count_compressed(b)
             if self.RECORD:
                 self.messages[k] = (passes.gathered, passes.layout)
-            if agreement is not None:  # a skipped step keeps the old message (its decode: the momentum)
+            if agreement is not None and self.MESSAGE:  # a skipped step keeps the old message (the momentum)
                 kept = agreement.keep(passes.gathered, passes.layout, old[0])
                 reducer.keep_as_message(b, kept, passes.layout)
             elif self.MESSAGE:
@@ -346,17 +347,26 @@ class ZeroOneStep(AdamStep):
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
                    [zero_one.rows(g, opt.denominator_scalars(i, g)) for i, _, g in items])
 
-    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, poison=None):
-        if self.backend == "native":  # (poison: ZeroOneAdam agrees on the host)
+    def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, agreement=None):
+        if self.backend == "native":  # (agreement: on the device, Triton only)
             kind = zero_one.NativeSyncPasses if self.SYNC else zero_one.NativePasses
             return kind(table, clip, msg)
-        return zero_one.TritonPasses(table, clip, self.SYNC)
+        poison, flag = (None, None) if agreement is None else (agreement.poison, agreement.flag())
+        return zero_one.TritonPasses(table, clip, self.SYNC, poison, flag)
+
+    def agrees_on_device(self) -> bool:
+        """Phase 1's step can take the agreement on the device in Triton: its worker pass writes no state,
+        its decompress pass updates nothing where a gathered scale is not finite (the gate) and says so
+        in the agreement's flag."""
+        return self.backend == "triton" and not self.SYNC
 
     def _restorable(self) -> bool:
         return True  # the worker pass writes no state
 
     def _stage_launches(self, st, table: Table, clip: float, agreement):
-        return lambda ebf16: zero_one.stage_launches(st, table, clip, ebf16, self.SYNC)
+        poison, flag = (None, None) if agreement is None else (agreement.poison, agreement.flag())
+        return lambda ebf16: zero_one.stage_launches(st, table, clip, ebf16, self.SYNC, poison=poison,
+                                                     flag=flag)
 
     def prepare(self, opt, pairs, t: int) -> bool | None:
         self.reducer.materialise()  # a released accumulator (phase 2 frees it between steps) made again
@@ -462,6 +472,41 @@ class LocalStep:
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         agreement = getattr(opt, "_on_device", None)  # the step's agreement on the device (its gate)
         zero_one.local_step(self.table, sum(sizes), clip, None if agreement is None else agreement.poison)
+
+
+def warmup_applies(opt, reducer, pairs) -> bool:
+    """Whether ``opt`` (an OnebitAdam in its warm-up) can take each bucket's update in one launch (the
+    ``warmup`` step's backend is ``triton``): no ``eps_inside_sqrt``, float32 contiguous parameters and
+    variances on the reducer's device, every bucket a float32 buffer of fewer than 2^31 elements."""
+    if not pairs or opt.compressing or any(g.get("eps_inside_sqrt", False) for _, g in pairs):
+        return False
+    if backends.select(reducer.device, "warmup").name != "triton" or not int32_indexable(reducer):
+        return False
+    if any(b.numel and (b.flat is None or not plain(b.flat)) for b in reducer.buckets):
+        return False
+    return _tensors_ok(opt, pairs)
+
+
+class WarmupStep:
+    """OnebitAdam's warm-up update, one launch per bucket (:mod:`onebit.kernels.fused.warmup`) on its
+    averaged gradient; the tables made once per bucket, filled where their tensors or scalars change."""
+
+    STEP = "warmup"
+
+    def __init__(self, reducer) -> None:
+        self.reducer = reducer
+        self.backend = backends.select(reducer.device, self.STEP).name
+        self.tables = [warmup.table(list(b.offsets), list(b.numels), reducer.device) for b in reducer.buckets]
+
+    def update(self, opt, pairs, k: int, avg: torch.Tensor, t: int) -> None:
+        """Bucket ``k``'s update at step ``t`` from its averaged gradient ``avg`` (gated by the step's
+        agreement on the device, where it has one)."""
+        b, table = self.reducer.buckets[k], self.tables[k]
+        items = [pairs[i] for i in b.indices]
+        table.fill({"sq": [opt.state[p]["exp_avg_sq"] for p, _ in items], "param": [p for p, _ in items]},
+                   [warmup.rows(g, t) for _, g in items])
+        agreement = getattr(opt, "_on_device", None)
+        warmup.update(avg, b.flat[: b.numel], table, None if agreement is None else agreement.poison)
 
 
 def plan(opt, attr: str, reducer, kind):

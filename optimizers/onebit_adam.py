@@ -136,6 +136,13 @@ class OnebitAdam(WarmupThenCompress):
             if not self._update_all(pairs, reducer.views, masks, t):
                 self._update_each(pairs, reducer.views, masks, t)
             self._keep(reducer, kept)
+        elif _fused.warmup_applies(self, reducer, pairs):  # each bucket's update in one launch (GPU)
+            plan = _fused.plan(self, "_warmup_cache", reducer, _fused.WarmupStep)
+            communicate = self._communicate_average()
+            for k, b in enumerate(reducer.buckets):
+                if b.numel:
+                    avg = reducer.average(b, [pairs[i][0].grad for i in b.indices], communicate)
+                    plan.update(self, pairs, k, avg, t)
         else:
             for items in self.averaged_gradient_buckets(reducer, pairs):
                 if not self._adam_all(items, reducer.views, t):
@@ -164,9 +171,10 @@ class OnebitAdam(WarmupThenCompress):
 
     def _agreement_on_device(self):
         """The step's agreement on the device where it applies (optimizers/_device_agreement.py): the
-        fused Triton compression step over momenta kept as messages."""
+        fused Triton compression step over momenta kept as messages, and the warm-up's update in one Triton
+        launch per bucket (its poison summed over the ranks on the device, each launch gated by it)."""
         if not self.compressing:
-            return None
+            return self._warmup_agreement()
         reducer = self.reducer()
         if not self._may_agree_on_device(reducer.device):
             return None
@@ -174,6 +182,30 @@ class OnebitAdam(WarmupThenCompress):
         if not _fused.applies(self, reducer, pairs) or not self._fused_plan(reducer).agrees_on_device():
             return None
         return DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
+
+    def _warmup_agreement(self):
+        """A warm-up step agreed on the device, where it applies: each rank's verdict a float32 poison, summed
+        over the ranks on the device (one all-reduce, nothing read back), every bucket's update gated by it
+        (kernels/fused/warmup.py); a skip undone on the host at the next step, which waits for the flag.
+        The last warm-up step (it enters compression) and an automatic freeze (it reads the variance)
+        agree on the host."""
+        if self.schedule.auto is not None or self.updates + 1 >= self.schedule.fixed:
+            return None
+        reducer = self.reducer()
+        if not self._may_agree_on_device(reducer.device):
+            return None
+        pairs = self.compressed_params()
+        if not _fused.warmup_applies(self, reducer, pairs):
+            return None
+        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
+        agreement.all_reduce(reducer.group)
+        if reducer.world_size > 1:
+            self.count_sent(1, 4, control=True)
+        return agreement
+
+    def _counts_enter_update(self) -> bool:
+        # the warm-up: the update count decides when it ends (and its bias corrections, where it has them)
+        return not self.compressing or super()._counts_enter_update()
 
     def _abandon_step(self) -> None:
         plan = getattr(self, "_fused_cache", None)

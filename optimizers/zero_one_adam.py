@@ -257,13 +257,18 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._phase_two(reducer, pairs, t)
 
     def _agreement_on_device(self):
-        """Phase 2's local steps that synchronise nothing, where the local step is the one Triton launch
-        (optimizers/_device_agreement.py): each rank's verdict a float32 poison, summed over the ranks on
-        the device (one all-reduce, nothing read back), the launch leaving every tensor where the sum is
-        NaN; the host's counters (``COUNTERS``: the update count, the local-step schedule, the summed
-        learning rates) kept before the step and put back when the skip is learnt, at the next step
-        (it waits for the flag: the counters choose that step's kind). The other steps agree on the host."""
-        if self.phase != 2 or self.updates == self.frozen_at:
+        """The steps that agree on the device (optimizers/_device_agreement.py), each rank's verdict a
+        float32 poison: phase 1's compressed steps in the fused Triton passes (the poison in the messages'
+        scales, the decompress pass gated by them, as OnebitAdam's; a fixed ``var_freeze_step``), and
+        phase 2's local steps that synchronise nothing, where the local step is the one Triton launch (the
+        poison summed over the ranks on the device: one all-reduce, nothing read back; the launch leaves
+        every tensor where the sum is NaN). The host's counters (``COUNTERS``: the update count, the
+        schedules, the summed learning rates) are kept before the step and put back when the skip is
+        learnt, at the next step (it waits for the flag: the counters choose that step's kind). The
+        variance steps, the synchronisations and the first steps of phase 2 agree on the host."""
+        if self.phase == 1:
+            return self._phase_one_agreement()
+        if self.updates == self.frozen_at:
             return None
         t = self.updates + 1
         if t == self.frozen_at + 1 or t % self.local_step_interval == 0:
@@ -280,6 +285,20 @@ class ZeroOneAdam(OnebitOptimizerBase):
         agreement.all_reduce(reducer.group)
         if reducer.world_size > 1:
             self.count_sent(1, 4, control=True)
+        return agreement
+
+    def _phase_one_agreement(self):
+        """Phase 1's compressed step agreed on the device, where it applies (see _agreement_on_device)."""
+        if (self.updates + 1) % self.var_interval == 0 or self.schedule.auto is not None:
+            return None  # a variance step (full precision), or an automatic freeze (it reads the variance)
+        reducer = self.reducer()
+        if not self._may_agree_on_device(reducer.device):
+            return None
+        pairs = self.compressed_params()
+        if not _fused.zoa_applies(self, reducer, pairs) or not self._zoa_plan(reducer).agrees_on_device():
+            return None
+        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
+        agreement.snapshot = {name: copy.deepcopy(getattr(self, name)) for name in self.COUNTERS}
         return agreement
 
     def _counts_enter_update(self) -> bool:
@@ -307,7 +326,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         var_step = t % self.var_interval == 0
         prepared = getattr(getattr(self, "_zoa_cache", None), "ready", None) is not None  # applies held
         fused = not var_step and (prepared or not self._overlapped)
-        if fused and (prepared or _fused.zoa_applies(self, reducer, pairs)):
+        if fused and (prepared or _fused.zoa_applies(self, reducer, pairs, during=True)):
             # the gradient's compressed mean, the fold and the stale step inside the codec's passes
             self._zoa_plan(reducer).step(self, pairs, t)
         else:

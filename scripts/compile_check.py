@@ -64,7 +64,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from onebit.kernels import triton_blocks as tb  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
-from onebit.kernels.fused import adam, stage  # noqa: E402
+from onebit.kernels.fused import adam, stage, warmup  # noqa: E402
 from onebit.kernels.fused import hook as th  # noqa: E402
 from onebit.kernels.fused import zero_one as tz  # noqa: E402
 from onebit.kernels.fused.table import Tiles  # noqa: E402
@@ -145,6 +145,10 @@ def stage_launches(W: int):
                 made = tz.stage_launches(st, mock_table(4, 2**20), 1.0, ebf16, sync, fma)
                 for launch in made["worker"] + made["finish"]:
                     yield f"zoa stage, {'bf16' if ebf16 else 'fp32'} errors", launch
+        # phase 1's agreement on the device: the poison and the gate (the fold's FMA as the step runs it)
+        made = tz.stage_launches(st, mock_table(4, 2**20), 1.0, ebf16, poison=T(f32), flag=T(torch.uint8))
+        for launch in made["worker"] + made["finish"]:
+            yield f"zoa stage, {'bf16' if ebf16 else 'fp32'} errors, agreed on the device", launch
     for launch in tz.wake_launches(st, mock_table(4, 2**20)):
         yield "zoa stage", launch
     for launch in stage.keep_launches(st, T(torch.uint8)):
@@ -166,6 +170,15 @@ def zoa_launches(N: int, W: int):
             made += tz.local_launches(mock_table(4, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, 1.0, agreed)
         for launch in made:
             yield f"zoa{align}", launch
+        for gate in (None, T(f32)):  # OnebitAdam's warm-up update (its agreement on the device: the gate)
+            made_w = warmup.launches(T(f32), T(f32), n, mock_table(2, -(-n // 8) * 8, warmup.BLOCK), gate)
+            for launch in made_w:
+                yield f"warmup{align}", launch
+        agreed = [*tz.worker_launches(T(f32), T(u8), T(f32), T(f64), T(torch.int32), table, n, layout,
+                                      poison=T(f32)),
+                  *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, flag=T(u8))]
+        for launch in agreed:
+            yield f"zoa{align}, agreed on the device", launch
 
 
 def hook_launches(N: int):

@@ -401,3 +401,49 @@ def test_zero_one_adams_steady_local_steps_synchronise_nothing():
     for a, b in zip(out[True][0], out[False][0], strict=True):
         assert torch.equal(a, b)
     assert out[True][1:] == out[False][1:] == (17, 1)
+
+
+@pytest.mark.parametrize("name", ["adam", "zero_one"])
+def test_the_warm_up_and_phase_one_agreed_on_the_device_synchronise_nothing(name):
+    # issue 57: OnebitAdam's warm-up steps (but its last: freeze_step=12) and ZeroOneAdam's phase-1 compressed
+    # steps (var_freeze_step=12: variance steps 1, 2, 4, 8 on the host) agree on the device: no host
+    # synchronisation in them under torch's sync debug mode (the previous flag having arrived); a NaN at one
+    # of them skips it bitwise as the host does
+    import warnings
+
+    from onebit.optimizers import OnebitAdam, ZeroOneAdam
+
+    out = {}
+    for on_device in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((300, 200), (77,), (1000,))]
+        if name == "adam":
+            opt = OnebitAdam(params, lr=1e-3, freeze_step=12, bias_correction=True, bucket_cap_mb=0.2)
+        else:
+            opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=12, var_update_scaler=1, bucket_cap_mb=0.2)
+        opt.reducer().allreduce = _one_rank
+        opt._device_agreement = on_device
+        g = torch.Generator(device="cuda").manual_seed(1)
+        syncs, agreed = [], []
+        for t in range(10):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            if t == 5:
+                params[1].grad[3] = float("nan")
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(w.message) for w in said))
+            agreed.append(bool(opt._pending_agreements))
+        out[on_device] = ([p.detach().clone() for p in params], opt.updates, opt.stats()["skipped_steps"])
+        if on_device:
+            steady = [s for t, (s, a) in enumerate(zip(syncs, agreed, strict=True)) if a and t]
+            assert len(steady) >= 4 and agreed[5] and steady == [0] * len(steady), (syncs, agreed)
+    for a, b in zip(out[True][0], out[False][0], strict=True):
+        assert torch.equal(a, b)
+    assert out[True][1:] == out[False][1:] == (9, 1)

@@ -161,10 +161,10 @@ def test_zero_one_adams_launches_do_not_grow_with_the_buckets(ranks):
     one, many = counts[min(counts)], counts[max(counts)]
     assert one == many, counts  # step by step the same launches
     server = ["stage_server[UPDATE=False,EBF16=True]", "stage_server[UPDATE=True,EBF16=True]"]
-    phase1 = ["stage_zoa_worker[SYNC=False,EBF16=True]", *server,
-              "stage_zoa_step[SYNC=False,FMA=True,EBF16=True]"]
-    sync = ["stage_zoa_worker[SYNC=True,EBF16=True]", *server,
-            "stage_zoa_step[SYNC=True,FMA=True,EBF16=True]"]  # after the step's local step (zoa_local)
+    phase1 = ["stage_zoa_worker[SYNC=False,EBF16=True,POISON=False]", *server,
+              "stage_zoa_step[SYNC=False,FMA=True,EBF16=True,GATE=False]"]
+    sync = ["stage_zoa_worker[SYNC=True,EBF16=True,POISON=False]", *server,
+            "stage_zoa_step[SYNC=True,FMA=True,EBF16=True,GATE=False]"]  # after the step's local step
     # the step after a synchronisation first wakes the state it left at rest (ZeroOneAdam._wake)
     local = "zoa_local[GATE=False]"
     assert one.count(phase1) >= 3 and one.count([local, *sync]) >= 2, one

@@ -16,14 +16,15 @@ from onebit.kernels.backends import use_backend
 from onebit.optimizers import OnebitAdam, ZeroOneAdam
 
 
-def _body(name: str, cap: float, on_device: bool = False):
+def _body(name: str, cap: float, on_device: bool = False, freeze: int | None = None):
     r = dist.get_rank()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)]
     if name == "zero_one":
-        opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=4, var_update_scaler=1, bucket_cap_mb=cap)
+        opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=freeze or 4, var_update_scaler=1,
+                          bucket_cap_mb=cap)
     else:
-        opt = OnebitAdam(params, lr=1e-3, freeze_step=2, bucket_cap_mb=cap)
+        opt = OnebitAdam(params, lr=1e-3, freeze_step=freeze or 2, bucket_cap_mb=cap)
     opt._device_agreement = on_device  # (a GPU's default; here forced on the CPU)
     g = torch.Generator().manual_seed(r)
     rows = []
@@ -59,3 +60,16 @@ def test_the_agreement_on_the_device_reads_nothing_back_in_a_steady_step(ranks):
     assert buckets == 4
     for stage, _, where in rows[4:]:
         assert stage == "compression" and all(f.startswith("_device_agreement") for f in where), where
+
+
+@pytest.mark.parametrize("name", ["adam", "zero_one"])
+def test_the_warm_up_and_phase_one_agreed_on_the_device_read_nothing_back(ranks, name):
+    # OnebitAdam's warm-up steps but its last (freeze_step=8: steps 1-7), ZeroOneAdam's phase-1 compressed
+    # steps (var_freeze_step=8: variance steps 1, 2, 4, 8 on the host, 3, 5, 6, 7 on the device): the only
+    # reads are the earlier steps' skip flags, from pinned host memory
+    (_, rows), _ = ranks(2).run(_body, name, 0.004, True, 8)
+    device = [2, 4, 5, 6] if name == "zero_one" else list(range(1, 7))  # (the first step: the fingerprints)
+    for t in device:
+        stage, _, where = rows[t]
+        assert stage in ("warm-up", "phase 1"), (t, stage)
+        assert all(f.startswith("_device_agreement") for f in where), (t, where)

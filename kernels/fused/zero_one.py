@@ -112,10 +112,11 @@ def _x_sync(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, B
 @jit
 def _zoa_worker_kernel(
     e_ptr, msg_ptr, partial_ptr, ticket_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K,
-    n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word,
-    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr,
+    n, total_bytes, chunk_bytes, seg_bytes, length, words_ptr, num_slots, seg_words, scale_word, poison_ptr,
+    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr, POISON: tl.constexpr,
 ):
-    # as _worker_pack_kernel on z = x + e, x = g / d (SYNC: p - sync_params) never stored
+    # as _worker_pack_kernel on z = x + e, x = g / d (SYNC: p - sync_params) never stored; POISON: z + poison
+    # (0, or NaN where this rank's gradients are not all finite: the scale NaN on every rank, issue 57)
     pid = tl.program_id(0)
     g, i, idx, live, in_x = elements(n, total_bytes, BLOCK_BYTES)
     if SYNC:
@@ -123,6 +124,8 @@ def _zoa_worker_kernel(
     else:
         x = _x(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
     z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
+    if POISON:
+        z = z + tl.load(poison_ptr)
     encode_rows(z, live, i, g, pid, msg_ptr, partial_ptr, ticket_ptr, total_bytes, chunk_bytes, seg_bytes,
                 length, words_ptr, num_slots, seg_words, scale_word, tl.num_programs(0), FINAL_BLOCK)
 
@@ -130,14 +133,18 @@ def _zoa_worker_kernel(
 @jit
 def _zoa_step_kernel(
     g_ptr, g_words_ptr, e_ptr, w_words_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K,
-    scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip,
+    scal_ptr, n, total_bytes, chunk_bytes, seg_bytes, seg_words, scale_word, W, clip, flag_ptr,
     BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr, FMA: tl.constexpr,
+    GATE: tl.constexpr,
 ):
     # the mean decoded; the deferred worker error from z = x + e (x again) if every scale is finite;
     # then per tensor m = fma((1 - b1) mean, d, b1 m) and p = p + (-lr) (clamp(m / d) [+ wd p]);
-    # SYNC (phase 2's synchronisation): m = (mean d) / nl, sync_params += mean, p = sync_params
+    # SYNC (phase 2's synchronisation): m = (mean d) / nl, sync_params += mean, p = sync_params.
+    # GATE: the updates too only if every scale is finite, else the flag (uint8) set (the step skipped on
+    # the device, issue 57)
     pid = tl.program_id(0)
     ok = _segments_finite(g_words_ptr, W, seg_words, scale_word, GATE_BLOCK)
+    _flag(ok, pid, flag_ptr, GATE)
     idx, live, mean = decoded_rows(g_ptr, g_words_ptr, pid, total_bytes, chunk_bytes, seg_bytes, seg_words,
                                    scale_word, BLOCK_BYTES)
     in_x = live[:, None] & (idx < n)
@@ -149,14 +156,26 @@ def _zoa_step_kernel(
     sw = tl.load(w_words_ptr + scale_word)
     if ok:
         tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw), mask=live[:, None])
+    if GATE:
+        in_x = in_x & (idx * 0 + ok.to(tl.int32) != 0)  # (a tensor: a scalar mask is refused)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
         _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, SYNC, FMA)
 
 
 @jit
+def _flag(ok, pid, flag_ptr, GATE: tl.constexpr):
+    # GATE: the flag (uint8) set where a gathered scale is not finite (one program of the bucket writes it)
+    if GATE:
+        if pid == 0:
+            if not ok:
+                tl.store(flag_ptr, 1)
+
+
+@jit
 def _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, SYNC: tl.constexpr,
             FMA: tl.constexpr):
-    # tensor k's part of the decompress pass: the fold and the stale step (SYNC: the synchronisation's)
+    # tensor k's part of the decompress pass: the fold and the stale step (SYNC: the synchronisation's);
+    # nothing outside in_x stored
     off, mine = owned(idx, k, start_ptr, count_ptr)
     mine = mine & in_x
     mp = address(addr_ptr, _MOM, K, k) + off
@@ -187,59 +206,66 @@ def _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, cli
 
 
 def worker_launches(e, msg, words, partial, ticket_, table: Table, n: int, layout: Layout,
-                    sync: bool = False):
+                    sync: bool = False, poison: torch.Tensor | None = None):
     t = tiles(table, layout.N)
     seg_words, scale_word = layout.segment_bytes // 4, layout.scale_offset // 4
     return [Launch(_zoa_worker_kernel, programs(layout.N),
                    (e, msg, partial, ticket_, t.lo, t.hi, table.start, table.count, table.addr, table.scal,
                     table.K, n,
                     layout.N // 8, layout.chunk_bytes, layout.segment_bytes, layout.N, words, layout.W,
-                    seg_words, scale_word),
-                   dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync), WARPS)]
+                    seg_words, scale_word, partial if poison is None else poison),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync, POISON=poison is not None),
+                   WARPS)]
 
 
 def step_launches(gathered, g_words, e, w_words, table: Table, n: int, layout: Layout, clip: float,
-                  sync: bool = False, fma: bool = True):
+                  sync: bool = False, fma: bool = True, flag: torch.Tensor | None = None):
     t = tiles(table, layout.N)
     return [Launch(_zoa_step_kernel, programs(layout.N),
                    (gathered, g_words, e, w_words, t.lo, t.hi, table.start, table.count, table.addr, table.K,
                     table.scal, n, layout.N // 8, layout.chunk_bytes, layout.segment_bytes,
-                    layout.segment_bytes // 4, layout.scale_offset // 4, layout.W, clip),
-                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync, FMA=fma), WARPS)]
+                    layout.segment_bytes // 4, layout.scale_offset // 4, layout.W, clip,
+                    gathered if flag is None else flag),
+                   dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync, FMA=fma, GATE=flag is not None),
+                   WARPS)]
 
 
 def worker(e: torch.Tensor, n: int, layout: Layout, msg: torch.Tensor, table: Table,
-           sync: bool = False) -> None:
+           sync: bool = False, poison: torch.Tensor | None = None) -> None:
     """The worker pass over a bucket of n elements in Triton: ``worker_compress(x, e,
-    update_error=False)`` of x = g / d (``sync``: of x = p - sync_params)."""
+    update_error=False)`` of x = g / d (``sync``: of x = p - sync_params); ``poison``: a float32 on the
+    device, 0 or NaN, added to every encoded value (the agreement on the device, issue 57)."""
     partial = _partials(programs(layout.N), e.device)
     words = msg.view(torch.float32)
-    for launch in worker_launches(e, msg, words, partial, ticket(e.device), table, n, layout, sync):
+    for launch in worker_launches(e, msg, words, partial, ticket(e.device), table, n, layout, sync, poison):
         launch()
 
 
 def step(gathered: torch.Tensor, layout: Layout, e: torch.Tensor, msg: torch.Tensor, n: int, table: Table,
-         clip: float, sync: bool = False) -> None:
+         clip: float, sync: bool = False, flag: torch.Tensor | None = None) -> None:
     """The decompress pass over a bucket in Triton: the deferred error, the fold and the stale step
-    (``clip``: inf for none); ``sync``: phase 2's synchronisation."""
+    (``clip``: inf for none); ``sync``: phase 2's synchronisation. ``flag`` (uint8 [1] on the device):
+    the gate of the agreement on the device, nothing updated and the flag set to 1 where a gathered scale
+    is not finite."""
     for launch in step_launches(gathered, gathered.view(torch.float32), e, msg.view(torch.float32), table, n,
-                                layout, clip, sync):
+                                layout, clip, sync, flag=flag):
         launch()
 
 
 class TritonPasses:
     """``compressed_allreduce_passes``' worker and finish in the Triton passes (``sync``: phase 2's
-    synchronisation)."""
+    synchronisation; ``poison``, ``flag``: the agreement on the device, :func:`worker`, :func:`step`)."""
 
-    def __init__(self, table: Table, clip: float, sync: bool = False) -> None:
-        self.table, self.clip, self.sync = table, clip, sync
+    def __init__(self, table: Table, clip: float, sync: bool = False, poison: torch.Tensor | None = None,
+                 flag: torch.Tensor | None = None) -> None:
+        self.table, self.clip, self.sync, self.poison, self.flag = table, clip, sync, poison, flag
         self.gathered = self.layout = None
 
     def worker(self, flat, worker_error, layout, msg) -> None:
-        worker(worker_error, flat.numel(), layout, msg, self.table, self.sync)
+        worker(worker_error, flat.numel(), layout, msg, self.table, self.sync, self.poison)
 
     def finish(self, gathered, layout, flat, worker_error, msg) -> None:
-        step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip, self.sync)
+        step(gathered, layout, worker_error, msg, flat.numel(), self.table, self.clip, self.sync, self.flag)
         self.gathered, self.layout = gathered, layout  # kept: the synchronisation's message
 
 
@@ -248,7 +274,8 @@ class TritonPasses:
 @jit
 def _stage_zoa_worker_kernel(
     bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, partial_ptr, ticket_ptr, W,
-    BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr, EBF16: tl.constexpr,
+    poison_ptr, BLOCK_BYTES: tl.constexpr, FINAL_BLOCK: tl.constexpr, SYNC: tl.constexpr, EBF16: tl.constexpr,
+    POISON: tl.constexpr,
 ):
     # _zoa_worker_kernel on each program's bucket
     q = tl.program_id(0)
@@ -259,19 +286,22 @@ def _stage_zoa_worker_kernel(
     else:
         x = _x(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, BLOCK_BYTES)
     z = x + load_error(tl.load(row + stage.E), idx, live, EBF16)
+    if POISON:
+        z = z + tl.load(poison_ptr)
     stage.encode_bucket(z, live, i, g, pid, b, row, partial_ptr, ticket_ptr, W, FINAL_BLOCK)
 
 
 @jit
 def _stage_zoa_step_kernel(
-    bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, W, clip, role,
+    bt_ptr, map_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, W, clip, role, flag_ptr,
     BLOCK_BYTES: tl.constexpr, GATE_BLOCK: tl.constexpr, SYNC: tl.constexpr, FMA: tl.constexpr,
-    EBF16: tl.constexpr,
+    EBF16: tl.constexpr, GATE: tl.constexpr,
 ):
     # _zoa_step_kernel on each program's bucket
     q = tl.program_id(0)
     b, row, pid, n, N, chunk_bytes, seg_bytes, scale_word = stage.bucket(bt_ptr, map_ptr, q, stage.P0)
     ok = stage.gathered_finite(row, W, GATE_BLOCK)
+    _flag(ok, pid, flag_ptr, GATE)
     idx, live, mean, in_x = stage.gathered_rows(row, pid, n, N, chunk_bytes, seg_bytes, scale_word,
                                                 BLOCK_BYTES)
     if SYNC:
@@ -283,18 +313,26 @@ def _stage_zoa_step_kernel(
     sw = tl.load(tl.load(row + stage.MSG).to(tl.pointer_type(tl.float32)) + scale_word)
     if ok:
         store_error(e_addr, idx, tl.where(z < 0, z + sw, z - sw), sw, role, live[:, None], EBF16)
+    if GATE:
+        in_x = in_x & (idx * 0 + ok.to(tl.int32) != 0)
     for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
         _update(idx, in_x, mean, k, start_ptr, count_ptr, addr_ptr, K, scal_ptr, clip, SYNC, FMA)
 
 
-def stage_launches(st, table: Table, clip: float, ebf16: bool, sync: bool = False, fma: bool = True) -> dict:
+def stage_launches(st, table: Table, clip: float, ebf16: bool, sync: bool = False, fma: bool = True,
+                   poison: torch.Tensor | None = None, flag: torch.Tensor | None = None) -> dict:
     """The stage's passes over every bucket (as :func:`onebit.kernels.fused.adam.stage_launches`):
-    ``worker`` (one launch), ``server`` (two), ``finish`` (one); ``sync``: phase 2's synchronisation."""
+    ``worker`` (one launch), ``server`` (two), ``finish`` (one); ``sync``: phase 2's synchronisation;
+    ``poison``, ``flag``: the agreement on the device (:func:`worker`, :func:`step`)."""
     common = (st.table, st.map, st.lo, st.hi, table.start, table.count, table.addr, table.K, table.scal)
-    worker = Launch(_stage_zoa_worker_kernel, st.P, (*common, st.partials, st.tickets, st.W),
-                    dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync, EBF16=ebf16), WARPS)
-    finish = Launch(_stage_zoa_step_kernel, st.P, (*common, st.W, clip, WORKER),
-                    dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync, FMA=fma, EBF16=ebf16), WARPS)
+    worker = Launch(_stage_zoa_worker_kernel, st.P,
+                    (*common, st.partials, st.tickets, st.W, st.partials if poison is None else poison),
+                    dict(BLOCK_BYTES=BLOCK_BYTES, FINAL_BLOCK=1024, SYNC=sync, EBF16=ebf16,
+                         POISON=poison is not None), WARPS)
+    finish = Launch(_stage_zoa_step_kernel, st.P,
+                    (*common, st.W, clip, WORKER, st.map if flag is None else flag),
+                    dict(BLOCK_BYTES=BLOCK_BYTES, GATE_BLOCK=128, SYNC=sync, FMA=fma, EBF16=ebf16,
+                         GATE=flag is not None), WARPS)
     return {"worker": [worker], "server": stage.server_launches(st, ebf16), "finish": [finish]}
 
 
