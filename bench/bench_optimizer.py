@@ -30,7 +30,7 @@ from onebit.kernels.backends import use_backend
 from onebit.kernels.layout import padded_numel
 from onebit.optimizers import OnebitAdam, ZeroOneAdam
 
-FUSED_STEPS = ("adam", "zoa", "local", "warmup")  # the optimizers' fused steps (onebit.kernels.backends.STEPS)
+FUSED_STEPS = ("adam", "zoa", "local", "warmup")  # the optimizers' fused steps (kernels/backends.py STEPS)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import provenance, wall_ms, write_csv  # noqa: E402

@@ -40,8 +40,8 @@ from bench_optimizer import forced_single_rank, make_params  # noqa: E402
 MODEL_BYTES = {"adamw_fused": 28, "onebit_warmup": 100, "onebit_compress": 101, "onebit_compress_nosync": 97,
                "zoa_phase1_compressed": None, "zoa_phase2_local": None}
 # OnebitAdam's compression stage in its fused GPU passes (TRAFFIC.md section 3d): 56.9 B and the
-# non-finite check's 4; its warm-up's update in one launch per bucket (TRAFFIC.md section 2): the copy into the
-# averaging buffer 8, the update 28, the non-finite check's 4
+# non-finite check's 4; its warm-up's update in one launch per bucket (TRAFFIC.md section 2): the copy
+# into the averaging buffer 8, the update 28, the non-finite check's 4
 FUSED_BYTES = {"onebit_compress": 61, "onebit_compress_nosync": 57, "onebit_warmup": 40}
 
 
