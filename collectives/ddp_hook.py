@@ -46,7 +46,7 @@ from ..kernels._checks import check_group, check_instance, check_int, check_numb
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ..kernels.rounding import check_error_dtype
-from . import _hook_fused
+from . import _hook_fused, _momentum
 from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type, step_counts
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
@@ -77,7 +77,10 @@ class OnebitCompressHookState:
             own momentum, ``g + c`` with ``c = b / (1 - dampening) * momentum_buffer``
             (negated under ``maximize``), and SGD gets ``average - c``, so its momentum
             after the step is the compressed average of the ranks' momenta
-            (docs/ALGORITHMS.md section 8.1). Adam-type (its state holds ``exp_avg_sq`` and
+            (docs/ALGORITHMS.md section 8.1); torch.optim.Muon the same with its lerp's
+            ``c = momentum / (1 - momentum) * momentum_buffer`` (section 8.3), from the first
+            step. Another optimizer with a ``momentum`` is refused (``TypeError``): its
+            buffer would be misread. Adam-type (its state holds ``exp_avg_sq`` and
             ``step``: torch.optim.Adam, AdamW, ...): each bucket is compressed in
             the optimizer's own preconditioned space, ``u = g / d`` with ``d = max(sqrt(v /
             (1 - b2^t)), floor) + eps`` from the state before this step (identical on every
@@ -167,6 +170,8 @@ class OnebitCompressHookState:
                 f"optimizer: {type(optimizer).__name__} compresses its own momentum; compressing its "
                 "gradients in a DDP hook as well would do it twice. Use "
                 "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
+        if optimizer is not None and not is_adam_type(optimizer):
+            _momentum.check(optimizer)  # an unknown momentum is refused, never misread
         fa = self._frozen_adam
         if fa is not None:
             if optimizer is not None and not is_adam_type(optimizer):
@@ -343,8 +348,9 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     order), each None where no parameter of the bucket has one (docs/ALGORITHMS.md section 8).
 
     ``d``: Adam's denominator from ``exp_avg_sq`` and ``step`` (1 elsewhere). ``c``:
-    ``s * momentum / (1 - dampening) * momentum_buffer`` of an SGD-type optimizer (0 elsewhere,
-    and where the buffer does not exist yet), ``s = -1`` under ``maximize``. The hook averages
+    ``s * momentum / (1 - dampening) * momentum_buffer`` of an SGD-type optimizer, ``momentum / (1 -
+    momentum) * momentum_buffer`` of a Muon (its lerp; collectives/_momentum.py), 0 elsewhere and
+    where the buffer does not exist yet, ``s = -1`` under ``maximize``. The hook averages
     ``(g + c) / d`` and hands the optimizer ``d * average - c``."""
     opt = state.optimizer
     if opt is None:
@@ -361,8 +367,7 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
         if v is not None and v.shape == grads[i].shape:
             rows.append((i, entry, group))
         elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
-            factor = group["momentum"] / (1.0 - group.get("dampening", 0.0))
-            sgd.append((i, buf.detach(), -factor if group.get("maximize", False) else factor))
+            sgd.append((i, buf.detach(), _momentum.factor(opt, group)))
     counts = step_counts([e.get("step", 0) for _, e, _ in rows])
     for (i, entry, group), steps in zip(rows, counts, strict=True):
         bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..collectives import _momentum
 from ..collectives._failure import guard
 from ..collectives._group import group_size, warn_collective
 from ..collectives.allreduce import compressed_allreduce, error_buffers
@@ -141,6 +142,7 @@ class DiLoCo:
                 raise ValueError(f"{name}: expected an optimizer over exactly the model's trainable "
                                  f"parameters ({len(self.params)} tensors), got one over {len(theirs)} "
                                  "tensors that differ")
+        _momentum.check(outer_optimizer, "outer_optimizer")  # a momentum read as what it is, or refused
         self.inner, self.outer = inner_optimizer, outer_optimizer
         self.group = group
         self._mesh = group if is_mesh(group) else None
@@ -295,9 +297,10 @@ class DiLoCo:
     @torch.no_grad()
     def _add_momentum(self, f: int, buf: torch.Tensor, scale: float) -> None:
         """``buf += scale * c`` over fragment f, ``c = s * momentum / (1 - dampening) *
-        momentum_buffer`` of an SGD-type outer optimizer (0 where the buffer does not exist yet,
-        and for other optimizers): the replicas compress ``Delta + g c`` and SGD is handed
-        ``D - g c``, which keeps its momentum the average of the replicas' (ALGORITHMS.md 8.1, 10)."""
+        momentum_buffer`` of an SGD-type outer optimizer (a Muon: its lerp's, collectives/_momentum.py;
+        0 where the buffer does not exist yet, and for optimizers without a momentum): the replicas
+        compress ``Delta + g c`` and SGD is handed ``D - g c``, which keeps its momentum the average of
+        the replicas' (ALGORITHMS.md 8.1, 10)."""
         groups = {id(p): g for g in self.outer.param_groups for p in g["params"]}
         off = 0
         for i in self.fragment_params[f]:
@@ -305,8 +308,7 @@ class DiLoCo:
             k = p.numel()
             group, m = groups[id(p)], self.outer.state.get(p, {}).get("momentum_buffer")
             if m is not None and group.get("momentum", 0.0):
-                factor = group["momentum"] / (1.0 - group.get("dampening", 0.0))
-                factor = -factor if group.get("maximize", False) else factor
+                factor = _momentum.factor(self.outer, group, "outer_optimizer")
                 buf[off:off + k].add_(m.reshape(-1), alpha=scale * factor)
             off += k
 
