@@ -34,7 +34,7 @@ from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.fused import hook
 from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_rn, sqrt_v_floors, stale_denominator
-from . import _hook_fused
+from . import _hook_fused, _momentum, _several
 from ._fsdp_replicas import to_local
 
 # torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
@@ -351,14 +351,18 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     """``(d, parts)`` of section 8.2: the bucket's flat frozen denominators (1 where a parameter
     has none; made for this call from the variances, freed with it) and, per parameter that has
     them, ``(lo, hi, exp_avg, b1 / (1 - b1))`` (its place in the bucket, the momentum and the factor
-    of ``c``); None, None if none has them."""
+    of ``c``); None, None if none has them. Beside the Adam-type optimizer (``opt`` several: Muon and
+    its AdamW), a parameter of an SGD or a Muon takes its momentum's part with ``d = 1`` (sections 8.1,
+    8.3: ``(lo, hi, momentum_buffer, its factor)``)."""
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
     grads = bucket.gradients()
     found = []
     for i, (p, name) in enumerate(zip(bucket.parameters(), layout, strict=True)):
         group = groups.get(id(p))
-        terms = None if group is None else fa.terms(opt, p, name, group)
-        if terms is not None and terms[0].shape == grads[i].shape:
+        if group is None:
+            continue
+        terms = fa.terms(opt, p, name, group) if "betas" in group else _momentum_terms(opt, p, group)
+        if terms is not None and terms[1].shape == grads[i].shape:
             found.append((i, *terms))
     if not found:
         return None, None
@@ -368,8 +372,20 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
         offsets.append(offsets[-1] + g.numel())
     d = torch.ones_like(buffer, dtype=torch.float32)
     for i, di, _, _ in found:
-        d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
+        if di is not None:
+            d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
     return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
+
+
+def _momentum_terms(opt, p: torch.Tensor, group: dict):
+    """``(None, momentum_buffer, factor)`` of an SGD's or a Muon's parameter (no denominator: 1), None
+    where its optimizer made no buffer yet or the group has no momentum."""
+    entry = opt.state.get(p)
+    buf = None if not entry else entry.get("momentum_buffer")
+    if buf is None:
+        return None
+    factor = _momentum.factor(_several.owner(opt, group), group)
+    return None if factor == 0.0 else (None, to_local(buf).detach(), factor)
 
 
 def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAdam | None = None):

@@ -42,15 +42,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..kernels._checks import check_group, check_instance, check_int, check_number
+from ..kernels._checks import check_group, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ..kernels.rounding import check_error_dtype
-from . import _hook_fused, _momentum
+from . import _hook_fused, _momentum, _several
 from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type, step_counts
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
-from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, compressed_allreduce_passes, error_buffer_numel
 from .mesh import flat_group, hierarchy, is_mesh
 from .telemetry import CallTimer, counting
@@ -80,7 +79,9 @@ class OnebitCompressHookState:
             (docs/ALGORITHMS.md section 8.1); torch.optim.Muon the same with its lerp's
             ``c = momentum / (1 - momentum) * momentum_buffer`` (section 8.3), from the first
             step. Another optimizer with a ``momentum`` is refused (``TypeError``): its
-            buffer would be misread. Adam-type (its state holds ``exp_avg_sq`` and
+            buffer would be misread. A list of optimizers over disjoint parameters (Muon and
+            its AdamW partner): each parameter read in its own optimizer's state (``freeze_step``
+            then works with the one Adam-type among them). Adam-type (its state holds ``exp_avg_sq`` and
             ``step``: torch.optim.Adam, AdamW, ...): each bucket is compressed in
             the optimizer's own preconditioned space, ``u = g / d`` with ``d = max(sqrt(v /
             (1 - b2^t)), floor) + eps`` from the state before this step (identical on every
@@ -153,33 +154,30 @@ class OnebitCompressHookState:
         return self._world_size
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer stepping the model (see the class's ``optimizer`` argument). May be set
-        after construction (e.g. in Lightning's ``configure_optimizers``); a wrapper that holds
-        the real optimizer as ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, Lightning's
-        ``LightningOptimizer``) is unwrapped."""
+    def optimizer(self) -> torch.optim.Optimizer | _several.Several | None:
+        """The optimizer stepping the model (see the class's ``optimizer`` argument), or the several
+        given as a list (a ``Several``: ``.members``). May be set after construction (e.g. in
+        Lightning's ``configure_optimizers``); a wrapper that holds the real optimizer as ``.optimizer``
+        (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is unwrapped."""
         return self._optimizer
 
     @optimizer.setter
-    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        optimizer = unwrap_optimizer(optimizer)
-        if optimizer is not None:
-            check_instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
-        if hasattr(optimizer, "wants_averaged_gradients"):  # a onebit 1-bit optimizer
-            raise TypeError(
-                f"optimizer: {type(optimizer).__name__} compresses its own momentum; compressing its "
-                "gradients in a DDP hook as well would do it twice. Use "
-                "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
-        if optimizer is not None and not is_adam_type(optimizer):
-            _momentum.check(optimizer)  # an unknown momentum is refused, never misread
+    def optimizer(self, optimizer) -> None:
+        optimizer = _several.combine(optimizer)
+        for member in _several.members(optimizer):
+            if hasattr(member, "wants_averaged_gradients"):  # a onebit 1-bit optimizer
+                raise TypeError(
+                    f"optimizer: {type(member).__name__} compresses its own momentum; compressing its "
+                    "gradients in a DDP hook as well would do it twice. Use "
+                    "onebit.optimizers.register_ddp_hook(model, opt) instead of onebit_compress_hook")
+            if not is_adam_type(member):
+                _momentum.check(member)  # an unknown momentum is refused, never misread
         fa = self._frozen_adam
         if fa is not None:
-            if optimizer is not None and not is_adam_type(optimizer):
-                raise ValueError(f"freeze_step: needs an Adam-type optimizer= (groups with betas: Adam, "
-                                 f"AdamW), got {type(optimizer).__name__}")
+            adam = _adam_member(optimizer)
             fa.detach()
-            if optimizer is not None:
-                fa.attach(optimizer, lambda: self._names)
+            if adam is not None:
+                fa.attach(adam, lambda: self._names)
         self._optimizer = optimizer
 
     @property
@@ -192,9 +190,9 @@ class OnebitCompressHookState:
         after backward and any clip, so that the optimizer's state is set before its update
         (without a closure the optimizer's step pre-hook does it; Lightning's OnebitCallback
         calls this). Does nothing otherwise."""
-        fa = self._frozen_adam
-        if fa is not None and self.optimizer is not None:
-            fa.prepare(self.optimizer, self._names)
+        fa, adam = self._frozen_adam, _adam_member(self.optimizer, check=False)
+        if fa is not None and adam is not None:
+            fa.prepare(adam, self._names)
 
     def _first_compressed(self) -> int:
         return self.start_iter if self._frozen_adam is None else self._frozen_adam.freeze_step
@@ -258,8 +256,9 @@ class OnebitCompressHookState:
         new.__dict__.update(rest)
         # the names are keyed by id(parameter): the copied parameters' ids where they were copied
         new._names = {id(memo[i]) if i in memo else i: name for i, name in self._names.items()}
-        if new._frozen_adam is not None and new._optimizer is not None:
-            new._frozen_adam.attach(new._optimizer, lambda: new._names)
+        adam = _adam_member(new._optimizer, check=False)
+        if new._frozen_adam is not None and adam is not None:
+            new._frozen_adam.attach(adam, lambda: new._names)
         LIVE.add(new)
         return new
 
@@ -343,6 +342,17 @@ class OnebitCompressHookState:
         return found
 
 
+def _adam_member(optimizer, check: bool = True):
+    """The Adam-type optimizer ``freeze_step`` works with: ``optimizer`` itself, or the one Adam-type
+    member of several (None: none). ``check``: raise where there is none, or more than one."""
+    adams = [o for o in _several.members(optimizer) if is_adam_type(o)]
+    if check and optimizer is not None and len(adams) != 1:
+        names = ", ".join(type(o).__name__ for o in _several.members(optimizer))
+        raise ValueError(f"freeze_step: needs an Adam-type optimizer= (groups with betas: Adam, AdamW), one "
+                         f"among several, got {names}")
+    return adams[0] if len(adams) == 1 else None
+
+
 def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     """``(d, c)``: the flat preconditioner and momentum term of the bucket's gradients (bucket
     order), each None where no parameter of the bucket has one (docs/ALGORITHMS.md section 8).
@@ -367,7 +377,7 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
         if v is not None and v.shape == grads[i].shape:
             rows.append((i, entry, group))
         elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
-            sgd.append((i, buf.detach(), _momentum.factor(opt, group)))
+            sgd.append((i, buf.detach(), _momentum.factor(_several.owner(opt, group), group)))
     counts = step_counts([e.get("step", 0) for _, e, _ in rows])
     for (i, entry, group), steps in zip(rows, counts, strict=True):
         bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
@@ -451,9 +461,10 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         return work.get_future().then(done)
     index = bucket.index()
     fa = state._frozen_adam
-    if fa is not None and state.optimizer is not None:
+    adam = None if fa is None else _adam_member(state.optimizer, check=False)
+    if fa is not None and adam is not None:
         if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
-            fa.freeze(state.optimizer, state._names)
+            fa.freeze(adam, state._names)
         fa.pending = True
         d, parts = frozen_terms(state.optimizer, fa, bucket, layout)
         if d is None:

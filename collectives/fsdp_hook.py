@@ -348,6 +348,9 @@ def register_fsdp_hooks(
                          "(the ranks holding the same shard), or shard over a 2-D mesh (\"replicate\", "
                          "\"shard\")")
     replicas = check_group(flat_group(process_group))
+    if isinstance(optimizer, (list, tuple)):  # (the DDP hook's state takes several: Muon and its AdamW)
+        raise ValueError("optimizer: the FSDP hooks take one Adam-type optimizer with freeze_step, got a "
+                         f"list of {len(optimizer)}; torch's Muon steps whole 2-D matrices, not shards")
     optimizer = unwrap_optimizer(optimizer)
     frozen = None
     if optimizer is not None or freeze_step is not None:

@@ -108,3 +108,112 @@ def test_an_unknown_momentum_is_refused_naming_the_optimizer():
     # without a momentum (or a known one) nothing is refused
     for opt in (torch.optim.RMSprop(params), torch.optim.SGD(params, lr=0.1, momentum=0.9), Muon(params)):
         assert OnebitCompressHookState(optimizer=opt).optimizer is opt
+
+
+class _Pair(torch.nn.Module):
+    """Muon's matrices (two hidden layers) beside AdamW's embedding, norm, biases and head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(20, 16)
+        self.hidden = torch.nn.Linear(16, 32, bias=False)
+        self.norm = torch.nn.LayerNorm(32)
+        self.hidden2 = torch.nn.Linear(32, 32, bias=True)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.hidden(self.embed(x).mean(1)))
+        return self.head(torch.tanh(self.hidden2(self.norm(h))))
+
+
+def _body_pair(steps: int, freeze: int | None):
+    from onebit.collectives import ddp_hook
+    from onebit.kernels.backends import use_backend
+
+    r = dist.get_rank()
+    model = _Pair()
+    matrices = [model.hidden.weight, model.hidden2.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    mu = 0.95
+    muon = Muon(matrices, lr=0.02, momentum=mu, weight_decay=0.01)
+    adamw = torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01)
+    state = OnebitCompressHookState(start_iter=2, optimizer=[muon, adamw], freeze_step=freeze)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
+    records, real = [], ddp_hook._compressed
+
+    def spy(st, bucket, buffer, layout, index, passes=None):  # what the collective is handed, what it gives
+        sent = buffer.clone()
+        params = list(bucket.parameters())
+        prev = [muon.state[p]["momentum_buffer"].clone() if p in muon.state else None for p in params]
+
+        def got(f):
+            records.append((index, sent, f.value().clone(), params, prev))
+            return f.value()
+
+        return real(st, bucket, buffer, layout, index, passes).then(got)
+
+    def hook(st, bucket):
+        grads[bucket.index()] = bucket.buffer().clone()
+        return ddp_hook.onebit_compress_hook(st, bucket)
+
+    ddp_hook._compressed = spy
+    ddp.register_comm_hook(state, hook)
+    gen = torch.Generator().manual_seed(10 + r)
+    sent_right, momentum_right, compressed_steps = True, True, 0
+    try:
+        with use_backend("plain", steps=("hook",)):  # (the pre-pass as torch ops: its input visible)
+            for _ in range(steps):
+                grads: dict = {}
+                x, y = torch.randint(0, 20, (16, 6), generator=gen), torch.randint(0, 5, (16,), generator=gen)
+                muon.zero_grad()
+                adamw.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                muon.step()
+                adamw.step()
+                compressed_steps += bool(records)
+                for index, sent, average, params, prev in records:
+                    offset = 0
+                    for p, buf in zip(params, prev, strict=True):
+                        k = p.numel()
+                        if buf is not None:  # a Muon matrix: its own momentum sent, the compressed mean kept
+                            want = grads[index][offset:offset + k] + (buf * (mu / (1.0 - mu))).reshape(-1)
+                            sent_right &= torch.equal(sent[offset:offset + k], want)
+                            now = muon.state[p]["momentum_buffer"].reshape(-1)
+                            momentum_right &= torch.allclose(now, (1.0 - mu) * average[offset:offset + k],
+                                                             rtol=1e-4, atol=1e-5 * float(now.abs().max()))
+                        offset += k
+                records.clear()
+    finally:
+        ddp_hook._compressed = real
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, sent_right, momentum_right, compressed_steps, bool(torch.isfinite(flat).all())
+
+
+@pytest.mark.parametrize("W, freeze", [(2, None), (3, 4)])
+def test_muon_and_adamw_behind_one_hook_state(ranks, W, freeze):
+    # optimizer=[muon, adamw]: each parameter read in its own optimizer's state. Muon's matrices send their
+    # own momentum (with freeze_step from the freeze on, with d = 1 beside AdamW's frozen space) and keep the
+    # compressed mean; replicas identical
+    got = ranks(W).run(_body_pair, 7, freeze)
+    for flat, sent_right, momentum_right, compressed, finite in got:
+        assert torch.equal(flat, got[0][0]) and finite
+        assert sent_right and momentum_right
+        assert compressed == (5 if freeze is None else 3), compressed
+
+
+def test_several_optimizers_are_checked_each():
+    a, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    muon, adamw = Muon([a]), torch.optim.AdamW([b])
+    assert OnebitCompressHookState(optimizer=[muon, adamw]).optimizer.members == (muon, adamw)
+    assert OnebitCompressHookState(optimizer=[adamw]).optimizer is adamw
+    with pytest.raises(ValueError, match=r"^optimizer: a parameter of shape \(4, 4\) is stepped by both"):
+        OnebitCompressHookState(optimizer=[muon, torch.optim.AdamW([a])])
+    with pytest.raises(TypeError, match=r"^optimizer: RMSprop keeps a momentum"):
+        OnebitCompressHookState(optimizer=[torch.optim.RMSprop([a], momentum=0.5), adamw])
+    with pytest.raises(TypeError, match=r"^optimizer: expected a torch.optim.Optimizer or a list"):
+        OnebitCompressHookState(optimizer=[muon, "adamw"])
+    with pytest.raises(ValueError, match=r"^freeze_step: needs an Adam-type"):
+        OnebitCompressHookState(optimizer=[muon, torch.optim.SGD([b], lr=0.1)], freeze_step=3)
+    with pytest.raises(ValueError, match=r"^freeze_step: needs an Adam-type"):
+        OnebitCompressHookState(optimizer=[torch.optim.Adam([a]), adamw], freeze_step=3)
