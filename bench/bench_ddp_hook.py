@@ -2,8 +2,10 @@
 
 --task lm: the model, data and batches of examples/train_lm.py (the demo's LM). --task mlp:
 bench/train_task.py's 64-128-128-10 ReLU MLP on scikit-learn's digits (batch 32 per rank).
-The model is wrapped in DistributedDataParallel (several buckets); SGD with momentum and
-AdamW from torch.optim, each with full-precision DDP averaging and with ``onebit_compress_hook``
+The model is wrapped in DistributedDataParallel (several buckets); SGD with momentum, AdamW and
+Muon (``torch.optim.Muon`` on the hidden matrices, an AdamW at --muon-adamw-lr on the rest: embeddings,
+norms, biases, the head; issue 59) from torch.optim, each with full-precision DDP averaging and with
+``onebit_compress_hook``
 (1-bit error-feedback compression of every gradient bucket after ``start_iter``
 full-precision iterations, ``--block`` elements per scale; 'none': one scale per chunk).
 Writes per-step logs (JSONL), a CSV of final validation losses with the ratio to plain DDP
@@ -98,13 +100,22 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     model, next_batch, val_loss, logits, val_accuracy = (_lm_task if args.task == "lm" else _mlp_task)(args)
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-    opt = (torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))
+    if args.optimizer == "muon":  # the hidden matrices (Muon's 2-D only), an AdamW for the rest
+        last = [n for n, p in model.named_parameters() if p.ndim == 2][-1]  # the head (the MLP: its last)
+        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n != last and "tok" not in n
+                  and "pos" not in n]
+        rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
+        opts = [torch.optim.Muon(hidden, lr=args.lr, momentum=0.95, weight_decay=0.0),
+                torch.optim.AdamW(rest, lr=args.muon_adamw_lr, betas=(0.9, 0.99), weight_decay=0.0)]
+    elif args.optimizer == "sgd":
+        opts = [torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)]
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)]
     state = None
     if args.hook == "onebit":
-        frozen = args.freeze_step if args.optimizer == "adamw" and args.freeze_step else None
+        frozen = args.freeze_step if args.optimizer in ("adamw", "muon") and args.freeze_step else None
         state = OnebitCompressHookState(start_iter=args.start_iter, block=_block(args.block),
-                                        optimizer=opt if args.precondition or frozen else None,
+                                        optimizer=opts if args.precondition or frozen else None,
                                         freeze_step=frozen, **_dtype(args))
         ddp.register_comm_hook(state, onebit_compress_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
@@ -120,9 +131,11 @@ def worker(args) -> None:
     for step in range(1, args.steps + 1):
         x, y = next_batch(g)
         loss = F.cross_entropy(logits(ddp(x)), y)
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         val, acc = validate() if step % args.eval_every == 0 or step == args.steps else (None, None)
         if log is not None:
             row = {"step": step, "time": time.perf_counter() - t0, "train_loss": loss.item(), "val_loss": val}
@@ -147,7 +160,7 @@ def main() -> None:
     p.add_argument("--task", choices=["lm", "mlp"], default="lm")
     p.add_argument("--block", default="64", help="the hook's block (elements per scale), or 'none'")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--optimizers", nargs="+", choices=["sgd", "adamw"], default=["sgd", "adamw"])
+    p.add_argument("--optimizers", nargs="+", choices=["sgd", "adamw", "muon"], default=["sgd", "adamw"])
     p.add_argument("--precondition", "--pass-optimizer", dest="precondition", action="store_true",
                    help="give the hook the optimizer (OnebitCompressHookState(optimizer=...)): AdamW "
                    "compresses g / d in Adam's preconditioned space, SGD compresses its momentum")
@@ -155,6 +168,8 @@ def main() -> None:
                    "freeze_step=N), 1-bit Adam's recipe behind the hook (docs/ALGORITHMS.md 8.2); 0: off")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[lr for o, lr in PAIRS if o == "adamw"],
                    help="AdamW's learning rates (default: the demo's 2e-3)")
+    p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02], help="Muon's learning rates")
+    p.add_argument("--muon-adamw-lr", type=float, default=2e-3, help="the learning rate of Muon's AdamW")
     p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.1, 0.03],
                    help="SGD learning rates (plain DDP on the LM trains best at 0.5 of 0.03-1.0)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -163,7 +178,7 @@ def main() -> None:
     p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
                    help="the hook's error buffers ('default': the library's)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], help=argparse.SUPPRESS)
+    p.add_argument("--optimizer", choices=["sgd", "adamw", "muon"], help=argparse.SUPPRESS)
     p.add_argument("--hook", choices=["ddp", "onebit"], help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, help=argparse.SUPPRESS)
     p.add_argument("--log-jsonl", help=argparse.SUPPRESS)
@@ -176,13 +191,14 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     pairs = [("adamw", lr) for lr in args.adamw_lrs] if "adamw" in args.optimizers else []
     pairs = [("sgd", lr) for lr in args.sgd_lrs if "sgd" in args.optimizers] + pairs
+    pairs += [("muon", lr) for lr in args.muon_lrs] if "muon" in args.optimizers else []
     logs = {}
     for seed in args.seeds:
         for optimizer, lr in pairs:
             for hook in HOOKS:
                 tag = f"-block{args.block}" if hook == "onebit" else ""
-                tag += "-pre" if hook == "onebit" and args.precondition and optimizer == "adamw" else ""
-                frozen = hook == "onebit" and args.freeze_step and optimizer == "adamw"
+                tag += "-pre" if hook == "onebit" and args.precondition and optimizer != "sgd" else ""
+                frozen = hook == "onebit" and args.freeze_step and optimizer != "sgd"
                 tag += f"-frz{args.freeze_step}" if frozen else ""
                 tag += "-mom" if hook == "onebit" and args.precondition and optimizer == "sgd" else ""
                 tag += f"-{args.error_dtype}" if hook == "onebit" and args.error_dtype != "default" else ""
@@ -259,7 +275,8 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--steps", str(args.steps), "--eval-every", str(args.eval_every),
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
            "--seed", str(seed), "--freeze-step", str(args.freeze_step),
-           "--error-dtype", args.error_dtype] + (["--precondition"] if args.precondition else [])
+           "--error-dtype", args.error_dtype, "--muon-adamw-lr", str(args.muon_adamw_lr)] + (
+               ["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
         raise RuntimeError(f"{optimizer} {lr:g} {hook} failed:\n{out.stderr[-3000:]}")

@@ -101,12 +101,17 @@ def run_ranks(script, *args: str, nproc: int, cwd, env: dict | None = None, time
     env.pop("TRITON_INTERPRET", None)
     request = dict(argv=[str(script), *map(str, args)], nproc=nproc, cwd=str(cwd), env=env, logs=str(logs))
     rc = _client.launch(request, timeout)
-    outs = [(logs / f"{r}.out").read_text(errors="replace") for r in range(nproc)]
-    errs = [(logs / f"{r}.err").read_text(errors="replace") for r in range(nproc)]
+    # (a rank the launcher stopped before it started, after another failed, wrote no log)
+    outs = [_text(logs / f"{r}.out") for r in range(nproc)]
+    errs = [_text(logs / f"{r}.err") for r in range(nproc)]
     agent = logs / "agent.err"
     errs.append(agent.read_text() if agent.exists() else "")
     shutil.rmtree(logs, ignore_errors=True)
     return Launch(rc, "".join(outs), "".join(errs), outs)
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def launch(script, *args: str, nproc: int, cwd, env: dict | None = None, timeout: float = 600,
