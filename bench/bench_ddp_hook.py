@@ -114,8 +114,9 @@ def worker(args) -> None:
     state = None
     if args.hook == "onebit":
         frozen = args.freeze_step if args.optimizer in ("adamw", "muon") and args.freeze_step else None
+        given = opts if args.give == "all" else [o for o in opts if type(o).__name__.lower() == args.give]
         state = OnebitCompressHookState(start_iter=args.start_iter, block=_block(args.block),
-                                        optimizer=opts if args.precondition or frozen else None,
+                                        optimizer=given if args.precondition or frozen else None,
                                         freeze_step=frozen, **_dtype(args))
         ddp.register_comm_hook(state, onebit_compress_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
@@ -170,6 +171,9 @@ def main() -> None:
                    help="AdamW's learning rates (default: the demo's 2e-3)")
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02], help="Muon's learning rates")
     p.add_argument("--muon-adamw-lr", type=float, default=2e-3, help="the learning rate of Muon's AdamW")
+    p.add_argument("--give", default="all", choices=["all", "muon", "adamw"],
+                   help="with --precondition and muon: which of the pair the hook's state reads (the other's "
+                   "gradients compressed as they are)")
     p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.1, 0.03],
                    help="SGD learning rates (plain DDP on the LM trains best at 0.5 of 0.03-1.0)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -198,6 +202,8 @@ def main() -> None:
             for hook in HOOKS:
                 tag = f"-block{args.block}" if hook == "onebit" else ""
                 tag += "-pre" if hook == "onebit" and args.precondition and optimizer != "sgd" else ""
+                given = hook == "onebit" and optimizer == "muon" and args.give != "all"
+                tag += f"-{args.give}" if given else ""
                 frozen = hook == "onebit" and args.freeze_step and optimizer != "sgd"
                 tag += f"-frz{args.freeze_step}" if frozen else ""
                 tag += "-mom" if hook == "onebit" and args.precondition and optimizer == "sgd" else ""
@@ -275,7 +281,8 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--steps", str(args.steps), "--eval-every", str(args.eval_every),
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
            "--seed", str(seed), "--freeze-step", str(args.freeze_step),
-           "--error-dtype", args.error_dtype, "--muon-adamw-lr", str(args.muon_adamw_lr)] + (
+           "--error-dtype", args.error_dtype, "--muon-adamw-lr", str(args.muon_adamw_lr),
+           "--give", args.give] + (
                ["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:

@@ -347,7 +347,7 @@ def own_steps(items: list[tuple], group: dict) -> None:
     torch._foreach_addcdiv_(ps, ms, ds, [-it[6] for it in items])
 
 
-def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
+def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout, share="auto"):
     """``(d, parts)`` of section 8.2: the bucket's flat frozen denominators (1 where a parameter
     has none; made for this call from the variances, freed with it) and, per parameter that has
     them, ``(lo, hi, exp_avg, b1 / (1 - b1))`` (its place in the bucket, the momentum and the factor
@@ -361,7 +361,7 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
         group = groups.get(id(p))
         if group is None:
             continue
-        terms = fa.terms(opt, p, name, group) if "betas" in group else _momentum_terms(opt, p, group)
+        terms = fa.terms(opt, p, name, group) if "betas" in group else _momentum_terms(opt, p, group, share)
         if terms is not None and terms[1].shape == grads[i].shape:
             found.append((i, *terms))
     if not found:
@@ -377,14 +377,16 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout):
     return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
 
 
-def _momentum_terms(opt, p: torch.Tensor, group: dict):
-    """``(None, momentum_buffer, factor)`` of an SGD's or a Muon's parameter (no denominator: 1), None
-    where its optimizer made no buffer yet or the group has no momentum."""
+def _momentum_terms(opt, p: torch.Tensor, group: dict, share="auto"):
+    """``(None, momentum_buffer, factor)`` of an SGD's or a Muon's parameter (no denominator: 1; the
+    factor times the hook's ``momentum_share``), None where its optimizer made no buffer yet, the group
+    has no momentum or the share is 0."""
     entry = opt.state.get(p)
     buf = None if not entry else entry.get("momentum_buffer")
     if buf is None:
         return None
-    factor = _momentum.factor(_several.owner(opt, group), group)
+    owner = _several.owner(opt, group)
+    factor = _momentum.factor(owner, group) * _momentum.share_of(owner, share)
     return None if factor == 0.0 else (None, to_local(buf).detach(), factor)
 
 

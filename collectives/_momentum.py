@@ -11,6 +11,8 @@ is handed, with ``m_{t-1}`` the same on every rank:
 
 The hook adds ``c = s b / (1 - tau) m_{t-1}`` to each rank's gradient before the compressed all-reduce and
 takes it off the mean after: the optimizer's momentum is then the compressed mean of the ranks' momenta.
+The hook's ``momentum_share`` scales ``c``: "auto" takes SGD's whole momentum and none of Muon's (its
+gradient compressed: measured better, docs/ALGORITHMS.md 8.3).
 Another optimizer whose groups hold a ``momentum`` (RMSprop's buffer is a momentum of the preconditioned
 step; a Muon written elsewhere may keep ``b m + g``) would be misread: it is refused, naming it."""
 
@@ -37,6 +39,18 @@ def convention(optimizer: torch.optim.Optimizer, name: str = "optimizer") -> str
             "knows torch.optim.SGD's, m = b m + (1 - dampening) g, and torch.optim.Muon's, m = m.lerp(g, 1 - "
             "momentum)); read as SGD's it would compress the wrong quantity")
     return None
+
+
+AUTO_SHARE = {"sgd": 1.0, "lerp": 0.0}  # momentum_share="auto": SGD's momentum, Muon's gradient (8.3)
+
+
+def share_of(optimizer: torch.optim.Optimizer, share) -> float:
+    """The momentum share of ``optimizer``'s parameters: ``share`` (a number in [0, 1]), or for "auto"
+    (None too) :data:`AUTO_SHARE` of its convention (0 without a momentum)."""
+    if share is None or share == "auto":
+        kind = convention(optimizer)
+        return 0.0 if kind is None else AUTO_SHARE[kind]
+    return float(share)
 
 
 def check(optimizer: torch.optim.Optimizer, name: str = "optimizer") -> None:

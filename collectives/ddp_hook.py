@@ -103,18 +103,28 @@ class OnebitCompressHookState:
             noise, so its own norm is not the gradient's.
         error_dtype: the error buffers' dtype: bfloat16 (the default: half the bytes, stored with
             stochastic rounding, docs/ALGORITHMS.md 12), or float32.
+        momentum_share: the share of an SGD's or a Muon's momentum term ``c`` each rank adds before
+            compressing (0: its gradient compressed, 1: its momentum): "auto" (the default) is 1 for
+            SGD and 0 for Muon, whose gradient compressed measured better than its momentum
+            (docs/ALGORITHMS.md 8.3; bench/RESULTS.md "The DDP hook with Muon").
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
                  variance_floor: float = 0.1, freeze_step: int | None = None, *,
-                 error_dtype: torch.dtype = torch.bfloat16) -> None:
+                 error_dtype: torch.dtype = torch.bfloat16, momentum_share: float | str = "auto") -> None:
         # a 2-D DeviceMesh: each bucket's compressed all-reduce is hierarchical (1-bit between
         # nodes only); the full-precision iterations average over all the mesh's ranks
         self._mesh = process_group if is_mesh(process_group) else None
         process_group = flat_group(process_group)
         self.process_group = process_group
         self.variance_floor = check_number("variance_floor", variance_floor, low=0.0)
+        if momentum_share != "auto":
+            momentum_share = check_number("momentum_share", momentum_share, low=0.0)
+            if momentum_share > 1.0:
+                raise ValueError(f"momentum_share: expected 'auto' or a number in [0, 1], got "
+                                 f"{momentum_share}")
+        self.momentum_share = momentum_share
         self._frozen_adam = None if freeze_step is None else FrozenAdam(
             check_int("freeze_step", freeze_step, low=1), self.variance_floor)
         self._optimizer = None
@@ -276,6 +286,7 @@ class OnebitCompressHookState:
             self._rank = None
             LIVE.add(self)
         self.__dict__.setdefault("variance_floor", 0.1)
+        self.__dict__.setdefault("momentum_share", "auto")
         self.__dict__.setdefault("_names", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
@@ -377,7 +388,10 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
         if v is not None and v.shape == grads[i].shape:
             rows.append((i, entry, group))
         elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
-            sgd.append((i, buf.detach(), _momentum.factor(_several.owner(opt, group), group)))
+            owner = _several.owner(opt, group)
+            factor = _momentum.factor(owner, group) * _momentum.share_of(owner, state.momentum_share)
+            if factor:
+                sgd.append((i, buf.detach(), factor))
     counts = step_counts([e.get("step", 0) for _, e, _ in rows])
     for (i, entry, group), steps in zip(rows, counts, strict=True):
         bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
@@ -466,7 +480,7 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
             fa.freeze(adam, state._names)
         fa.pending = True
-        d, parts = frozen_terms(state.optimizer, fa, bucket, layout)
+        d, parts = frozen_terms(state.optimizer, fa, bucket, layout, state.momentum_share)
         if d is None:
             fa.add_local(buffer)
             return _compressed(state, bucket, buffer, layout, index)

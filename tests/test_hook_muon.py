@@ -33,7 +33,7 @@ def _body(steps: int, mu: float, nesterov: bool):
     W, r = dist.get_world_size(), dist.get_rank()
     model = _model()
     opt = Muon(model.parameters(), lr=0.02, momentum=mu, nesterov=nesterov, weight_decay=0.01)
-    state = OnebitCompressHookState(start_iter=1, optimizer=opt)
+    state = OnebitCompressHookState(start_iter=1, optimizer=opt, momentum_share=1.0)  # (its whole momentum)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
     record, errors, replay_equal, momentum_close = [], {}, True, True
 
@@ -127,7 +127,7 @@ class _Pair(torch.nn.Module):
         return self.head(torch.tanh(self.hidden2(self.norm(h))))
 
 
-def _body_pair(steps: int, freeze: int | None):
+def _body_pair(steps: int, freeze: int | None, share="auto"):
     from onebit.collectives import ddp_hook
     from onebit.kernels.backends import use_backend
 
@@ -138,7 +138,9 @@ def _body_pair(steps: int, freeze: int | None):
     mu = 0.95
     muon = Muon(matrices, lr=0.02, momentum=mu, weight_decay=0.01)
     adamw = torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01)
-    state = OnebitCompressHookState(start_iter=2, optimizer=[muon, adamw], freeze_step=freeze)
+    state = OnebitCompressHookState(start_iter=2, optimizer=[muon, adamw], freeze_step=freeze,
+                                    momentum_share=share)
+    factor = mu / (1.0 - mu) * (0.0 if share == "auto" else share)  # "auto": Muon's gradient compressed
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
     records, real = [], ddp_hook._compressed
 
@@ -177,11 +179,18 @@ def _body_pair(steps: int, freeze: int | None):
                     for p, buf in zip(params, prev, strict=True):
                         k = p.numel()
                         if buf is not None:  # a Muon matrix: its own momentum sent, the compressed mean kept
-                            want = grads[index][offset:offset + k] + (buf * (mu / (1.0 - mu))).reshape(-1)
+                            want = grads[index][offset:offset + k] + (buf * factor).reshape(-1)
                             sent_right &= torch.equal(sent[offset:offset + k], want)
                             now = muon.state[p]["momentum_buffer"].reshape(-1)
-                            momentum_right &= torch.allclose(now, (1.0 - mu) * average[offset:offset + k],
-                                                             rtol=1e-4, atol=1e-5 * float(now.abs().max()))
+                            # its lerp of the gradient handed back, A - c: (1 - mu) A with the whole momentum
+                            handed = average[offset:offset + k] - (buf * factor).reshape(-1)
+                            want_m = buf.reshape(-1) * mu + (1.0 - mu) * handed
+                            momentum_right &= torch.allclose(now, want_m, rtol=1e-4,
+                                                             atol=1e-5 * float(now.abs().max()))
+                            if share == 1.0:  # the compressed mean of the ranks' momenta
+                                mean = (1.0 - mu) * average[offset:offset + k]
+                                momentum_right &= torch.allclose(now, mean, rtol=1e-4,
+                                                                 atol=1e-5 * float(now.abs().max()))
                         offset += k
                 records.clear()
     finally:
@@ -190,12 +199,13 @@ def _body_pair(steps: int, freeze: int | None):
     return flat, sent_right, momentum_right, compressed_steps, bool(torch.isfinite(flat).all())
 
 
-@pytest.mark.parametrize("W, freeze", [(2, None), (3, 4)])
-def test_muon_and_adamw_behind_one_hook_state(ranks, W, freeze):
-    # optimizer=[muon, adamw]: each parameter read in its own optimizer's state. Muon's matrices send their
-    # own momentum (with freeze_step from the freeze on, with d = 1 beside AdamW's frozen space) and keep the
-    # compressed mean; replicas identical
-    got = ranks(W).run(_body_pair, 7, freeze)
+@pytest.mark.parametrize("W, freeze, share",
+                         [(2, None, 1.0), (3, 4, 1.0), (2, None, "auto"), (3, 4, "auto")])
+def test_muon_and_adamw_behind_one_hook_state(ranks, W, freeze, share):
+    # optimizer=[muon, adamw]: each parameter read in its own optimizer's state. With momentum_share=1 Muon's
+    # matrices send their own momentum (with freeze_step from the freeze on, with d = 1 beside AdamW's frozen
+    # space) and keep the compressed mean; by default ("auto") they send their gradient; replicas identical
+    got = ranks(W).run(_body_pair, 7, freeze, share)
     for flat, sent_right, momentum_right, compressed, finite in got:
         assert torch.equal(flat, got[0][0]) and finite
         assert sent_right and momentum_right
@@ -217,3 +227,6 @@ def test_several_optimizers_are_checked_each():
         OnebitCompressHookState(optimizer=[muon, torch.optim.SGD([b], lr=0.1)], freeze_step=3)
     with pytest.raises(ValueError, match=r"^freeze_step: needs an Adam-type"):
         OnebitCompressHookState(optimizer=[torch.optim.Adam([a]), adamw], freeze_step=3)
+    for bad in (-0.1, 1.5, float("nan"), "half"):
+        with pytest.raises((ValueError, TypeError), match=r"^momentum_share"):
+            OnebitCompressHookState(optimizer=[muon, adamw], momentum_share=bad)
