@@ -76,9 +76,10 @@ class OnebitCompressHookState:
             own momentum, ``g + c`` with ``c = b / (1 - dampening) * momentum_buffer``
             (negated under ``maximize``), and SGD gets ``average - c``, so its momentum
             after the step is the compressed average of the ranks' momenta
-            (docs/ALGORITHMS.md section 8.1); torch.optim.Muon the same with its lerp's
-            ``c = momentum / (1 - momentum) * momentum_buffer`` (section 8.3), from the first
-            step. Another optimizer with a ``momentum`` is refused (``TypeError``): its
+            (docs/ALGORITHMS.md section 8.1). torch.optim.Muon: its gradient compressed by
+            default (measured better), its momentum with ``momentum_share=1.0`` (its lerp's
+            ``c = momentum / (1 - momentum) * momentum_buffer``, section 8.3). Another
+            optimizer with a ``momentum`` is refused (``TypeError``): its
             buffer would be misread. A list of optimizers over disjoint parameters (Muon and
             its AdamW partner): each parameter read in its own optimizer's state (``freeze_step``
             then works with the one Adam-type among them). Adam-type (its state holds ``exp_avg_sq`` and
