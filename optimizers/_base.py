@@ -363,6 +363,24 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
                 and self._overlap is None and not self._cohorts and self._sharding is None
                 and not any(g.get("non_freeze", False) for g in self.param_groups))
 
+    def _new_agreement(self, pairs, reducer, *, snapshot: bool = False, summed: bool = False):
+        """A step's agreement on the device over ``pairs``' gradients (optimizers/_device_agreement.py).
+        ``snapshot``: the host's counters (``COUNTERS``) kept, put back if the step is skipped; ``summed``:
+        the poison summed over the ranks on the device, for a step with no compressed collective of its own
+        to carry it (one 4-byte all-reduce, counted)."""
+        import copy
+
+        from ._device_agreement import DeviceAgreement
+
+        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
+        if snapshot:
+            agreement.snapshot = {name: copy.deepcopy(getattr(self, name)) for name in self.COUNTERS}
+        if summed:
+            agreement.all_reduce(reducer.group)
+            if reducer.world_size > 1:
+                self.count_sent(1, 4, control=True)
+        return agreement
+
     def _undo_skipped(self, agreement) -> None:
         """What a step skipped on the device changed on the host, undone: the update count (the step's own
         counters, where it kept a ``snapshot`` of them: those)."""

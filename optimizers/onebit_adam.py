@@ -9,7 +9,6 @@ from ..kernels import cpu_fused
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, WarmupThenCompress, adam_defaults
 from ._cohorts import options
-from ._device_agreement import DeviceAgreement
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import adam_update, fold_, fold_preconditioned_, mask_, moments_, stale_direction
 
@@ -181,7 +180,7 @@ class OnebitAdam(WarmupThenCompress):
         pairs = self.compressed_params()
         if not _fused.applies(self, reducer, pairs) or not self._fused_plan(reducer).agrees_on_device():
             return None
-        return DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
+        return self._new_agreement(pairs, reducer)
 
     def _warmup_agreement(self):
         """A warm-up step agreed on the device, where it applies: each rank's verdict a float32 poison, summed
@@ -197,11 +196,7 @@ class OnebitAdam(WarmupThenCompress):
         pairs = self.compressed_params()
         if not _fused.warmup_applies(self, reducer, pairs):
             return None
-        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
-        agreement.all_reduce(reducer.group)
-        if reducer.world_size > 1:
-            self.count_sent(1, 4, control=True)
-        return agreement
+        return self._new_agreement(pairs, reducer, summed=True)
 
     def _counts_enter_update(self) -> bool:
         # the warm-up: the update count decides when it ends (and its bias corrections, where it has them)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
@@ -13,7 +11,6 @@ from ..kernels._checks import check_int
 from . import _fused, _multi
 from ._base import MODE_DEFAULT, VARIANCE_FLOOR, OnebitOptimizerBase, adam_defaults
 from ._cohorts import options
-from ._device_agreement import DeviceAgreement
 from ._freeze import AutoFreeze, FreezeSchedule
 from ._functional import direction, fold_, mask_, moments_, stale_direction
 
@@ -280,12 +277,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         pairs, masks = self.compressed_params(), self.auto_masks()
         if not _fused.local_applies(self, pairs, masks):
             return None
-        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
-        agreement.snapshot = {name: copy.deepcopy(getattr(self, name)) for name in self.COUNTERS}
-        agreement.all_reduce(reducer.group)
-        if reducer.world_size > 1:
-            self.count_sent(1, 4, control=True)
-        return agreement
+        return self._new_agreement(pairs, reducer, snapshot=True, summed=True)
 
     def _phase_one_agreement(self):
         """Phase 1's compressed step agreed on the device, where it applies (see _agreement_on_device)."""
@@ -297,9 +289,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         pairs = self.compressed_params()
         if not _fused.zoa_applies(self, reducer, pairs) or not self._zoa_plan(reducer).agrees_on_device():
             return None
-        agreement = DeviceAgreement([p.grad for p, _ in pairs if p.grad is not None], reducer.device)
-        agreement.snapshot = {name: copy.deepcopy(getattr(self, name)) for name in self.COUNTERS}
-        return agreement
+        return self._new_agreement(pairs, reducer, snapshot=True)
 
     def _counts_enter_update(self) -> bool:
         return True  # the counters choose each step's kind (a local step, a synchronisation, phase 1's)

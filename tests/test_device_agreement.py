@@ -52,6 +52,16 @@ def _body(device_side: bool, bad_step: int | None, bias_correction: bool, stats_
             "skipped_seen": skipped_seen}
 
 
+def _bitwise_alike(device, host, bad_step):
+    """Every rank's state bitwise the host agreement's run, the same update and skip counts."""
+    for r, (a, b) in enumerate(zip(device, host, strict=True)):
+        for key in ("params", "errors", "exp_avg"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert torch.equal(x, y), (r, key)
+        assert a["updates"] == b["updates"] == STEPS - (bad_step is not None)
+        assert a["skipped"] == b["skipped"] == (bad_step is not None)
+
+
 @pytest.mark.parametrize("W", [2, 3])
 @pytest.mark.parametrize("bad_step, bias_correction",
                          [(None, False), (5, False), (5, True), (STEPS - 1, True)])
@@ -60,12 +70,8 @@ def test_the_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, bi
     stats_after = bad_step == 5 and not bias_correction
     device = pool.run(_body, True, bad_step, bias_correction, stats_after)
     host = pool.run(_body, False, bad_step, bias_correction, stats_after)
+    _bitwise_alike(device, host, bad_step)
     for r, (a, b) in enumerate(zip(device, host, strict=True)):
-        for key in ("params", "errors", "exp_avg"):
-            for x, y in zip(a[key], b[key], strict=True):
-                assert torch.equal(x, y), (r, key)
-        assert a["updates"] == b["updates"] == STEPS - (bad_step is not None)
-        assert a["skipped"] == b["skipped"] == (bad_step is not None)
         # on the device: the first warm-up step (not the last), then from the second compressed step on (kept
         # messages); never on the host's
         assert a["on_device"] == [True] + [False] * 2 + [True] * (STEPS - 3) and not any(b["on_device"])
@@ -88,12 +94,8 @@ def test_the_warm_ups_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad
     pool = ranks(W)
     device = pool.run(_body, True, bad_step, bias_correction, False, 6)
     host = pool.run(_body, False, bad_step, bias_correction, False, 6)
+    _bitwise_alike(device, host, bad_step)
     for r, (a, b) in enumerate(zip(device, host, strict=True)):
-        for key in ("params", "errors", "exp_avg"):
-            for x, y in zip(a[key], b[key], strict=True):
-                assert torch.equal(x, y), (r, key)
-        assert a["updates"] == b["updates"] == STEPS - (bad_step is not None)
-        assert a["skipped"] == b["skipped"] == (bad_step is not None)
         assert not any(b["on_device"])
         if bad_step is None:
             assert a["on_device"] == [True] * 5 + [False] * 2 + [True] * (STEPS - 7), a["on_device"]
