@@ -99,7 +99,8 @@ def owner(optimizer, group: dict):
 
 def combine(optimizer):
     """The hooks' ``optimizer=``: None, one optimizer, or a list (tuple) of them over disjoint parameters
-    (a :class:`Several`; a list of one: that one); each unwrapped from a framework's wrapper."""
+    (a :class:`Several`; a list of one: that one), or a :class:`onebit.optimizers.Combined` (its
+    members, the same); each unwrapped from a framework's wrapper."""
     if isinstance(optimizer, (list, tuple)):
         members = [unwrap_optimizer(o) for o in optimizer]
         for o in members:
@@ -108,6 +109,9 @@ def combine(optimizer):
             return Several(members)
         return members[0] if members else None
     optimizer = unwrap_optimizer(optimizer)
+    several = getattr(optimizer, "_several", None)  # onebit.optimizers.Combined: read as its members
+    if isinstance(several, Several):
+        return several if len(several.members) > 1 else several.members[0]
     if optimizer is not None:
         check_instance("optimizer", optimizer, torch.optim.Optimizer,
                        "a torch.optim.Optimizer or a list of them")

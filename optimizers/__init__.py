@@ -6,6 +6,7 @@ if __name__ != "onebit.optimizers":  # e.g. `import optimizers` with the reposit
 
 from ._freeze import AutoFreeze
 from .amp import GradScaler
+from .combined import Combined
 from .ddp import onebit_comm_hook, register_ddp_hook, warmup_averaging_hook
 from .deepspeed_config import from_deepspeed_config
 from .diloco import DiLoCo
@@ -15,6 +16,7 @@ from .zero_one_adam import ZeroOneAdam
 
 __all__ = [
     "AutoFreeze",
+    "Combined",
     "DiLoCo",
     "GradScaler",
     "OnebitAdam",

@@ -17,6 +17,7 @@ from onebit.collectives import (
     onebit_compress_hook,
     padded_numel,
 )
+from onebit.optimizers import Combined
 
 Muon = getattr(torch.optim, "Muon", None)
 pytestmark = pytest.mark.skipif(Muon is None, reason="torch.optim.Muon: torch 2.9+")
@@ -127,7 +128,7 @@ class _Pair(torch.nn.Module):
         return self.head(torch.tanh(self.hidden2(self.norm(h))))
 
 
-def _body_pair(steps: int, freeze: int | None, share="auto"):
+def _body_pair(steps: int, freeze: int | None, share="auto", combined: bool = False):
     from onebit.collectives import ddp_hook
     from onebit.kernels.backends import use_backend
 
@@ -138,7 +139,8 @@ def _body_pair(steps: int, freeze: int | None, share="auto"):
     mu = 0.95
     muon = Muon(matrices, lr=0.02, momentum=mu, weight_decay=0.01)
     adamw = torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01)
-    state = OnebitCompressHookState(start_iter=2, optimizer=[muon, adamw], freeze_step=freeze,
+    both = Combined([muon, adamw]) if combined else None  # one optimizer object, stepped as one
+    state = OnebitCompressHookState(start_iter=2, optimizer=both or [muon, adamw], freeze_step=freeze,
                                     momentum_share=share)
     factor = mu / (1.0 - mu) * (0.0 if share == "auto" else share)  # "auto": Muon's gradient compressed
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
@@ -168,11 +170,11 @@ def _body_pair(steps: int, freeze: int | None, share="auto"):
             for _ in range(steps):
                 grads: dict = {}
                 x, y = torch.randint(0, 20, (16, 6), generator=gen), torch.randint(0, 5, (16,), generator=gen)
-                muon.zero_grad()
-                adamw.zero_grad()
+                for opt in [both] if combined else [muon, adamw]:
+                    opt.zero_grad()
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
-                muon.step()
-                adamw.step()
+                for opt in [both] if combined else [muon, adamw]:
+                    opt.step()
                 compressed_steps += bool(records)
                 for index, sent, average, params, prev in records:
                     offset = 0
@@ -210,6 +212,18 @@ def test_muon_and_adamw_behind_one_hook_state(ranks, W, freeze, share):
         assert torch.equal(flat, got[0][0]) and finite
         assert sent_right and momentum_right
         assert compressed == (5 if freeze is None else 3), compressed
+
+
+def _pair_both_forms(steps: int, freeze: int):
+    return _body_pair(steps, freeze), _body_pair(steps, freeze, combined=True)
+
+
+def test_a_combined_optimizer_behind_the_hook_is_its_list(ranks):
+    # Combined([muon, adamw]) given to the hook state and stepped as one object: bitwise the run that gives
+    # the list and steps each member (freeze_step on AdamW's half, Muon's gradient beside it)
+    for listed, combined in ranks(3).run(_pair_both_forms, 7, 4):
+        assert torch.equal(listed[0], combined[0]) and combined[1] and combined[2] and combined[4]
+        assert combined[3] == 3
 
 
 def test_several_optimizers_are_checked_each():
