@@ -7,6 +7,7 @@ bench_allreduce.py).
   python bench/bench_diloco.py --steps 1000 --links none          # losses (the link changes none)
   python bench/bench_diloco.py --task digits --steps 600 --links none
   python bench/bench_diloco.py --steps 100 --links 100mbit 1gbit  # wall time per inner step
+  python bench/bench_diloco.py --inner muon --only ddp_adam diloco_fp32_10 diloco_1bit_10  # Muon + AdamW
 
 Runs: ddp_adam (torch DDP, AdamW: a float32 gradient all-reduce every step); diloco_fp32_H,
 diloco_1bit_H (sync_every H, one fragment); diloco_fp32_H_stream, diloco_1bit_H_stream (2
@@ -43,6 +44,23 @@ def runs(hs: list[int]) -> dict[str, dict]:
 
 
 # --------------------------------------------------------------------------- child (one rank)
+def _inner(model, args):
+    """The inner optimizer: AdamW (the demo's Adam), or Muon on the hidden matrices with an AdamW on the
+    rest (embeddings, norms, biases, the head) as one ``Combined`` optimizer."""
+    import torch
+
+    if args.inner == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    from onebit.optimizers import Combined
+
+    last = [n for n, p in model.named_parameters() if p.ndim == 2][-1]  # the head (the MLP: its last)
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n != last and "tok" not in n
+              and "pos" not in n]
+    rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
+    return Combined([torch.optim.Muon(hidden, lr=args.muon_lr, momentum=0.95, weight_decay=0.0),
+                     torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)])
+
+
 def child(args) -> None:
     import torch
     import torch.distributed as dist
@@ -83,7 +101,7 @@ def child(args) -> None:
         def validation() -> float:
             return train_task.evaluate(model, held_out)
     n = sum(p.numel() for p in model.parameters())
-    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    inner = _inner(model, args)
     if run["kind"] == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = inner
@@ -138,8 +156,8 @@ def launch(name: str, run: dict, link: str, args) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            os.path.abspath(__file__), "--child", "--config", json.dumps(run), "--out", out,
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-             ("task", "seed", "steps", "lr", "outer_lr", "mixing", "batch", "context", "d_model", "layers",
-              "heads", "eval_batches", "form", "error_decay")]]
+             ("task", "inner", "muon_lr", "seed", "steps", "lr", "outer_lr", "mixing", "batch", "context",
+              "d_model", "layers", "heads", "eval_batches", "form", "error_decay")]]
     ns = Namespace(LINKS[link]) if LINKS[link] is not None or can_shape() is None else None
     try:
         done = subprocess.run((ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd],
@@ -163,7 +181,12 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=None, help="run names (default: all)")
     p.add_argument("--links", nargs="+", default=["none"], choices=list(LINKS))
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's learning rate (the inner AdamW's, or "
+                   "the AdamW half of --inner muon)")
+    p.add_argument("--inner", choices=["adamw", "muon"], default="adamw",
+                   help="the inner optimizer (and DDP's): AdamW, or Muon on the hidden matrices + AdamW on "
+                        "the rest (onebit.optimizers.Combined)")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (--inner muon)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--mixing", type=float, default=0.5)
     p.add_argument("--form", choices=["auto", "plain", "momentum"], default="auto",
@@ -195,7 +218,9 @@ def main() -> None:
     for link in args.links:
         for name in names:
             got = launch(name, table[name], link, args)
-            row = {"run": name, "task": args.task, "seed": args.seed, "outer_lr": args.outer_lr, "link": link,
+            row = {"run": name, "task": args.task, "inner": args.inner,
+                   **({"muon_lr": args.muon_lr} if args.inner == "muon" else {}), "seed": args.seed,
+                   "outer_lr": args.outer_lr, "link": link,
                    "form": args.form, "error_decay": args.error_decay,
                    "steps": args.steps, "ranks": args.ranks, **table[name], **got}
             with open(args.jsonl, "a") as fh:

@@ -35,10 +35,10 @@ def script(framework: str) -> str:
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)[-1]
 
 
-def run(framework: str, workdir: Path, *args: str) -> dict:
+def run(framework: str, workdir: Path, *args: str, ranks: int = 2) -> dict:
     path = workdir / "train.py"
     path.write_text(script(framework))
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
               if framework == "hf" else [sys.executable])
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     start = time.perf_counter()
@@ -61,6 +61,9 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--no-resume", action="store_true", help="skip the HF resume-at-half row")
+    p.add_argument("--ranks", type=int, default=2, help="the HF Trainer's gloo ranks")
+    p.add_argument("--muon-lr", type=float, default=None,
+                   help="the muon variants' Muon lr (default: the script's)")
     a = p.parse_args()
     import torch
     import transformers
@@ -76,19 +79,24 @@ def main() -> None:
             for variant in a.variants:
                 with tempfile.TemporaryDirectory() as tmp:
                     args = ["--optimizer", variant, "--steps", str(a.steps), "--seed", str(seed)]
+                    if variant.startswith("muon") and a.muon_lr is not None:
+                        args += ["--muon-lr", str(a.muon_lr)]
                     if framework == "hf":
                         args += ["--save-steps", str(a.steps // 2)]
                     row = dict(framework=framework, variant=variant, seed=seed, steps=a.steps,
-                               **run(framework, Path(tmp), *args))
+                               ranks=a.ranks if framework == "hf" else 1,
+                               **({"muon_lr": a.muon_lr} if variant.startswith("muon") else {}),
+                               **run(framework, Path(tmp), *args, ranks=a.ranks))
                     if framework == "hf" and variant == "onebit-adam" and not a.no_resume:
                         # resumed from the Trainer's own checkpoint at half way
                         resumed = Path(tmp) / "resumed"
                         half = f"checkpoint-{a.steps // 2}"
                         shutil.copytree(Path(tmp) / "out" / half, resumed / half)
-                        again = run(framework, Path(tmp), *args, "--resume", "--output-dir", "resumed")
+                        again = run(framework, Path(tmp), *args, "--resume", "--output-dir", "resumed",
+                                    ranks=a.ranks)
                         same = again["weights"] == row["weights"]
                         row.update(resumed_loss=again["loss"], resumed_bitwise=same)
-                if variant == "adamw-plain":
+                if variant.endswith("-plain"):  # the next variants' baseline
                     base = row["loss"]
                 row["ratio"] = None if base is None else round(row["loss"] / base, 4)
                 rows.append(row)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..kernels import Layout, message_scales
 from ..kernels._checks import check_buffer, check_instance, check_int, check_tensor
-from ..kernels.layout import check_block, pad_unit, padded_numel
+from ..kernels.layout import check_block, layout_of, pad_unit, padded_numel
 from ..kernels.rounding import ERROR_DTYPES, check_error_dtype
 from . import _async, _pipeline
 from ._failure import guard
@@ -306,7 +306,7 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     all ranks in one process.) ``transport``: None (torch.distributed over ``group``) or an
     object with ``all_to_all(recv, msg)`` and ``all_gather(out, seg)`` that complete before
     returning (a process group torch.distributed does not know: onebit.collectives.torchft)."""
-    layout = Layout(worker_error.numel(), W, block)
+    layout = layout_of(worker_error.numel(), W, block)
     staged = worker_error.dtype != torch.float32 or server_error.dtype != torch.float32
     if transport is None and passes is None and not tensor.is_cuda and not staged:
         K = _pipeline.slices(layout)  # block scales on CPU: in slices whose compute overlaps the wire

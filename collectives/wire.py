@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..kernels.layout import Layout
+from ..kernels.layout import layout_of
 
 
 def compressed_bytes(padded_numel: int, world_size: int, block: int | None = None) -> int:
     """Bytes one rank sends in one compressed_allreduce of N elements (both collectives)."""
     if world_size == 1:
         return 0
-    seg = Layout(padded_numel, world_size, block).segment_bytes
+    seg = layout_of(padded_numel, world_size, block).segment_bytes
     return 2 * (world_size - 1) * seg  # W-1 segments in the all-to-all, W-1 in the all-gather
 
 

@@ -5,6 +5,7 @@ zero-padded float32 copy (fewer than 8 W elements, or a block, per chunk), so th
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -22,6 +23,13 @@ def split(layout: Layout, n: int, j: int) -> tuple[int, int, int]:
     lo, hi = j * layout.C, (j + 1) * layout.C
     mid = max(lo, min(hi, lo + (n - lo) // unit * unit))
     return lo, mid, hi
+
+
+@functools.lru_cache(maxsize=1024)
+def splits(layout: Layout, n: int) -> tuple[tuple[int, int, int], ...]:
+    """Every chunk's :func:`split`, made once per (layout, n) (the passes ask for them per bucket and
+    step)."""
+    return tuple(split(layout, n, j) for j in range(layout.W))
 
 
 def piece_scales(scales: torch.Tensor, layout: Layout, j: int, lo: int, a: int, b: int) -> torch.Tensor:
@@ -82,8 +90,7 @@ def encode_chunks(x: torch.Tensor, e: torch.Tensor, layout: Layout, msg: torch.T
     bits, scales, n = message_bits(msg, layout), message_scales(msg, layout), x.numel()
     if layout.block is None:
         total = 0.0
-        for j in range(layout.W):
-            lo, mid, hi = split(layout, n, j)
+        for j, (lo, mid, hi) in enumerate(splits(layout, n)):
             pieces = [float(s) for s in piece(j, lo, mid, hi)]
             if hi > mid:
                 pieces.append(encode_tail(x, e, layout, bits, j, lo, mid, hi))

@@ -19,7 +19,7 @@ import torch
 from . import backends, torch_kernels
 from ._checks import check_buffer, check_choice, check_int, check_tensor, check_world_size
 from ._warn import warn_user
-from .layout import Layout, check_block, empty_message, message_scales, pad_unit, padded_numel
+from .layout import Layout, check_block, empty_message, layout_of, message_scales, pad_unit, padded_numel
 from .native import codec as native
 from .rounding import ERROR_DTYPES, SERVER, WORKER, narrow_, widen
 
@@ -116,7 +116,7 @@ def worker_compress(
     n = x.numel()
     check_buffer("worker_error", worker_error, x.device, ERROR_DTYPES, at_least=n,
                  multiple_of=pad_unit(W, block))
-    layout = Layout(worker_error.numel(), W, block)
+    layout = layout_of(worker_error.numel(), W, block)
     impl = _backend(x.device, backend, block, layout)
     msg = _message_out("out", out, layout, W, x.device)
     if layout.N:
@@ -151,7 +151,7 @@ def server_reduce(
     unit = 8 if block is None else block
     check_buffer("server_error", server_error, device, ERROR_DTYPES, multiple_of=unit,
                  what=f"a multiple of {unit}")
-    layout = Layout(server_error.numel() * W, W, block)
+    layout = layout_of(server_error.numel() * W, W, block)
     size = layout.message_bytes
     check_buffer("received", received, device, torch.uint8, length=size, what=f"{size} bytes")
     seg = _message_out("out", out, layout, 1, device)
@@ -195,7 +195,7 @@ def decompress(
         check_buffer("worker_error", worker_error, out.device, ERROR_DTYPES, at_least=n, multiple_of=unit)
         padded = worker_error.numel()
     N = padded_numel(n, W, block) if padded is None else check_int("padded", padded, low=n, multiple_of=unit)
-    layout = Layout(N, W, block)
+    layout = layout_of(N, W, block)
     size = layout.message_bytes
     check_buffer("gathered", gathered, out.device, torch.uint8, length=size, what=f"{size} bytes")
     if worker_error is not None:

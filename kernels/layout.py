@@ -96,6 +96,13 @@ class Layout:
         return self.W * self.segment_bytes
 
 
+@functools.lru_cache(maxsize=1024)
+def layout_of(N: int, W: int, block: int | None = None) -> Layout:
+    """``Layout(N, W, block)``, made once per (N, W, block) and shared (it is immutable): its sizes are
+    computed on first use and kept, where the hot paths need one per bucket and call."""
+    return Layout(N, W, block)
+
+
 def empty_message(layout: Layout, segments: int, device: torch.device) -> torch.Tensor:
     """A message buffer of ``segments`` segments; the padding bytes are zero (never read)."""
     buf = torch.empty(segments * layout.segment_bytes, dtype=torch.uint8, device=device)

@@ -28,7 +28,7 @@ from ..kernels import backends
 from ..kernels.fused import adam, warmup, zero_one
 from ..kernels.fused.stage import Stage, StagePasses
 from ..kernels.fused.table import Table
-from ..kernels.layout import Layout, empty_message, message_scales
+from ..kernels.layout import Layout, empty_message, layout_of, message_scales
 from ..kernels.rounding import widen
 
 
@@ -197,7 +197,7 @@ class AdamStep:
                 ready.append(None)
                 continue
             self._fill(opt, pairs, t, b, table)
-            layout = Layout(b.worker_error.numel(), W, None)
+            layout = layout_of(b.worker_error.numel(), W, None)
             msg = empty_message(layout, W, b.worker_error.device)
             passes = self._passes(table, 0.0, kept=b.message if b.flat is None else None, n=b.numel)
             e = b.worker_error if getattr(passes, "BFLOAT16_ERRORS", False) else widen(b.worker_error)

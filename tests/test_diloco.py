@@ -41,8 +41,20 @@ def _val_loss(model, W):
                    for x, y in (_batch(r, k, "val") for r in range(W) for k in range(8))) / (8 * W)
 
 
-def _make(model, H, outer_lr=0.7, **kw):
-    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+def _inner(model, kind="adamw"):
+    """The inner optimizer: AdamW, or (``muon``) Muon on the hidden matrix and AdamW on the rest as
+    one :class:`onebit.optimizers.Combined`."""
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    from onebit.optimizers import Combined
+
+    return Combined([torch.optim.Muon([model[0].weight], lr=0.02, momentum=0.95),
+                     torch.optim.AdamW([p for p in model.parameters() if p is not model[0].weight], lr=3e-3,
+                                       weight_decay=0.01)])
+
+
+def _make(model, H, outer_lr=0.7, inner="adamw", **kw):
+    inner = _inner(model, inner)
     outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=0.9, nesterov=True)
     return DiLoCo(model, inner, outer, sync_every=H, **kw)
 
@@ -136,14 +148,14 @@ def _simulate(W, H, steps, F=1, order="strided"):
     return _val_loss(models[0], W), torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
 
 
-def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128):
+def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128, inner="adamw"):
     """1-bit DiLoCo in one process (local_compressed_allreduce, the same collective for W ranks)
     with the sync of docs/ALGORITHMS.md section 10 written out: each replica compresses
     Delta_r + g c, SGD gets D - g c, the error buffers decay by 1 - (1 - decay)(1 - g)."""
     from onebit.collectives import local_compressed_allreduce, padded_numel
 
     models = [_model() for _ in range(W)]
-    inners = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01) for m in models]
+    inners = [_inner(m, inner) for m in models]
     glob = _model()
     gp = list(glob.parameters())
     outer = torch.optim.SGD(gp, lr=outer_lr, momentum=0.9, nesterov=True)
@@ -190,6 +202,26 @@ def test_one_bit_sync_matches_its_single_process_simulation(ranks, W, kw):
     for g in got:
         assert g["identical"] and g["syncs_seen"] == steps // H
         assert torch.equal(g["params"], ref), float((g["params"] - ref).norm() / ref.norm())
+
+
+def test_a_muon_inner_optimizer_syncs_as_its_simulation_and_resumes_bitwise(ranks):
+    """Muon on the hidden matrix with AdamW on the rest (one Combined optimizer) as the inner
+    optimizer: the 1-bit sync is the same as with AdamW inside (the pseudo-gradients whatever the
+    inner optimizer made of them), bitwise its single-process simulation; the replicas identical;
+    a resume from the state saved mid-run (Muon's momentum included) bitwise the straight run."""
+    H, steps, kw = 10, 30, {"compress": True, "inner": "muon"}
+    pool = ranks(3)
+    got = pool.run(_body_train, H, steps, kw)
+    with _one_thread():
+        ref = _simulate_one_bit(3, H, steps, 0.7, "auto", inner="muon")
+        adamw = _simulate_one_bit(3, H, steps, 0.7, "auto")
+    assert not torch.equal(ref, adamw)  # Muon did the inner steps
+    for g in got:
+        assert g["identical"] and g["syncs_seen"] == steps // H
+        assert torch.equal(g["params"], ref), float((g["params"] - ref).norm() / ref.norm())
+    resumed = pool.run(_body_train, H, steps, kw, 15)
+    for a, b in zip(got, resumed, strict=True):
+        assert torch.equal(a["params"], b["params"])
 
 
 @pytest.mark.parametrize("W", [2, 3])

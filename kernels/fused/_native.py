@@ -5,11 +5,24 @@ arithmetic in :mod:`onebit.kernels._chunks`). Each step's file gives its C calls
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _chunks, cpu_simd
 from ..cpu_simd import _f32, _isa
 from ..layout import message_bits, message_scales
+
+
+@functools.lru_cache(maxsize=4096)
+def _int64(values: tuple[int, ...]) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor, made once per tuple (the C reads it; nothing writes it)."""
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def int64(values) -> torch.Tensor:
+    """The per-chunk counts a C pass reads, as a cached int64 tensor (never written)."""
+    return _int64(tuple(values))
 
 
 def rows_ok(bits: torch.Tensor, C: int, W: int) -> bool:
@@ -58,7 +71,7 @@ def encode_all(name: str, fn, flat: torch.Tensor | None, e: torch.Tensor, bits: 
                     for j, (a, b) in enumerate(zip(n_enc, n_fold, strict=True)))):
         raise ValueError(f"{name}: expected contiguous float32 flat and e, bits [W, C / 8] with contiguous "
                          "rows, and per chunk n_enc (a multiple of 8) <= n_fold <= C")
-    enc, fold = torch.tensor(n_enc, dtype=torch.int64), torch.tensor(n_fold, dtype=torch.int64)
+    enc, fold = int64(n_enc), int64(n_fold)
     threads = torch.get_num_threads()
     sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
     fn(None if flat is None else flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W,
@@ -74,7 +87,7 @@ class Tails:
 
     def __init__(self, layout, n: int) -> None:
         self.n, self.values = n, torch.zeros(8 * layout.W, dtype=torch.float32)
-        self.starts = {_chunks.split(layout, n, j)[1]: j for j in range(layout.W)}
+        self.starts = {mid: j for j, (_, mid, _) in enumerate(_chunks.splits(layout, n))}
 
     def numel(self) -> int:
         return self.n
@@ -128,8 +141,7 @@ class NativePasses:
         """``flat`` = the decode of ``gathered`` (the decompress pass without the error or the step's
         maths: what ``finish`` wrote into ``flat``, bitwise)."""
         scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), flat.numel()
-        for j in range(layout.W):
-            lo, mid, hi = _chunks.split(layout, n, j)
+        for j, (lo, mid, hi) in enumerate(_chunks.splits(layout, n)):
             if mid > lo:
                 cpu_simd.decompress(bits[j, : (mid - lo) // 8], scales[j].view(1), flat[lo:mid], None)
             if hi > mid:
@@ -148,7 +160,7 @@ class NativePasses:
         :func:`onebit.kernels.native.codec.worker_compress` computes it (every chunk in one C call)."""
         values = self._values(flat, layout)
         n = values.numel()
-        splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
+        splits = _chunks.splits(layout, n)
         source = None if self.kept is not None else flat
         sums = self.encode_all(source, worker_error, message_bits(msg, layout), layout.C,
                                [mid - lo for lo, mid, _ in splits],
@@ -167,7 +179,7 @@ class NativePasses:
         scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), values.numel()
         update = bool(torch.isfinite(scales).all())
         s_w = message_scales(msg, layout)
-        splits = [_chunks.split(layout, n, j) for j in range(layout.W)]
+        splits = _chunks.splits(layout, n)
         e, ws = (worker_error, s_w.contiguous()) if update else (None, None)
         counts = [mid - lo for lo, mid, _ in splits]
         if self.kept is None:

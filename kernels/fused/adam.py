@@ -343,7 +343,7 @@ def decompress_update_all(bits: torch.Tensor, scales: torch.Tensor, flat: torch.
         raise ValueError("adam.decompress_update_all: expected flat or a kept message, not both")
     _native.check_step("adam.decompress_update_all", bits, scales, e, worker_scales, C, n, flat,
                        bfloat16_errors=True)
-    counts, t = torch.tensor(n, dtype=torch.int64), table
+    counts, t = _native.int64(n), table
     kept = (None, 0, None) if old is None else (old[0].data_ptr(), old[0].stride(0), old[1].data_ptr())
     library().onebit_decompress_update_all(
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if flat is None else flat.data_ptr(),

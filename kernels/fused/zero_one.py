@@ -443,7 +443,7 @@ def zoa_step_all(bits: torch.Tensor, scales: torch.Tensor, e: torch.Tensor | Non
     from ``z = p - sync_params + e``, ``m = mean d / nl``, ``sync_params = sync_params + mean``, ``p =
     sync_params``."""
     _native.check_step("zero_one.zoa_step_all", bits, scales, e, worker_scales, C, n, bfloat16_errors=True)
-    counts, t = torch.tensor(n, dtype=torch.int64), table
+    counts, t = _native.int64(n), table
     library().onebit_zoa_step_all(
         bits.data_ptr(), bits.stride(0), scales.data_ptr(), None if e is None else e.data_ptr(),
         None if worker_scales is None else worker_scales.data_ptr(), C, len(n), counts.data_ptr(),
