@@ -5,7 +5,7 @@ its per-parameter state) over all of them, and which member owns a group."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 
 import torch
 
@@ -63,8 +63,12 @@ class Several:
         return f"Several({', '.join(type(o).__name__ for o in self.members)})"
 
 
-class _State:
-    """``Several.state``: a read-only view, each parameter's entry taken from its own optimizer."""
+class _State(MutableMapping):
+    """``Several.state``: a mapping over the members' states, each parameter's entry taken from its own
+    optimizer (``items()``, ``keys()``, ``values()`` as a torch optimizer's ``state`` has them: what
+    frameworks walk, Lightning's move to the device for one). ``state[p]`` of a member's parameter is
+    that member's ``state[p]`` (a ``defaultdict``: an empty entry where it has none yet, as torch's),
+    set and deleted there too; of a parameter no member holds, a KeyError."""
 
     def __init__(self, several: Several) -> None:
         self._several = several
@@ -75,11 +79,20 @@ class _State:
             return default
         return opt.state[p]
 
+    def _owner(self, p) -> torch.optim.Optimizer:
+        opt = self._several.owner_of(p)
+        if opt is None:
+            raise KeyError("a parameter of none of the optimizers here")
+        return opt
+
     def __getitem__(self, p):
-        entry = self.get(p)
-        if entry is None:
-            raise KeyError("a parameter no optimizer here holds state for")
-        return entry
+        return self._owner(p).state[p]
+
+    def __setitem__(self, p, entry) -> None:
+        self._owner(p).state[p] = entry
+
+    def __delitem__(self, p) -> None:
+        del self._owner(p).state[p]
 
     def __contains__(self, p) -> bool:
         return self.get(p) is not None

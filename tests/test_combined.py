@@ -80,6 +80,22 @@ def test_combined_steps_bitwise_as_its_members_and_schedulers_reach_them():
     # each parameter's entry is its member's (Muon: 1 matrix; AdamW: embedding, norm's 2, head's 2)
     assert len(both.state) == sum(len(m.state) for m in both.members) == 6
     assert both.state[together.hidden.weight] is both.members[0].state[together.hidden.weight]
+    # a mapping as torch's optimizers' state is (frameworks walk it: Lightning moves it to the device)
+    members = [(p, e) for m in both.members for p, e in m.state.items()]
+    assert [(id(p), id(e)) for p, e in both.state.items()] == [(id(p), id(e)) for p, e in members]
+    assert list(both.state.keys()) == [p for p, _ in members]
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    assert stranger not in both.state and both.state.get(stranger) is None
+    with pytest.raises(KeyError):
+        both.state[stranger]
+    with pytest.raises(KeyError):
+        both.state[stranger] = {}
+    head = together.head.weight
+    entry = both.state[head]
+    both.state[head] = {"moved": entry}  # set in its member, as torch's state[p] = ... is
+    assert both.members[1].state[head] == {"moved": entry}
+    both.state[head] = entry
+    assert both.members[1].state[head] is entry
 
 
 def test_its_state_dict_resumes_bitwise_and_a_wrong_one_is_refused_before_anything_loads():

@@ -153,10 +153,11 @@ def test_hf_trainer_accumulation_compile_and_a_second_train(tmp_path, which, mod
     assert got["same"] and got["sent"] > 0
 
 
-@pytest.mark.parametrize("optimizer", ["onebit-adam", "adamw"])
+@pytest.mark.parametrize("optimizer", ["onebit-adam", "adamw", "muon"])
 def test_lightning_trains_with_the_callback_on_cpu(tmp_path, optimizer):
-    # AdamW as the page says to run it (Lightning starts the second rank itself); OnebitAdam on
-    # ranks started as torchrun starts them (Lightning then takes the ranks it is given)
+    # AdamW as the page says to run it (Lightning starts the second rank itself); OnebitAdam, and
+    # Muon + AdamW as one Combined optimizer from configure_optimizers, on ranks started as torchrun
+    # starts them (Lightning then takes the ranks it is given)
     got, _ = run_script(tmp_path, page_script("lightning.md"), "--optimizer", optimizer, "--steps", "20",
                         "--freeze-step", "6", launcher="python" if optimizer == "adamw" else "zygote")
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
