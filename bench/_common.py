@@ -211,3 +211,11 @@ def run_child(args, child: Callable[[object], object]) -> None:
     sys.stderr.flush()
     os._exit(0)
 
+
+def muon_split(model) -> tuple[list, list]:
+    """(hidden, rest): the matrices Muon steps (every 2-D parameter but the embeddings, ``tok``/``pos`` in
+    the name, and the last one, the head) and what its AdamW partner steps (the rest)."""
+    last = [n for n, p in model.named_parameters() if p.ndim == 2][-1]
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n != last and "tok" not in n
+              and "pos" not in n]
+    return hidden, [p for p in model.parameters() if all(p is not q for q in hidden)]

@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import provenance, pyplot, save_png, write_csv  # noqa: E402
+from _common import muon_split, provenance, pyplot, save_png, write_csv  # noqa: E402
 
 # (optimizer, learning rate): AdamW at the demo's; SGD's rates: --sgd-lrs
 PAIRS = [("adamw", 2e-3)]
@@ -101,10 +101,7 @@ def worker(args) -> None:
     model, next_batch, val_loss, logits, val_accuracy = (_lm_task if args.task == "lm" else _mlp_task)(args)
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     if args.optimizer == "muon":  # the hidden matrices (Muon's 2-D only), an AdamW for the rest
-        last = [n for n, p in model.named_parameters() if p.ndim == 2][-1]  # the head (the MLP: its last)
-        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n != last and "tok" not in n
-                  and "pos" not in n]
-        rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
+        hidden, rest = muon_split(model)
         opts = [torch.optim.Muon(hidden, lr=args.lr, momentum=0.95, weight_decay=0.0),
                 torch.optim.AdamW(rest, lr=args.muon_adamw_lr, betas=(0.9, 0.99), weight_decay=0.0)]
     elif args.optimizer == "sgd":

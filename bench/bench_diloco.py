@@ -51,12 +51,11 @@ def _inner(model, args):
 
     if args.inner == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    from _common import muon_split
+
     from onebit.optimizers import Combined
 
-    last = [n for n, p in model.named_parameters() if p.ndim == 2][-1]  # the head (the MLP: its last)
-    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n != last and "tok" not in n
-              and "pos" not in n]
-    rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
+    hidden, rest = muon_split(model)
     return Combined([torch.optim.Muon(hidden, lr=args.muon_lr, momentum=0.95, weight_decay=0.0),
                      torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)])
 

@@ -59,7 +59,7 @@ class Combined(torch.optim.Optimizer):
 
     @property
     def state(self) -> _State:  # type: ignore[override]
-        """Each parameter's entry in its own member's state (read-only view)."""
+        """Each parameter's entry in its own member's state (a mapping over the members' states)."""
         return self._several.state
 
     @state.setter
