@@ -116,7 +116,12 @@ def message_bits(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
     """View ``[segments, C/8]`` (uint8) of the packed bits in a message buffer."""
     if layout.segment_bytes == 0:  # N == 0 with block scales: no bits, no scales
         return buf.view(0, 0)
-    return buf.view(-1, layout.segment_bytes)[:, : layout.chunk_bytes]
+    S = layout.segment_bytes
+    if buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % S:
+        raise ValueError(f"message_bits: expected a contiguous 1-D message of whole {S}-byte segments, "
+                         f"got shape {tuple(buf.shape)}")
+    # one op where view and slice take two (the hot paths call this per bucket and pass)
+    return buf.as_strided((buf.numel() // S, layout.chunk_bytes), (S, 1))
 
 
 def message_scales(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -124,8 +129,12 @@ def message_scales(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
     ``[segments, C / block]``."""
     if layout.segment_bytes == 0:
         return buf.view(torch.float32).view(0, 0)
-    words = buf.view(torch.float32).view(-1, layout.segment_bytes // 4)
-    first = layout.scale_offset // 4
+    S = layout.segment_bytes
+    if buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % S:
+        raise ValueError(f"message_scales: expected a contiguous 1-D message of whole {S}-byte segments, "
+                         f"got shape {tuple(buf.shape)}")
+    words = buf.view(torch.float32)
+    first = words.storage_offset() + layout.scale_offset // 4
     if layout.block is None:
-        return words[:, first]
-    return words[:, first : first + layout.blocks]
+        return words.as_strided((buf.numel() // S,), (S // 4,), first)
+    return words.as_strided((buf.numel() // S, layout.blocks), (S // 4, 1), first)

@@ -31,6 +31,8 @@ from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, layout_of, message_scales
 from ..kernels.rounding import widen
 
+_NOTHING = torch.empty(0, dtype=torch.float32)  # the C passes' flat where a kept message holds the values
+
 
 def plain(t: torch.Tensor) -> bool:
     """A float32 contiguous tensor (or parameter), no subclass."""
@@ -231,7 +233,7 @@ class AdamStep:
         if b.message is None:
             return b.flat
         if self.backend == "native":
-            return torch.empty(0, dtype=torch.float32, device=self.reducer.device)
+            return _NOTHING
         largest = max(x.numel for x in self.reducer.buckets)
         if self.scratch is None or self.scratch.numel() < largest:
             self.scratch = torch.empty(largest, dtype=torch.float32, device=self.reducer.device)

@@ -6,6 +6,8 @@ arithmetic in :mod:`onebit.kernels._chunks`). Each step's file gives its C calls
 from __future__ import annotations
 
 import functools
+import math
+import threading
 
 import torch
 
@@ -73,10 +75,24 @@ def encode_all(name: str, fn, flat: torch.Tensor | None, e: torch.Tensor, bits: 
                          "rows, and per chunk n_enc (a multiple of 8) <= n_fold <= C")
     enc, fold = int64(n_enc), int64(n_fold)
     threads = torch.get_num_threads()
-    sums, part = torch.empty(W, dtype=torch.float64), torch.empty(W * threads, dtype=torch.float64)
+    sums, part = _sums(W, threads)
     fn(None if flat is None else flat.data_ptr(), e.data_ptr(), bits.data_ptr(), bits.stride(0), C, W,
        enc.data_ptr(), fold.data_ptr(), sums.data_ptr(), part.data_ptr(), *table_args, _isa(isa), threads)
     return sums.tolist()
+
+
+_scratch = threading.local()  # ctypes lets go of the GIL: one set of sums per thread
+
+
+def _sums(W: int, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's float64 ``sums`` [W] and per-thread partial sums [W threads] for a worker pass,
+    made once per (W, threads): the C writes them, the caller reads ``sums`` before the next pass."""
+    cache = _scratch.__dict__.setdefault("sums", {})
+    found = cache.get((W, threads))
+    if found is None:
+        found = cache[(W, threads)] = (torch.empty(W, dtype=torch.float64),
+                                       torch.empty(W * threads, dtype=torch.float64))
+    return found
 
 
 class Tails:
@@ -121,6 +137,7 @@ class NativePasses:
         self.table, self.clip = table, clip
         self.gathered = self.layout = self.scale = None
         self.kept, self.n, self.tails = kept, n, tails
+        self._old = None  # old()'s answer, made on its first call (the worker's and the finish's)
         if msg is not None:  # the prepared message (collectives._async.worker_message)
             def ready(layout):
                 if msg.numel() != layout.message_bytes:
@@ -133,8 +150,10 @@ class NativePasses:
         """The kept message's (bits [W, C / 8], scales [W] contiguous), or None."""
         if self.kept is None:
             return None
-        gathered, layout = self.kept
-        return message_bits(gathered, layout), message_scales(gathered, layout).contiguous()
+        if self._old is None:
+            gathered, layout = self.kept
+            self._old = message_bits(gathered, layout), message_scales(gathered, layout).contiguous()
+        return self._old
 
     @staticmethod
     def decode(gathered, layout, flat) -> None:
@@ -176,17 +195,17 @@ class NativePasses:
         maths inside (every chunk in one C call, then the padded rests)."""
         self.gathered, self.layout = gathered, layout  # kept: a restore decodes them (abandon)
         values = self._values(flat, layout)
-        scales, bits, n = message_scales(gathered, layout), message_bits(gathered, layout), values.numel()
-        update = bool(torch.isfinite(scales).all())
-        s_w = message_scales(msg, layout)
+        scales, bits = message_scales(gathered, layout).contiguous(), message_bits(gathered, layout)
+        n = values.numel()
+        update = all(math.isfinite(s) for s in scales.tolist())  # W floats read: no torch op
+        s_w = message_scales(msg, layout).contiguous()
         splits = _chunks.splits(layout, n)
-        e, ws = (worker_error, s_w.contiguous()) if update else (None, None)
+        e, ws = (worker_error, s_w) if update else (None, None)
         counts = [mid - lo for lo, mid, _ in splits]
         if self.kept is None:
-            self.step_all(bits, scales.contiguous(), flat, e, ws, layout.C, counts)
+            self.step_all(bits, scales, flat, e, ws, layout.C, counts)
         else:  # the pass folds the worker's u again from the kept message: it reads the error either way
-            self.step_all(bits, scales.contiguous(), None, worker_error, s_w.contiguous(), layout.C, counts,
-                          update=update)
+            self.step_all(bits, scales, None, worker_error, s_w, layout.C, counts, update=update)
         for j, (lo, mid, hi) in enumerate(splits):  # the padded rests: the plain path's arithmetic
             if hi == mid:
                 continue

@@ -61,7 +61,8 @@ class Table:
 
     def ptr(self, name: str) -> int:
         """The address of column ``name``'s K addresses (what the C reads)."""
-        return self.addr[self.column(name)].data_ptr()
+        # row arithmetic on the contiguous [columns, K] int64 table: no indexing op per call
+        return self.addr.data_ptr() + self.column(name) * self.K * self.addr.element_size()
 
     def fill(self, tensors: dict[str, list[torch.Tensor | None]], rows: list[tuple[float, ...]]) -> None:
         """Point the columns at ``tensors`` (one list of K per address column; None: none) and set
