@@ -98,7 +98,11 @@ class OnebitCompressHookState:
             freezes and each rank compresses its own momentum in the frozen preconditioned
             space; the optimizer's step uses the compressed average momentum and the frozen
             denominator (set by step hooks on the optimizer). About 20-25% of the run, as the
-            1-bit optimizers' ``freeze_step``. Not with ``sync_each_batch`` accumulation (one
+            1-bit optimizers' ``freeze_step``. Beside an SGD or a Muon (several optimizers), their
+            parameters are compressed from ``start_iter`` all the same (nothing of theirs freezes): a
+            bucket holding both sends theirs 1-bit and the Adam-type's in full precision until the
+            freeze, then compresses whole, its worker error seeded from their part's. Not with
+            ``sync_each_batch`` accumulation (one
             hook call per optimizer step). Clip with ``clip_grad_norm_`` of this state (or
             ``onebit.integrations``): the gradient DDP hands over carries the momentum's 1-bit
             noise, so its own norm is not the gradient's.
@@ -141,11 +145,16 @@ class OnebitCompressHookState:
         self.iter = 0
         self.errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layouts: dict[int, tuple[tuple[int, int], ...]] = {}  # bucket index -> its parameters' names
+        # freeze_step beside an SGD or a Muon: a mixed bucket's early part (theirs, compressed from
+        # start_iter while the Adam-type's average in full precision), by bucket index: errors, names
+        self.early_errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.early_layouts: dict[int, tuple[tuple[int, int], ...]] = {}
         self.bytes_full = 0
         self.bytes_compressed = 0
         self.resets = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
         self._names: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, position), this process
+        self._sizes: dict[int, tuple[int, ...]] = {}  # bucket index -> its gradients' sizes (the early seed)
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
         self._warned_unused = False
@@ -208,6 +217,21 @@ class OnebitCompressHookState:
     def _first_compressed(self) -> int:
         return self.start_iter if self._frozen_adam is None else self._frozen_adam.freeze_step
 
+    def _early(self, bucket: dist.GradBucket) -> list[int]:
+        """Positions in ``bucket`` of the parameters compressed from ``start_iter`` although
+        ``freeze_step`` has not come: those of an SGD or a Muon beside the Adam-type among several
+        optimizers (nothing of theirs freezes; the Adam-type's average in full precision until its
+        variance freezes). Empty without ``freeze_step`` or several optimizers."""
+        opt = self._optimizer
+        if self._frozen_adam is None or not isinstance(opt, _several.Several):
+            return []
+        out = []
+        for i, p in enumerate(bucket.parameters()):
+            member = opt.owner_of(p)
+            if member is not None and not is_adam_type(member):
+                out.append(i)
+        return out
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients between backward and step by a norm every rank agrees
         on; returns it. Full-precision iterations: the averaged gradient's norm (the same on
@@ -235,6 +259,7 @@ class OnebitCompressHookState:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("process_group", "optimizer") and not k.startswith("_")}
         state["errors"] = {k: (w.clone(), s.clone()) for k, (w, s) in self.errors.items()}
+        state["early_errors"] = {k: (w.clone(), s.clone()) for k, (w, s) in self.early_errors.items()}
         if self._frozen_adam is not None:
             state["frozen_adam"] = self._frozen_adam.state()
         return state
@@ -289,6 +314,7 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("variance_floor", 0.1)
         self.__dict__.setdefault("momentum_share", "auto")
         self.__dict__.setdefault("_names", {})
+        self.__dict__.setdefault("_sizes", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
         self.__dict__.setdefault("_warned_unused", False)
@@ -299,6 +325,10 @@ class OnebitCompressHookState:
         dtype = self.error_dtype
         self.errors = {int(k): (w.to(dtype), s.to(dtype)) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
+        self.early_errors = {int(k): (w.to(dtype), s.to(dtype))
+                             for k, (w, s) in state.get("early_errors", {}).items()}
+        self.early_layouts = {int(k): tuple(tuple(n) for n in v)
+                              for k, v in state.get("early_layouts", {}).items()}
         self.__dict__.setdefault("_frozen_adam", None)
         if frozen is not None:
             if self._frozen_adam is None:
@@ -349,9 +379,31 @@ class OnebitCompressHookState:
             device = buffer.device
             found = (torch.zeros(N, device=device, dtype=self.error_dtype),
                      torch.zeros(N // self._servers(), device=device, dtype=self.error_dtype))
+            self._seed_from_early(index, layout, found[0])
             self.errors[index] = found
             self.layouts[index] = layout
         return found
+
+    def _seed_from_early(self, index: int, layout, worker_error: torch.Tensor) -> None:
+        """At the freeze, a mixed bucket's whole-bucket worker error starts from its early part's
+        (each element's residual carried to its place in the bucket; the early server error, over
+        another chunking, is dropped). Nothing where the bucket had no early part."""
+        early = self.early_errors.pop(index, None)
+        names = self.early_layouts.pop(index, None)
+        if early is None or names is None or not set(names) <= set(layout):
+            return
+        sizes = self._sizes.get(index)
+        if sizes is None or len(sizes) != len(layout):
+            return
+        offsets, o = {}, 0
+        for name, n in zip(layout, sizes, strict=True):
+            offsets[name] = (o, n)
+            o += n
+        q = 0
+        for name in names:
+            start, n = offsets[name]
+            worker_error[start:start + n].copy_(early[0][q:q + n])
+            q += n
 
 
 def _adam_member(optimizer, check: bool = True):
@@ -365,7 +417,7 @@ def _adam_member(optimizer, check: bool = True):
     return adams[0] if len(adams) == 1 else None
 
 
-def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
+def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket, read_adam: bool = True):
     """``(d, c)``: the flat preconditioner and momentum term of the bucket's gradients (bucket
     order), each None where no parameter of the bucket has one (docs/ALGORITHMS.md section 8).
 
@@ -373,7 +425,8 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
     ``s * momentum / (1 - dampening) * momentum_buffer`` of an SGD-type optimizer, ``momentum / (1 -
     momentum) * momentum_buffer`` of a Muon (its lerp; collectives/_momentum.py), 0 elsewhere and
     where the buffer does not exist yet, ``s = -1`` under ``maximize``. The hook averages
-    ``(g + c) / d`` and hands the optimizer ``d * average - c``."""
+    ``(g + c) / d`` and hands the optimizer ``d * average - c``. ``read_adam`` False: ``d`` is not read
+    (None)."""
     opt = state.optimizer
     if opt is None:
         return None, None
@@ -387,7 +440,8 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket):
             continue
         v, buf = entry.get("exp_avg_sq"), entry.get("momentum_buffer")
         if v is not None and v.shape == grads[i].shape:
-            rows.append((i, entry, group))
+            if read_adam:
+                rows.append((i, entry, group))
         elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
             owner = _several.owner(opt, group)
             factor = _momentum.factor(owner, group) * _momentum.share_of(owner, state.momentum_share)
@@ -442,6 +496,61 @@ def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, la
     return torch.futures.collect_all(futures).then(scatter)
 
 
+def _early_allreduce(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, early: list[int]):
+    """Before ``freeze_step``, a bucket holding an SGD's or a Muon's parameters beside the Adam-type's:
+    theirs compressed (with their momentum term, as after the freeze), the rest averaged in full
+    precision. A bucket of theirs alone is compressed whole under its own index (its errors go on
+    after the freeze); a mixed one's early part has its own errors, which seed the whole bucket's
+    worker error at the freeze (``_seed_from_early``)."""
+    buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
+    state._sizes[index] = tuple(g.numel() for g in grads)
+    W = state.world_size
+    _, c = _optimizer_terms(state, bucket, read_adam=False)  # momentum terms (Adam's part: full precision)
+    if len(early) == len(grads):
+        if c is not None:
+            buffer.add_(c)
+        fut = _compressed(state, bucket, buffer, layout, index)
+        return fut if c is None else fut.then(lambda done: done.value().sub_(c))
+    offsets = [0]
+    for g in grads:
+        offsets.append(offsets[-1] + g.numel())
+    rest = [i for i in range(len(grads)) if i not in set(early)]
+    piece = torch.cat([buffer[offsets[i]:offsets[i + 1]] for i in early])
+    terms = None if c is None else torch.cat([c[offsets[i]:offsets[i + 1]] for i in early])
+    if terms is not None:
+        piece.add_(terms)
+    names = tuple(layout[i] for i in early)
+    N = error_buffer_numel(piece.numel(), state.compress_group, state.block)
+    found = state.early_errors.get(index)
+    if found is None or state.early_layouts.get(index) != names or found[0].numel() != N:
+        found = (torch.zeros(N, device=buffer.device, dtype=state.error_dtype),
+                 torch.zeros(N // state._servers(), device=buffer.device, dtype=state.error_dtype))
+        state.early_errors[index], state.early_layouts[index] = found, names
+    state.bytes_compressed += compressed_bytes(N, state._servers(), state.block)
+    with counting(state._timing):
+        compressed = compressed_allreduce(piece, found[0], found[1], state.compress_group, async_op=True,
+                                          block=state.block)
+    full = torch.cat([buffer[offsets[i]:offsets[i + 1]] for i in rest]).div_(W)
+    state.bytes_full += ring_allreduce_bytes(full.numel(), W, full.element_size())
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(full, group=group, async_op=True).get_future()
+
+    def scatter(done) -> torch.Tensor:
+        for fut in done.value():
+            fut.wait()  # raises what the collective raised
+        if terms is not None:
+            piece.sub_(terms)
+        for parts, flat in ((early, piece), (rest, full)):
+            o = 0
+            for i in parts:
+                n = offsets[i + 1] - offsets[i]
+                buffer[offsets[i]:offsets[i + 1]].copy_(flat[o:o + n])
+                o += n
+        return buffer
+
+    return torch.futures.collect_all([compressed, work]).then(scatter)
+
+
 def onebit_compress_hook(state: OnebitCompressHookState,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket over ``state.process_group``: in full precision for the first
@@ -454,7 +563,8 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     buffer = bucket.buffer()
     W = state.world_size
     layout = state._layout(bucket)
-    compressing = state.iter >= state._first_compressed()
+    it = state.iter
+    compressing = it >= state._first_compressed()
     if bucket.is_last():
         state.iter += 1
         state._naming = False
@@ -462,6 +572,9 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
+    early = state._early(bucket) if not compressing and it >= state.start_iter else []
+    if early:
+        return _early_allreduce(state, bucket, layout, early)
     if not compressing:
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         buffer.div_(W)

@@ -244,3 +244,79 @@ def test_several_optimizers_are_checked_each():
     for bad in (-0.1, 1.5, float("nan"), "half"):
         with pytest.raises((ValueError, TypeError), match=r"^momentum_share"):
             OnebitCompressHookState(optimizer=[muon, adamw], momentum_share=bad)
+
+
+def _body_early(steps: int, freeze: int, bucket_mb: float):
+    # freeze_step beside Muon: Muon's matrices compressed from start_iter, AdamW's averaged exactly until
+    # the freeze; what each iteration's averaged gradients are, against the exact mean of the ranks'
+    from onebit.collectives import ddp_hook
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    model = _Pair()
+    matrices = [model.hidden.weight, model.hidden2.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    muon, adamw = Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
+    state = OnebitCompressHookState(start_iter=2, optimizer=Combined([muon, adamw]), freeze_step=freeze)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    mixed = set()
+
+    def hook(st, bucket):
+        kinds = {any(p is m for m in matrices) for p in bucket.parameters()}
+        if len(kinds) == 2:
+            mixed.add(bucket.index())
+        return ddp_hook.onebit_compress_hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    gen = torch.Generator().manual_seed(10 + r)
+    rows, early_left = [], []
+    for it in range(steps):
+        x, y = torch.randint(0, 20, (16, 6), generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        for p in model.parameters():  # each rank's own gradient, and their exact mean
+            p.grad = None
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        own = [p.grad.clone() for p in model.parameters()]
+        exact = []
+        for g in own:
+            every = [torch.empty_like(g) for _ in range(W)]
+            dist.all_gather(every, g)
+            exact.append(torch.stack(every).mean(0))
+        muon.zero_grad()
+        adamw.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        is_muon = [any(p is m for m in matrices) for p in model.parameters()]
+        sent = state.stats()["bytes_compressed"]
+        close = [(m, torch.allclose(a, b, rtol=1e-5, atol=1e-7))
+                 for m, a, b in zip(is_muon, got, exact, strict=True)]
+        rows.append((it, close, sent))
+        early_left.append(dict(state.early_errors))
+        muon.step()
+        adamw.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, rows, bool(mixed), [sorted(e) for e in early_left], state.__getstate__()
+
+
+@pytest.mark.parametrize("W, bucket_mb", [(2, 0.004), (3, 0.004), (3, 25.0)])
+def test_freeze_step_beside_muon_compresses_muon_from_start_iter(ranks, W, bucket_mb):
+    # issue 59: each parameter compressed the way its own optimizer needs. With freeze_step for AdamW's
+    # half, Muon's matrices are compressed from start_iter (2), not from the freeze (5): their averaged
+    # gradient is the 1-bit one from iteration 2, AdamW's the exact mean until the freeze; bytes counted
+    # from iteration 2; a mixed bucket's early errors seed the bucket's own at the freeze; replicas identical
+    freeze, steps = 5, 8
+    got = ranks(W).run(_body_early, steps, freeze, bucket_mb)
+    for flat, rows, mixed, early_left, saved in got:
+        assert torch.equal(flat, got[0][0]) and bool(torch.isfinite(flat).all())
+        for it, close, sent in rows:
+            for is_muon, exact in close:
+                if it < 2:
+                    assert exact  # full precision for everything
+                elif it < freeze:
+                    assert exact != is_muon, (it, is_muon)  # Muon's compressed, AdamW's exact
+                else:
+                    assert not exact  # everything compressed after the freeze
+            assert (sent > 0) == (it >= 2), (it, sent)
+        if bucket_mb == 25.0:
+            assert mixed  # one bucket holds both: its early part had its own errors, until the freeze
+        if mixed:
+            assert early_left[2] and early_left[freeze - 1] and not early_left[freeze]
+        assert "early_errors" in saved and "early_layouts" in saved
