@@ -96,8 +96,9 @@ def test_hf_trainer_adamw_gets_the_compression_hook(tmp_path):
 
 def test_hf_trainer_muon_with_adamw_as_one_optimizer_gets_the_hook_and_resumes_exactly(tmp_path):
     # onebit.optimizers.Combined([muon, adamw]) through the Trainer's optimizers=: the hook compresses
-    # from iteration 2 (Muon's gradient, AdamW's as g / d); the Trainer's optimizer.pt (the members'
-    # states, the schedule's rates) and onebit's per-rank files resume it bitwise
+    # Muon's gradient from iteration 2 and AdamW's half by freeze_step (a quarter of the run: 3); the
+    # Trainer's optimizer.pt (the members' states, the schedule's rates) and onebit's per-rank files
+    # resume it bitwise
     code = page_script("hf-trainer.md")
     common = ("--optimizer", "muon", "--steps", "12", "--save-steps", "6")
     whole, _ = run_script(tmp_path, code, *common, "--output-dir", "whole")

@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint
-from ..collectives import OnebitCompressHookState, onebit_compress_hook
+from ..collectives import OnebitCompressHookState, _several, onebit_compress_hook
 from ..collectives._frozen_adam import is_adam_type
 from ..collectives._group import warn_collective
 from ..collectives._unwrap import unwrap_optimizer
@@ -78,7 +78,9 @@ class Session:
         again for the same DDP (a second ``train()``/``fit()``), it keeps the hook and its state.
         An Adam-type torch optimizer gets 1-bit Adam's recipe (``freeze_step``, docs/ALGORITHMS.md
         8.2), frozen after ``ADAM_FREEZE`` of ``total_steps`` unless ``freeze_step`` was given;
-        without either, the hook's gradient compression in Adam's preconditioned space."""
+        without either, the hook's gradient compression in Adam's preconditioned space. So does the
+        one Adam-type among several (``Combined([muon, adamw])``): Muon's matrices are compressed from
+        the hook's ``start_iter`` all the same (measured: bench/RESULTS.md "The DDP hook with Muon")."""
         self.optimizer = unwrap_optimizer(optimizer)
         self.ddp = ddp = find_ddp(model)
         if ddp is None:
@@ -99,7 +101,7 @@ class Session:
         if hooks:
             raise ValueError(self._taken(hooks))
         options = dict(self.hook_options)
-        if "freeze_step" not in options and total_steps and is_adam_type(self.optimizer):
+        if "freeze_step" not in options and total_steps and _one_adam(self.optimizer):
             options["freeze_step"] = max(1, round(ADAM_FREEZE * total_steps))
         self.hook_state = OnebitCompressHookState(ddp.process_group, optimizer=self.optimizer, **options)
         ddp.register_comm_hook(self.hook_state, onebit_compress_hook)
@@ -194,3 +196,14 @@ def agreed_scaler(scaler: torch.amp.GradScaler) -> GradScaler:
                         enabled=scaler.is_enabled())
     agreed.load_state_dict(scaler.state_dict())
     return agreed
+
+
+def _one_adam(optimizer) -> bool:
+    """Whether ``optimizer`` is an Adam-type torch optimizer, or several (a ``Combined``) of which one is."""
+    if is_adam_type(optimizer):
+        return True
+    try:
+        members = _several.members(_several.combine(optimizer))
+    except (TypeError, ValueError):
+        return False
+    return len(members) > 1 and sum(is_adam_type(m) for m in members) == 1
