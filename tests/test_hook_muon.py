@@ -267,6 +267,17 @@ def _body_early(steps: int, freeze: int, bucket_mb: float):
         return ddp_hook.onebit_compress_hook(st, bucket)
 
     ddp.register_comm_hook(state, hook)
+    seeded, real_seed = [], state._seed_from_early
+
+    def seed(index, layout, worker_error):  # the early worker error, and the bucket's error it starts
+        early = state.early_errors.get(index)
+        before = None if early is None else (early[0].clone(), state.early_layouts[index])
+        real_seed(index, layout, worker_error)
+        if before is not None:
+            by_name = {state._names[id(p)]: p.numel() for p in model.parameters()}
+            seeded.append((before, layout, [by_name[n] for n in layout], worker_error.clone()))
+
+    state._seed_from_early = seed
     gen = torch.Generator().manual_seed(10 + r)
     rows, early_left = [], []
     for it in range(steps):
@@ -292,8 +303,20 @@ def _body_early(steps: int, freeze: int, bucket_mb: float):
         early_left.append(dict(state.early_errors))
         muon.step()
         adamw.step()
+    placed = True  # each early parameter's residuals at its own place in the bucket, zero elsewhere
+    for (early, names), layout, sizes, whole in seeded:
+        want, q, o = torch.zeros_like(whole), 0, 0
+        starts = {}
+        for name, n in zip(layout, sizes, strict=True):
+            starts[name] = (o, n)
+            o += n
+        for name in names:
+            start, n = starts[name]
+            want[start:start + n] = early[q:q + n]
+            q += n
+        placed &= torch.equal(whole, want) and bool(early.abs().sum() > 0)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return flat, rows, bool(mixed), [sorted(e) for e in early_left], state.__getstate__()
+    return flat, rows, bool(mixed), [sorted(e) for e in early_left], state.__getstate__(), placed, len(seeded)
 
 
 @pytest.mark.parametrize("W, bucket_mb", [(2, 0.004), (3, 0.004), (3, 25.0)])
@@ -304,7 +327,7 @@ def test_freeze_step_beside_muon_compresses_muon_from_start_iter(ranks, W, bucke
     # from iteration 2; a mixed bucket's early errors seed the bucket's own at the freeze; replicas identical
     freeze, steps = 5, 8
     got = ranks(W).run(_body_early, steps, freeze, bucket_mb)
-    for flat, rows, mixed, early_left, saved in got:
+    for flat, rows, mixed, early_left, saved, placed, seeds in got:
         assert torch.equal(flat, got[0][0]) and bool(torch.isfinite(flat).all())
         for it, close, sent in rows:
             for is_muon, exact in close:
@@ -319,4 +342,5 @@ def test_freeze_step_beside_muon_compresses_muon_from_start_iter(ranks, W, bucke
             assert mixed  # one bucket holds both: its early part had its own errors, until the freeze
         if mixed:
             assert early_left[2] and early_left[freeze - 1] and not early_left[freeze]
+            assert placed and seeds >= 1
         assert "early_errors" in saved and "early_layouts" in saved
