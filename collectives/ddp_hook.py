@@ -149,12 +149,14 @@ class OnebitCompressHookState:
         # start_iter while the Adam-type's average in full precision), by bucket index: errors, names
         self.early_errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.early_layouts: dict[int, tuple[tuple[int, int], ...]] = {}
+        # each bucket's names in the last iteration before compression after DDP's rebuild: a run resumed
+        # from there compresses (and sends its early parts) as those buckets, in that order
+        self.plan: dict[int, tuple[tuple[int, int], ...]] = {}
         self.bytes_full = 0
         self.bytes_compressed = 0
         self.resets = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
         self._names: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, position), this process
-        self._sizes: dict[int, tuple[int, ...]] = {}  # bucket index -> its gradients' sizes (the early seed)
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
         self._warned_unused = False
@@ -314,7 +316,6 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("variance_floor", 0.1)
         self.__dict__.setdefault("momentum_share", "auto")
         self.__dict__.setdefault("_names", {})
-        self.__dict__.setdefault("_sizes", {})
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
         self.__dict__.setdefault("_warned_unused", False)
@@ -329,6 +330,7 @@ class OnebitCompressHookState:
                              for k, (w, s) in state.get("early_errors", {}).items()}
         self.early_layouts = {int(k): tuple(tuple(n) for n in v)
                               for k, v in state.get("early_layouts", {}).items()}
+        self.plan = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("plan", {}).items()}
         self.__dict__.setdefault("_frozen_adam", None)
         if frozen is not None:
             if self._frozen_adam is None:
@@ -344,16 +346,18 @@ class OnebitCompressHookState:
                 self._names.setdefault(id(p), (bucket.index(), position))
         return tuple(self._names.get(id(p), (-1, -1)) for p in params)
 
-    def _cover(self, layout: tuple[tuple[int, int], ...]) -> list[int] | None:
-        """Remembered buckets that together hold exactly the parameters of ``layout``: several,
-        or one that holds them in another order (a fresh DDP's first bucket after a resume)."""
-        wanted = set(layout)
-        if (-1, -1) in wanted or len(wanted) != len(layout):
-            return None
-        parts = sorted(i for i, names in self.layouts.items() if set(names) <= wanted)
-        if sum(len(self.layouts[i]) for i in parts) != len(layout) or not parts:
-            return None
-        return parts if set().union(*(self.layouts[i] for i in parts)) == wanted else None
+    def _cover(self, layout: tuple[tuple[int, int], ...]) -> list[tuple[int, tuple]] | None:
+        """``(index, names)`` of remembered buckets that together hold exactly the parameters of
+        ``layout``: several, or one that holds them in another order (a fresh DDP's first bucket after
+        a resume). Remembered: those compressed before, else the plan (the buckets of the last
+        iteration before compression, where this bucket is not one of them as it is)."""
+        found = _cover_in(self.layouts, layout)
+        if found is not None:
+            return [(i, self.layouts[i]) for i in found]
+        found = _cover_in(self.plan, layout)
+        if found is None or (len(found) == 1 and self.plan[found[0]] == layout):
+            return None  # none, or the plan's own bucket as it is: nothing to map
+        return [(i, self.plan[i]) for i in found]
 
     @property
     def compress_group(self):
@@ -364,7 +368,10 @@ class OnebitCompressHookState:
         """Ranks among which a compressed call's chunks are served (the nodes, on a mesh)."""
         return self.world_size if self._mesh is None else hierarchy(self._mesh).nodes
 
-    def _buffers(self, index: int, buffer: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, index: int, buffer: torch.Tensor, layout,
+                 sizes: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's error buffers, made (zero, or seeded from its early part's: ``sizes``, its
+        gradients' sizes in bucket order) where it has none that fit."""
         N = error_buffer_numel(buffer.numel(), self.compress_group, self.block)
         found = self.errors.get(index)
         if found is None or self.layouts.get(index) != layout or found[0].numel() != N:
@@ -379,12 +386,13 @@ class OnebitCompressHookState:
             device = buffer.device
             found = (torch.zeros(N, device=device, dtype=self.error_dtype),
                      torch.zeros(N // self._servers(), device=device, dtype=self.error_dtype))
-            self._seed_from_early(index, layout, found[0])
+            self._seed_from_early(index, layout, found[0], sizes)
             self.errors[index] = found
             self.layouts[index] = layout
         return found
 
-    def _seed_from_early(self, index: int, layout, worker_error: torch.Tensor) -> None:
+    def _seed_from_early(self, index: int, layout, worker_error: torch.Tensor,
+                         sizes: tuple[int, ...]) -> None:
         """At the freeze, a mixed bucket's whole-bucket worker error starts from its early part's
         (each element's residual carried to its place in the bucket; the early server error, over
         another chunking, is dropped). Nothing where the bucket had no early part."""
@@ -392,8 +400,7 @@ class OnebitCompressHookState:
         names = self.early_layouts.pop(index, None)
         if early is None or names is None or not set(names) <= set(layout):
             return
-        sizes = self._sizes.get(index)
-        if sizes is None or len(sizes) != len(layout):
+        if len(sizes) != len(layout):
             return
         offsets, o = {}, 0
         for name, n in zip(layout, sizes, strict=True):
@@ -404,6 +411,17 @@ class OnebitCompressHookState:
             start, n = offsets[name]
             worker_error[start:start + n].copy_(early[0][q:q + n])
             q += n
+
+
+def _cover_in(table: dict, layout: tuple) -> list[int] | None:
+    """Keys of ``table`` (bucket index -> names) whose names together are exactly ``layout``'s."""
+    wanted = set(layout)
+    if (-1, -1) in wanted or len(wanted) != len(layout):
+        return None
+    parts = sorted(i for i, names in table.items() if set(names) <= wanted)
+    if sum(len(table[i]) for i in parts) != len(layout) or not parts:
+        return None
+    return parts if set().union(*(set(table[i]) for i in parts)) == wanted else None
 
 
 def _adam_member(optimizer, check: bool = True):
@@ -468,15 +486,17 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket, re
     return d, c
 
 
-def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, parts: list[int]):
-    """Compress a bucket that holds several remembered buckets as those buckets: gather each
-    one's gradients in its remembered order, compress with its own error buffers, scatter back."""
+def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, parts: list):
+    """Compress a bucket that holds several remembered buckets (``(index, names)``) as those buckets:
+    gather each one's gradients in its remembered order, compress with its own error buffers (made
+    where a planned one has none yet), scatter back."""
     buffer = bucket.buffer()
     views = dict(zip(layout, bucket.gradients(), strict=True))
     pieces, futures = [], []
-    for index in parts:
-        piece = torch.cat([views[name].reshape(-1) for name in state.layouts[index]])
-        worker_error, server_error = state.errors[index]
+    for index, names in parts:
+        piece = torch.cat([views[name].reshape(-1) for name in names])
+        sizes = tuple(views[n].numel() for n in names)
+        worker_error, server_error = state._buffers(index, piece, names, sizes)
         state.bytes_compressed += compressed_bytes(worker_error.numel(), state._servers(), state.block)
         with counting(state._timing):
             futures.append(compressed_allreduce(piece, worker_error, server_error, state.compress_group,
@@ -484,10 +504,10 @@ def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, la
         pieces.append(piece)
 
     def scatter(done) -> torch.Tensor:
-        for index, piece, fut in zip(parts, pieces, done.value(), strict=True):
+        for (_, names), piece, fut in zip(parts, pieces, done.value(), strict=True):
             fut.wait()  # raises what the collective raised
             offset = 0
-            for name in state.layouts[index]:
+            for name in names:
                 view = views[name]
                 view.copy_(piece[offset:offset + view.numel()].view_as(view))
                 offset += view.numel()
@@ -497,58 +517,71 @@ def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, la
 
 
 def _early_allreduce(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, early: list[int]):
-    """Before ``freeze_step``, a bucket holding an SGD's or a Muon's parameters beside the Adam-type's:
-    theirs compressed (with their momentum term, as after the freeze), the rest averaged in full
-    precision. A bucket of theirs alone is compressed whole under its own index (its errors go on
-    after the freeze); a mixed one's early part has its own errors, which seed the whole bucket's
-    worker error at the freeze (``_seed_from_early``)."""
+    """Before ``freeze_step``, a bucket holding an SGD's or a Muon's parameters (``early``: their
+    positions) beside the Adam-type's: theirs compressed (with their momentum term, as after the
+    freeze), the rest averaged in full precision. A bucket of theirs alone is compressed whole under
+    its own index (its errors go on after the freeze); a mixed one's early part has its own errors,
+    which seed the whole bucket's worker error at the freeze (``_seed_from_early``). A fresh DDP's
+    first bucket after a resume is sent as the buckets it covers (``_cover``), as before the resume."""
     buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
-    state._sizes[index] = tuple(g.numel() for g in grads)
-    W = state.world_size
-    _, c = _optimizer_terms(state, bucket, read_adam=False)  # momentum terms (Adam's part: full precision)
-    if len(early) == len(grads):
+    if len(early) == len(grads) and state._cover(layout) is None:
+        _, c = _optimizer_terms(state, bucket, read_adam=False)
         if c is not None:
             buffer.add_(c)
         fut = _compressed(state, bucket, buffer, layout, index)
         return fut if c is None else fut.then(lambda done: done.value().sub_(c))
-    offsets = [0]
-    for g in grads:
-        offsets.append(offsets[-1] + g.numel())
-    rest = [i for i in range(len(grads)) if i not in set(early)]
-    piece = torch.cat([buffer[offsets[i]:offsets[i + 1]] for i in early])
-    terms = None if c is None else torch.cat([c[offsets[i]:offsets[i + 1]] for i in early])
-    if terms is not None:
-        piece.add_(terms)
-    names = tuple(layout[i] for i in early)
-    N = error_buffer_numel(piece.numel(), state.compress_group, state.block)
-    found = state.early_errors.get(index)
-    if found is None or state.early_layouts.get(index) != names or found[0].numel() != N:
-        found = (torch.zeros(N, device=buffer.device, dtype=state.error_dtype),
-                 torch.zeros(N // state._servers(), device=buffer.device, dtype=state.error_dtype))
-        state.early_errors[index], state.early_layouts[index] = found, names
-    state.bytes_compressed += compressed_bytes(N, state._servers(), state.block)
-    with counting(state._timing):
-        compressed = compressed_allreduce(piece, found[0], found[1], state.compress_group, async_op=True,
-                                          block=state.block)
-    full = torch.cat([buffer[offsets[i]:offsets[i + 1]] for i in rest]).div_(W)
-    state.bytes_full += ring_allreduce_bytes(full.numel(), W, full.element_size())
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    work = dist.all_reduce(full, group=group, async_op=True).get_future()
+    W = state.world_size
+    _, c = _optimizer_terms(state, bucket, read_adam=False)  # momentum terms (Adam's part: full precision)
+    views = dict(zip(layout, grads, strict=True))
+    terms = {} if c is None else dict(zip(layout, c.split([g.numel() for g in grads]), strict=True))
+    mine = {layout[i] for i in early}
+    units = state._cover(layout) or [(index, layout)]
+    pieces, futures, rest = [], [], []
+    for key, names in units:
+        ours = tuple(n for n in names if n in mine)
+        rest += [n for n in names if n not in mine]
+        if not ours:
+            continue
+        piece = torch.cat([views[n].reshape(-1) for n in ours])
+        add = None if c is None else torch.cat([terms[n].reshape(-1) for n in ours])
+        if add is not None:
+            piece.add_(add)
+        if len(ours) == len(names):  # a remembered bucket of theirs alone: its own errors
+            we, se = state._buffers(key, piece, names, tuple(views[n].numel() for n in names))
+        else:
+            N = error_buffer_numel(piece.numel(), state.compress_group, state.block)
+            found = state.early_errors.get(key)
+            if found is None or state.early_layouts.get(key) != ours or found[0].numel() != N:
+                found = (torch.zeros(N, device=buffer.device, dtype=state.error_dtype),
+                         torch.zeros(N // state._servers(), device=buffer.device, dtype=state.error_dtype))
+                state.early_errors[key], state.early_layouts[key] = found, ours
+            we, se = found
+        state.bytes_compressed += compressed_bytes(we.numel(), state._servers(), state.block)
+        with counting(state._timing):
+            futures.append(compressed_allreduce(piece, we, se, state.compress_group, async_op=True,
+                                                block=state.block))
+        pieces.append((ours, piece, add))
+    if rest:
+        full = torch.cat([views[n].reshape(-1) for n in rest]).div_(W)
+        state.bytes_full += ring_allreduce_bytes(full.numel(), W, full.element_size())
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        futures.append(dist.all_reduce(full, group=group, async_op=True).get_future())
+        pieces.append((tuple(rest), full, None))
 
     def scatter(done) -> torch.Tensor:
         for fut in done.value():
             fut.wait()  # raises what the collective raised
-        if terms is not None:
-            piece.sub_(terms)
-        for parts, flat in ((early, piece), (rest, full)):
+        for names, flat, add in pieces:
+            if add is not None:
+                flat.sub_(add)
             o = 0
-            for i in parts:
-                n = offsets[i + 1] - offsets[i]
-                buffer[offsets[i]:offsets[i + 1]].copy_(flat[o:o + n])
-                o += n
+            for n in names:
+                view = views[n]
+                view.copy_(flat[o:o + view.numel()].view_as(view))
+                o += view.numel()
         return buffer
 
-    return torch.futures.collect_all([compressed, work]).then(scatter)
+    return torch.futures.collect_all(futures).then(scatter)
 
 
 def onebit_compress_hook(state: OnebitCompressHookState,
@@ -565,6 +598,8 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     layout = state._layout(bucket)
     it = state.iter
     compressing = it >= state._first_compressed()
+    if not compressing and not state._naming:  # after this process's first iteration: DDP's rebuilt buckets
+        state.plan[bucket.index()] = layout
     if bucket.is_last():
         state.iter += 1
         state._naming = False
@@ -630,7 +665,8 @@ def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer:
         parts = state._cover(layout)
         if parts is not None:
             return _allreduce_parts(state, bucket, layout, parts)
-    worker_error, server_error = state._buffers(index, buffer, layout)
+    worker_error, server_error = state._buffers(index, buffer, layout,
+                                                tuple(g.numel() for g in bucket.gradients()))
     state.bytes_compressed += compressed_bytes(worker_error.numel(), state._servers(), state.block)
     with counting(state._timing):
         if passes is not None:

@@ -269,10 +269,10 @@ def _body_early(steps: int, freeze: int, bucket_mb: float):
     ddp.register_comm_hook(state, hook)
     seeded, real_seed = [], state._seed_from_early
 
-    def seed(index, layout, worker_error):  # the early worker error, and the bucket's error it starts
+    def seed(index, layout, worker_error, sizes):  # the early worker error, and the bucket's it starts
         early = state.early_errors.get(index)
         before = None if early is None else (early[0].clone(), state.early_layouts[index])
-        real_seed(index, layout, worker_error)
+        real_seed(index, layout, worker_error, sizes)
         if before is not None:
             by_name = {state._names[id(p)]: p.numel() for p in model.parameters()}
             seeded.append((before, layout, [by_name[n] for n in layout], worker_error.clone()))

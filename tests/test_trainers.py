@@ -94,16 +94,18 @@ def test_hf_trainer_adamw_gets_the_compression_hook(tmp_path):
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
 
 
-def test_hf_trainer_muon_with_adamw_as_one_optimizer_gets_the_hook_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("half", [6, 3])
+def test_hf_trainer_muon_with_adamw_as_one_optimizer_gets_the_hook_and_resumes_exactly(tmp_path, half):
     # onebit.optimizers.Combined([muon, adamw]) through the Trainer's optimizers=: the hook compresses
     # Muon's gradient from iteration 2 and AdamW's half by freeze_step (a quarter of the run: 3); the
     # Trainer's optimizer.pt (the members' states, the schedule's rates) and onebit's per-rank files
-    # resume it bitwise
+    # resume it bitwise, from after the freeze (6) or from its eve (3: Muon's early errors saved with a
+    # bucket that also holds AdamW's parameters seed that bucket's error at the freeze)
     code = page_script("hf-trainer.md")
-    common = ("--optimizer", "muon", "--steps", "12", "--save-steps", "6")
+    common = ("--optimizer", "muon", "--steps", "12", "--save-steps", str(half))
     whole, _ = run_script(tmp_path, code, *common, "--output-dir", "whole")
     assert whole["same"] and whole["sent"] > 0 and whole["loss"] < 4.5, whole  # ln 256 = 5.55 untrained
-    shutil.copytree(tmp_path / "whole/checkpoint-6", tmp_path / "resumed" / "checkpoint-6")
+    shutil.copytree(tmp_path / f"whole/checkpoint-{half}", tmp_path / "resumed" / f"checkpoint-{half}")
     resumed, err = run_script(tmp_path, code, *common, "--output-dir", "resumed", "--resume")
     assert resumed["weights"] == whole["weights"], (resumed, whole)
     assert FOREIGN not in err and "no directory among" not in err, err[-3000:]
