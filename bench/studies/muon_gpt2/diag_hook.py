@@ -1,0 +1,156 @@
+"""What Muon's own 1-bit gradient costs on docs/hf-trainer.md's GPT-2 (issue 59; bench/RESULTS.md "The DDP
+hook with Muon", session 32): the page's script run with a diagnostic DDP comm hook in place of onebit's.
+The hook (torch ops, float32 errors) compresses the gradients of Muon's matrices with worker and server
+error feedback, sign times the mean magnitude of each block, and averages everything else exactly;
+variants by ``--diag`` (comma-separated):
+
+  server        the server's second compression (without it: the workers' messages averaged exactly)
+  block=B       elements per scale (64: 1.5 bits per element; 16: 2.5)
+  decay=G       both errors multiplied by G before each use
+  scale         each matrix's gradient divided by a running RMS of its shared averages (beta=0.99)
+  pred=L        the gradient minus L times the shared momentum compressed (the momentum added back)
+
+  torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag server
+  torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag ""   # plain DDP
+
+Prints ``eval_loss L``. The page's script is read from docs/hf-trainer.md and run with its
+``attach(trainer)`` line replaced by this hook (``--diag ""``: plain DDP, ``--optimizer muon-plain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+MOMENTUM = 0.95  # torch.optim.Muon's default, as the page's script makes it
+
+
+def block_sign(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block's sign times its mean magnitude (the padded rest counts as zeros)."""
+    n = x.numel()
+    y = torch.cat([x, x.new_zeros((-n) % block)]).view(-1, block)
+    s = y.abs().mean(1, keepdim=True)
+    return torch.where(y >= 0, s, -s).reshape(-1)[:n]
+
+
+class DiagHook:
+    """A DDP comm hook: Muon's matrices (``ids``) 1-bit from ``start``, everything else exact."""
+
+    def __init__(self, ids: set[int], opts: dict[str, str], start: int = 2) -> None:
+        self.ids, self.opts, self.start, self.it = ids, opts, start, 0
+        self.block = int(opts.get("block", 64))
+        self.decay = float(opts["decay"]) if "decay" in opts else None
+        self.pred = float(opts["pred"]) if "pred" in opts else None
+        self.ew: dict[int, torch.Tensor] = {}
+        self.es: dict[int, torch.Tensor] = {}
+        self.rms: dict[int, torch.Tensor] = {}
+        self.m: dict[int, torch.Tensor] = {}
+
+    def _exact(self, grads: list[torch.Tensor], W: int) -> None:
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(W)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+
+    def _error(self, table: dict, k: int, like: torch.Tensor) -> torch.Tensor:
+        e = table.setdefault(k, torch.zeros_like(like))
+        if self.decay is not None:
+            e.mul_(self.decay)
+        return e
+
+    def __call__(self, _, bucket):
+        W, it = dist.get_world_size(), self.it
+        if bucket.is_last():
+            self.it += 1
+        params, grads = bucket.parameters(), bucket.gradients()
+        ours = [i for i, p in enumerate(params) if id(p) in self.ids and it >= self.start]
+        self._exact([g for i, g in enumerate(grads) if i not in ours], W)
+        sent, scales = [], []
+        for i in ours:
+            k, x = id(params[i]), grads[i].reshape(-1).float()
+            if self.pred is not None:
+                x = x - self.pred * self.m.get(k, torch.zeros_like(x))
+            d = self.rms.get(k) if "scale" in self.opts else None
+            if d is not None:
+                x = x / d
+            e = self._error(self.ew, k, x)
+            z = x + e
+            c = block_sign(z, self.block)
+            e.copy_(z - c)
+            sent.append(c)
+            scales.append(d)
+        if sent:
+            flat = torch.cat(sent)
+            dist.all_reduce(flat)
+            flat.div_(W)
+            for i, y, d in zip(ours, flat.split([grads[i].numel() for i in ours]), scales, strict=True):
+                k = id(params[i])
+                if "server" in self.opts:
+                    es = self._error(self.es, k, y)
+                    z = y + es
+                    y = block_sign(z, self.block)
+                    es.copy_(z - y)
+                if d is not None:
+                    y = y * d
+                if self.pred is not None:
+                    y = y + self.pred * self.m.get(k, torch.zeros_like(y))
+                grads[i].copy_(y.view_as(grads[i]))
+        for i, p in enumerate(params):  # shared quantities, from the averages every rank holds
+            if id(p) in self.ids:
+                y = grads[i].reshape(-1).float()
+                old = self.m.get(id(p))
+                self.m[id(p)] = ((1 - MOMENTUM) * y if old is None
+                                 else old.mul_(MOMENTUM).add_(y, alpha=1 - MOMENTUM))
+                ms = y.pow(2).mean()
+                r = self.rms.get(id(p))
+                self.rms[id(p)] = (ms if r is None else 0.99 * r.pow(2) + 0.01 * ms).sqrt().clamp_min(1e-12)
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+
+def _call(state: DiagHook, bucket):
+    return state(None, bucket)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--diag", default="server")
+    p.add_argument("--optimizer", default="muon", choices=["muon", "muon-plain"])
+    known, rest = p.parse_known_args()
+    text = (ROOT / "docs" / "hf-trainer.md").read_text()
+    script = re.findall(r"```python\n(.*?)```", text, flags=re.S)[-1]
+    line = "    callback = attach(trainer)  # the one onebit line\n"
+    if line not in script:
+        raise SystemExit("docs/hf-trainer.md's script changed: its attach line is not where this expects it")
+    optimizer = "muon-plain" if not known.diag else known.optimizer
+    script = script.replace(line, "    trainer.add_callback(_DIAG)\n")
+    script = script.replace('if args.optimizer == "onebit-adam":\n    sent =', 'if False:\n    sent =')
+    script = script.replace("callback.session.hook_state.stats()[\"bytes_compressed\"] if", "0 if")
+    opts = dict(kv.split("=") if "=" in kv else (kv, "1") for kv in known.diag.split(",") if kv)
+    from transformers import TrainerCallback
+
+    class Register(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer = scope["trainer"]
+            ids = {id(q) for q in scope["hidden"]}
+            trainer.model_wrapped.register_comm_hook(DiagHook(ids, opts), _call)
+
+    scope = {"__name__": "__main__", "_DIAG": Register()}
+    sys.argv = [sys.argv[0], "--optimizer", optimizer, *rest]
+    if not opts:  # plain DDP: the page's own muon-plain run
+        scope["_DIAG"] = TrainerCallback()
+    exec(compile(script, "hf-trainer.md", "exec"), scope)  # noqa: S102 - the docs page's own script
+
+
+if __name__ == "__main__":
+    main()
