@@ -413,6 +413,13 @@ class OnebitCompressHookState:
             q += n
 
 
+def _rebuilt(index: int, layout: tuple) -> bool:
+    """Whether a bucket is not DDP's first layout as the state named it (``(index, position)`` each):
+    the buckets DDP rebuilt after its first iteration, what the plan keeps. A fresh DDP (a resumed run,
+    a copied state's new model) runs its first iteration on the first layout again."""
+    return any(name != (index, k) for k, name in enumerate(layout))
+
+
 def _cover_in(table: dict, layout: tuple) -> list[int] | None:
     """Keys of ``table`` (bucket index -> names) whose names together are exactly ``layout``'s."""
     wanted = set(layout)
@@ -598,7 +605,7 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     layout = state._layout(bucket)
     it = state.iter
     compressing = it >= state._first_compressed()
-    if not compressing and not state._naming:  # after this process's first iteration: DDP's rebuilt buckets
+    if not compressing and _rebuilt(bucket.index(), layout):
         state.plan[bucket.index()] = layout
     if bucket.is_last():
         state.iter += 1
