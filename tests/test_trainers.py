@@ -111,6 +111,19 @@ def test_hf_trainer_muon_with_adamw_as_one_optimizer_gets_the_hook_and_resumes_e
     assert FOREIGN not in err and "no directory among" not in err, err[-3000:]
 
 
+def test_hf_trainer_adamw_behind_the_hook_resumes_exactly_on_the_freezes_eve(tmp_path):
+    # AdamW behind the hook, freeze_step a quarter of 12 (3), resumed from checkpoint-3: the first
+    # compressed iteration runs on the fresh DDP's first bucket layout, which the hook sends as the
+    # buckets of the run before the checkpoint (the state's plan): bitwise the uninterrupted run
+    code = page_script("hf-trainer.md")
+    common = ("--optimizer", "adamw", "--steps", "12", "--save-steps", "3")
+    whole, _ = run_script(tmp_path, code, *common, "--output-dir", "whole")
+    assert whole["same"] and whole["sent"] > 0, whole
+    shutil.copytree(tmp_path / "whole/checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
+    resumed, err = run_script(tmp_path, code, *common, "--output-dir", "resumed", "--resume")
+    assert resumed["weights"] == whole["weights"], (resumed, whole)
+
+
 ACCUMULATE = """
 import torch, torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
