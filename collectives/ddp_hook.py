@@ -420,6 +420,15 @@ def _rebuilt(index: int, layout: tuple) -> bool:
     return any(name != (index, k) for k, name in enumerate(layout))
 
 
+def _scatter(views: dict, names, flat: torch.Tensor) -> None:
+    """Copy ``flat`` back into the gradients ``views[name]``, one after another in ``names``' order."""
+    offset = 0
+    for name in names:
+        view = views[name]
+        view.copy_(flat[offset:offset + view.numel()].view_as(view))
+        offset += view.numel()
+
+
 def _cover_in(table: dict, layout: tuple) -> list[int] | None:
     """Keys of ``table`` (bucket index -> names) whose names together are exactly ``layout``'s."""
     wanted = set(layout)
@@ -513,11 +522,7 @@ def _allreduce_parts(state: OnebitCompressHookState, bucket: dist.GradBucket, la
     def scatter(done) -> torch.Tensor:
         for (_, names), piece, fut in zip(parts, pieces, done.value(), strict=True):
             fut.wait()  # raises what the collective raised
-            offset = 0
-            for name in names:
-                view = views[name]
-                view.copy_(piece[offset:offset + view.numel()].view_as(view))
-                offset += view.numel()
+            _scatter(views, names, piece)
         return buffer
 
     return torch.futures.collect_all(futures).then(scatter)
@@ -531,18 +536,18 @@ def _early_allreduce(state: OnebitCompressHookState, bucket: dist.GradBucket, la
     which seed the whole bucket's worker error at the freeze (``_seed_from_early``). A fresh DDP's
     first bucket after a resume is sent as the buckets it covers (``_cover``), as before the resume."""
     buffer, grads, index = bucket.buffer(), bucket.gradients(), bucket.index()
-    if len(early) == len(grads) and state._cover(layout) is None:
-        _, c = _optimizer_terms(state, bucket, read_adam=False)
+    _, c = _optimizer_terms(state, bucket, read_adam=False)  # momentum terms (Adam's part: full precision)
+    units = state._cover(layout)
+    if len(early) == len(grads) and units is None:
         if c is not None:
             buffer.add_(c)
         fut = _compressed(state, bucket, buffer, layout, index)
         return fut if c is None else fut.then(lambda done: done.value().sub_(c))
     W = state.world_size
-    _, c = _optimizer_terms(state, bucket, read_adam=False)  # momentum terms (Adam's part: full precision)
     views = dict(zip(layout, grads, strict=True))
     terms = {} if c is None else dict(zip(layout, c.split([g.numel() for g in grads]), strict=True))
     mine = {layout[i] for i in early}
-    units = state._cover(layout) or [(index, layout)]
+    units = units or [(index, layout)]
     pieces, futures, rest = [], [], []
     for key, names in units:
         ours = tuple(n for n in names if n in mine)
@@ -581,11 +586,7 @@ def _early_allreduce(state: OnebitCompressHookState, bucket: dist.GradBucket, la
         for names, flat, add in pieces:
             if add is not None:
                 flat.sub_(add)
-            o = 0
-            for n in names:
-                view = views[n]
-                view.copy_(flat[o:o + view.numel()].view_as(view))
-                o += view.numel()
+            _scatter(views, names, flat)
         return buffer
 
     return torch.futures.collect_all(futures).then(scatter)
