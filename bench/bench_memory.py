@@ -65,6 +65,9 @@ def _count(name: str, args) -> dict:
     model, others = _model(args.blocks).to(device), []
     freeze, cap = args.freeze, args.bucket_mb
     kw = {} if args.error_dtype == "default" else {"error_dtype": getattr(torch, args.error_dtype)}
+    own = dict(kw)  # the 1-bit optimizers' (the hook has no frozen variance of its own: AdamW's)
+    if args.variance_dtype != "default":
+        own["variance_dtype"] = getattr(torch, args.variance_dtype)
     if name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif name == "adamw_ddp_hook":
@@ -74,11 +77,11 @@ def _count(name: str, args) -> dict:
         model.register_comm_hook(state, onebit_compress_hook)
         others.append(state)
     elif name == "onebit_adam":
-        opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=freeze, bucket_cap_mb=cap, **kw)
+        opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=freeze, bucket_cap_mb=cap, **own)
     elif name == "onebit_lamb":
-        opt = OnebitLamb(model.parameters(), lr=1e-3, freeze_step=freeze, **kw)  # one bucket
+        opt = OnebitLamb(model.parameters(), lr=1e-3, freeze_step=freeze, **own)  # one bucket
     else:
-        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=freeze, bucket_cap_mb=cap, **kw)
+        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=freeze, bucket_cap_mb=cap, **own)
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def step():
@@ -116,6 +119,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=0.5)
     p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
                    help="the error buffers' dtype ('default': the library's)")
+    p.add_argument("--variance-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="the 1-bit optimizers' frozen variance ('default': the library's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--blocks", type=int, default=1, help="the hidden layers' widths times this")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "memory.csv"))
@@ -125,12 +130,13 @@ def main() -> None:
     res = ranks_json(__file__, args.ranks, ["--freeze", str(args.freeze), "--steps", str(args.steps),
                                             "--bucket-mb", str(args.bucket_mb),
                                             "--error-dtype", args.error_dtype, "--device", args.device,
+                                            "--variance-dtype", args.variance_dtype,
                                             "--blocks", str(args.blocks)])
     sizes = _sizes(args.blocks)
     n = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
     print(f"# {args.ranks} gloo ranks on {args.device}, {n / 1e6:.2f}M parameters in 8 tensors, "
           f"{args.steps} steps (freeze at {args.freeze}), buckets of {args.bucket_mb} MB, error buffers "
-          f"{args.error_dtype}; bytes of state per parameter, rank 0")
+          f"{args.error_dtype}, frozen variance {args.variance_dtype}; bytes of state per parameter, rank 0")
     cuda = args.device == "cuda"
     head = ["", "bytes per parameter"]
     head += ["allocated before a step, MB", "the step's peak, MB"] if cuda else []

@@ -75,6 +75,8 @@ def make_params(blocks: int, d: int, device) -> list[torch.nn.Parameter]:
 def build(name: str, args, device):
     params = make_params(args.blocks, args.d_model, device)
     kw = {} if args.error_dtype == "default" else {"error_dtype": getattr(torch, args.error_dtype)}
+    if args.variance_dtype != "default":
+        kw["variance_dtype"] = getattr(torch, args.variance_dtype)
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     if name == "zero_one_adam":  # phase 1: variance steps at t = 1, 2, 4, 8, ..., compressed steps between
@@ -103,6 +105,8 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam's bucket size")
     p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
                    help="the 1-bit optimizers' error buffers ('default': the library's)")
+    p.add_argument("--variance-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="OnebitAdam's frozen variance's dtype")
     p.add_argument("--unfused", action="store_true",
                    help="OnebitAdam without its fused passes (use_backend('plain', steps=the fused steps): "
                         "Triton's on a GPU, the C ones on a CPU)")
@@ -155,7 +159,7 @@ def main() -> None:
     tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""
     rows = [{**meta, "parameters": n, "world": args.world, "bucket_mb": args.bucket_cap_mb,
-             "error_dtype": args.error_dtype,
+             "error_dtype": args.error_dtype, "variance_dtype": args.variance_dtype,
              "optimizer": name + (tag if name != "adamw_fused" else ""),
              "ms_median": f"{ms:.3f}",
              "ratio_to_adamw": f"{ms / results['adamw_fused']:.3f}"} for name, ms in results.items()]

@@ -100,12 +100,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--stall-band", type=float, default=0.01,
                    help="stalled share allowed above the baseline's")
     for flag in ("--auto-mask", "--compression", "--variance-floor", "--update-clip", "--block",
-                 "--error-dtype"):
+                 "--error-dtype", "--variance-dtype"):
         p.add_argument(flag, default="default", help="passed to the 1-bit runs ('default': the library's); "
                        "with another --out, copy the baselines' logs there and --reuse them")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    names = ("auto_mask", "compression", "variance_floor", "update_clip", "block", "error_dtype")
+    names = ("auto_mask", "compression", "variance_floor", "update_clip", "block", "error_dtype",
+             "variance_dtype")
     modes = {k: getattr(args, k) for k in names}
     meta = provenance(None, ranks=args.ranks, **modes)
     table = []

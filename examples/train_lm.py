@@ -98,6 +98,8 @@ def optimizer_options(args) -> dict:
         kw["compression"] = args.compression
     if args.error_dtype != "default":
         kw["error_dtype"] = getattr(torch, args.error_dtype)
+    if args.variance_dtype != "default":
+        kw["variance_dtype"] = getattr(torch, args.variance_dtype)
     return kw
 
 
@@ -111,6 +113,8 @@ def add_optimizer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", default="default", help="elements per scale, 'none', or 'default'")
     p.add_argument("--error-dtype", default="default", choices=["default", "float32", "bfloat16"],
                    help="the error buffers' dtype")
+    p.add_argument("--variance-dtype", default="default", choices=["default", "float32", "bfloat16"],
+                   help="the frozen variance's dtype")
 
 
 def make_optimizer(name: str, params, args):

@@ -37,11 +37,15 @@ def usable() -> bool:
     return backends.select("cpu", "tensor").name == "native"
 
 
-def _applies(*tensors: torch.Tensor) -> bool:
+def _applies(*tensors: torch.Tensor, var: torch.Tensor | None = None) -> bool:
+    """Contiguous CPU tensors of one size, float32 (``var``, a variance: float32 or bfloat16), at least
+    ``MIN_NUMEL`` elements, where the C runs."""
     first = tensors[0]
     return (first.numel() >= MIN_NUMEL
             and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                     and t.numel() == first.numel() for t in tensors)
+            and (var is None or (var.device.type == "cpu" and var.dtype in (torch.float32, torch.bfloat16)
+                                 and var.is_contiguous() and var.numel() == first.numel()))
             and usable())
 
 
@@ -51,15 +55,23 @@ def _run(name: str, tensors, *scalars: float) -> None:
                                       cpu_simd._threads(n))
 
 
+def _run_var(name: str, tensors, var: torch.Tensor, *scalars: float) -> None:
+    """``_run`` of a pass that reads a variance ``var`` after ``tensors`` (float32 or bfloat16: its last
+    argument says which)."""
+    n, narrow = var.numel(), int(var.dtype == torch.bfloat16)
+    getattr(cpu_simd.library(), name)(*(t.data_ptr() for t in tensors), var.data_ptr(), *scalars, n,
+                                      cpu_simd._isa(None), cpu_simd._threads(n), narrow)
+
+
 @torch.no_grad()
 def fold_preconditioned_(u: torch.Tensor, grad: torch.Tensor | None, var: torch.Tensor,
                          denominator: tuple[float, float, float], beta1: float) -> bool:
     """``u = b1*u + (1-b1) * g / d`` in one pass, ``d = max(sqrt(var), floor) * r + eps`` computed as
     it reads ``var`` (``denominator``: ``(floor, r, eps)``, docs/ALGORITHMS.md 6.2); False (nothing
     done) where it does not apply, ``grad=None`` included."""
-    if grad is None or not _applies(u, grad, var):
+    if grad is None or not _applies(u, grad, var=var):
         return False
-    _run("onebit_fold", (u, grad, var), *denominator, beta1, 1.0 - beta1)
+    _run_var("onebit_fold", (u, grad), var, *denominator, beta1, 1.0 - beta1)
     return True
 
 
@@ -67,12 +79,13 @@ def fold_preconditioned_(u: torch.Tensor, grad: torch.Tensor | None, var: torch.
 def stale_denominator(v: torch.Tensor, denominator: tuple[float, float, float]) -> torch.Tensor | None:
     """``max(sqrt(v), floor) * r + eps`` (``denominator``: ``(floor, r, eps)``) as a new tensor in one
     pass, each operation correctly rounded (the fused passes' arithmetic); None where the C library
-    does not run here or ``v`` is not a contiguous float32 CPU tensor."""
-    if not (v.device.type == "cpu" and v.dtype == torch.float32 and v.is_contiguous() and usable()):
+    does not run here or ``v`` is not a contiguous float32 (or bfloat16) CPU tensor."""
+    if not (v.device.type == "cpu" and v.dtype in (torch.float32, torch.bfloat16) and v.is_contiguous()
+            and usable()):
         return None
-    out = torch.empty_like(v)
+    out = torch.empty_like(v, dtype=torch.float32)
     if v.numel():
-        _run("onebit_stale_denominator", (out, v), *denominator)
+        _run_var("onebit_stale_denominator", (out,), v, *denominator)
     return out
 
 
@@ -95,11 +108,11 @@ def stale_step_(p: torch.Tensor, m: torch.Tensor, var: torch.Tensor, denominator
     """ZeroOneAdam's step on a stale variance, ``p -= lr * (clip(m / d) + wd * p)`` (``d`` from
     ``var`` and ``denominator`` as :func:`fold_preconditioned_`'s), in one pass; False (nothing done)
     where it does not apply."""
-    if not _applies(p, m, var):
+    if not _applies(p, m, var=var):
         return False
     bound = math.inf if clip is None else clip
     wd = weight_decay if weight_decay > 0 else 0.0
-    _run("onebit_stale_step", (p, m, var), *denominator, -bound, bound, wd, -lr)
+    _run_var("onebit_stale_step", (p, m), var, *denominator, -bound, bound, wd, -lr)
     return True
 
 
@@ -111,10 +124,10 @@ def local_step_(p: torch.Tensor, m: torch.Tensor, grad: torch.Tensor | None, var
     ``p -= lr * (clip(m / d) + wd * p)`` (``d`` from ``var`` and ``denominator`` as
     :func:`fold_preconditioned_`'s), in one pass; False (nothing done) where it does not apply,
     ``grad=None`` included."""
-    if grad is None or not _applies(p, m, grad, var):
+    if grad is None or not _applies(p, m, grad, var=var):
         return False
     bound = math.inf if clip is None else clip
-    _run("onebit_local_step", (p, m, grad, var), *denominator, beta1, 1.0 - beta1, -bound, bound,
+    _run_var("onebit_local_step", (p, m, grad), var, *denominator, beta1, 1.0 - beta1, -bound, bound,
          weight_decay if weight_decay > 0 else 0.0, -lr)
     return True
 
@@ -125,9 +138,9 @@ def zoa_momentum_(m: torch.Tensor, u: torch.Tensor, var: torch.Tensor,
     """ZeroOneAdam's momentum from its synchronisation's decoded mean ``u``, ``m = (u * d) / nl`` (``d``
     from ``var`` as :func:`fold_preconditioned_`'s), in one pass (plain: the denominator, ``mul``,
     ``div_``); False (nothing done) where it does not apply."""
-    if not _applies(m, u, var):
+    if not _applies(m, u, var=var):
         return False
-    _run("onebit_zoa_momentum", (m, u, var), *denominator, nl)
+    _run_var("onebit_zoa_momentum", (m, u), var, *denominator, nl)
     return True
 
 

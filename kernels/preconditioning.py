@@ -23,7 +23,7 @@ def sqrt_v_floors(variances: list[torch.Tensor], ratio: float) -> list[torch.Ten
     host synchronisation."""
     means = []
     for v in variances:
-        s = v.sqrt()
+        s = v.float().sqrt()  # (a variance stored in bfloat16: widened, exactly)
         count = torch.count_nonzero(s).clamp_(min=1)
         means.append((s.sum(dtype=torch.float64) / count).to(torch.float32))
     if not means:
@@ -39,9 +39,9 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     give): torch's CPU float32 ``sqrt`` is not (torch 2.13, AVX-512: one value in five is 1 ulp off),
     so on a CPU it is taken in float64 and rounded once to float32 (exact: a float64 square root of a
     float32 rounds to the float32 one, double rounding is innocuous for sqrt). A new tensor."""
-    if v.device.type == "cpu" and v.dtype == torch.float32:
+    if v.device.type == "cpu" and v.dtype in (torch.float32, torch.bfloat16):
         return torch.sqrt(v.to(torch.float64)).to(torch.float32)
-    return v.sqrt()
+    return v.float().sqrt()  # (a bfloat16 variance widened first, exactly)
 
 
 @functools.lru_cache(maxsize=256)  # a few values per run, asked per tensor and step
@@ -70,6 +70,7 @@ def stale_denominator(
     ``eps_inside_sqrt``. A new tensor. Without a floor and bias correction it is bitwise
     ``v.sqrt() + eps``, the reference's."""
     if eps_inside_sqrt:
+        v = v.float()  # a variance stored in bfloat16 (``variance_dtype``): widened, exactly
         w = v.clamp(min=floor * floor) if floor is not None else v.clone()
         if bc2 != 1.0:
             w.div_(bc2)

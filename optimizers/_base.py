@@ -42,7 +42,7 @@ from ._overlap import BackwardOverlap
 from ._sharded import Sharding, local_params
 from ._state_io import StateIO
 from ._stats import _LIVE, Telemetry
-from ._variance import VarianceState
+from ._variance import VarianceState, check_variance_dtype
 from .ddp import adopt_ddp_model
 
 
@@ -122,6 +122,14 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
     convergence suite within its seed spread of the float32 errors, bench/RESULTS.md);
     ``torch.float32`` keeps them exact. A checkpoint of either loads into either (float32 errors
     are rounded once to nearest when loaded into bfloat16 buffers).
+
+    ``variance_dtype``: how ``exp_avg_sq`` is stored once it is frozen for good (after the freeze;
+    ZeroOneAdam: from phase 2), float32 before. ``torch.bfloat16`` (the default with
+    ``compression="preconditioned"``) rounds it once to nearest there: half the bytes, and the
+    stale denominator within ``2^-9`` of float32's (docs/ALGORITHMS.md 6.2); ``torch.float32``
+    keeps it (the default with ``compression="momentum"``: the reference's maths, bitwise).
+    ``state_dict()`` holds it as float32 either way; a loaded one is rounded again (exact for one
+    saved so).
     """
 
     FLAT_STATE: tuple[str, ...] = ()
@@ -140,7 +148,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         nonfinite: str | None = "skip", auto_mask: float | None = None,
         compression: str = "preconditioned", variance_floor: float | None = VARIANCE_FLOOR,
         update_clip: float | str | None = MODE_DEFAULT, block: int | None = None,
-        error_dtype: torch.dtype = torch.bfloat16,
+        error_dtype: torch.dtype = torch.bfloat16, variance_dtype: torch.dtype | None = None,
     ) -> None:
         # a 2-D DeviceMesh: hierarchical compressed all-reduces; everything else (full-precision
         # averaging, agreement checks) on the group of all its ranks
@@ -158,6 +166,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         if isinstance(update_clip, str) and update_clip == MODE_DEFAULT:
             update_clip = self.UPDATE_CLIP if compression == "preconditioned" else None
         self.update_clip = check_number("update_clip", update_clip, low_open=True, optional=True)
+        self.variance_dtype = check_variance_dtype(variance_dtype, self.compression)
         self._floors: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self._floor_values: list[float] | None = None  # the floors on the host (the fused tables')
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
@@ -591,12 +600,17 @@ class WarmupThenCompress(OnebitOptimizerBase):
     def _stale_variance(self) -> bool:
         return self.compressing
 
+    def _frozen_for_good(self) -> bool:
+        return self.compressing
+
     def _enter_compression(self) -> None:
         """Called once, right after the last warm-up update. Preconditioned: the momentum
         buffers change domain, ``m -> m / denom`` (denom frozen from here on), so that the
         compressed quantity and its error feedback live in update space (ALGORITHMS.md 6).
-        The warm-up's averaging buffer is freed (no full-precision step follows)."""
+        The warm-up's averaging buffer is freed (no full-precision step follows); the variance is
+        stored in ``variance_dtype`` from here on (rounded once, before anything reads it)."""
         self.reducer().release_scratch()
+        self._narrow_variance()
         self._variance_changed()
         if not self.preconditioned:
             return

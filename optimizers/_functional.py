@@ -47,7 +47,7 @@ def tiny_variance_mask(v: torch.Tensor, ratio: float, samples: int) -> torch.Ten
     """
     if samples < MIN_SAMPLES:
         ratio = 0.0
-    s = v.sqrt()
+    s = v.float().sqrt()  # (a bfloat16 variance widened, exactly)
     count = torch.count_nonzero(s).clamp_(min=1)
     typical = s.sum(dtype=torch.float64) / count
     masked = s <= (ratio * typical).to(s.dtype)

@@ -72,12 +72,17 @@ def _tensors_ok(opt, pairs, extra=()) -> bool:
     def ok(t, p) -> bool:
         return t is not None and plain(t) and t.device == device and t.numel() == p.numel()
 
+    def variance_ok(v, p) -> bool:  # float32, or bfloat16 where frozen for good (``variance_dtype``)
+        return (v is not None and type(v) is torch.Tensor and v.dtype in (torch.float32, torch.bfloat16)
+                and v.is_contiguous() and v.device == device and v.numel() == p.numel())
+
     for p, _ in pairs:
         if not (plain(p) and p.device == device):
             return False
         if p.grad is not None and (not ok(p.grad, p) or p.grad.shape != p.shape):
             return False
-        if not all(ok(opt.state[p].get(name), p) for name in (opt.VARIANCE_STATE, *extra)):
+        state = opt.state[p]
+        if not variance_ok(state.get(opt.VARIANCE_STATE), p) or not all(ok(state.get(n), p) for n in extra):
             return False
     return True
 

@@ -40,6 +40,7 @@ class StateIO:
         self._add_kept_momenta(state_dict, reducer, params)
         if self._cohorts:  # groups added after the first update (optimizers/_cohorts.py)
             state_dict["onebit"]["cohorts"] = self._cohort_entries(state_dict, params)
+        self._widen_variance(state_dict)
         sharding = self._sharding
         if sharding is not None:  # DTensor parameters: their state as DTensors (what DCP saves per slice)
             for key, entry in list(state_dict["state"].items()):
@@ -49,6 +50,16 @@ class StateIO:
                         local = entry[name].clone() if name in self.FLAT_STATE else entry[name]
                         entry[name] = sharding.wrap(local, params[key])
         return state_dict
+
+    def _widen_variance(self, state_dict: dict) -> None:
+        """A variance stored narrower than float32 (``variance_dtype``) as a new float32 tensor in the
+        state dict (exact): a checkpoint holds float32 whatever the setting, as before it existed."""
+        name = self.VARIANCE_STATE
+        for key, entry in list(state_dict["state"].items()):
+            v = entry.get(name)
+            if isinstance(v, torch.Tensor) and v.dtype != torch.float32:
+                entry = state_dict["state"][key] = dict(entry)  # torch's entry is self.state's own dict
+                entry[name] = v.float()
 
     def _extra_entry(self) -> dict:
         """This optimizer's own part of the ``"onebit"`` entry (a cohort's too)."""
@@ -123,8 +134,10 @@ class StateIO:
             p = params[key]
             state = self.state[p]
             for name, value in values.items():
-                if name in state and state[name] is not None:
-                    state[name].copy_(value)  # a view into a bucket, or a dense buffer
+                current = state.get(name)
+                narrowed = current is not None and current.dtype != value.dtype  # a variance stored narrower
+                if current is not None and not narrowed:  # (replaced: float32, narrowed after the counters)
+                    current.copy_(value)  # a view into a bucket, or a dense buffer
                 else:
                     dtype = torch.float64 if name in self.SCALAR_STATE else torch.float32
                     state[name] = value.to(device=p.device, dtype=dtype).clone()
@@ -179,3 +192,4 @@ class StateIO:
                 reducer.traffic = self.traffic
         if self._sharding is not None:  # the loaded counters decide FSDP's next reduction
             self._sharding.reduction.full(self.wants_averaged_gradients())
+        self._narrow_variance()  # the loaded counters say whether the loaded variance is frozen

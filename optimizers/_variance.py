@@ -12,9 +12,23 @@ from typing import Any
 import torch
 
 from ..collectives._group import warn_collective
+from ..kernels._checks import check_instance
 from ..kernels.preconditioning import inverse_sqrt_bc2
 from ._freeze import FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
+
+VARIANCE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_variance_dtype(variance_dtype: object, compression: str) -> torch.dtype:
+    """``variance_dtype`` if it is float32 or bfloat16 (else a clear error naming it); None: bfloat16 with
+    ``compression="preconditioned"``, float32 with ``"momentum"`` (the reference's maths, bitwise)."""
+    if variance_dtype is None:
+        return torch.bfloat16 if compression == "preconditioned" else torch.float32
+    check_instance("variance_dtype", variance_dtype, torch.dtype, "a torch.dtype")
+    if variance_dtype not in VARIANCE_DTYPES:
+        raise ValueError(f"variance_dtype: expected torch.float32 or torch.bfloat16, got {variance_dtype}")
+    return variance_dtype
 
 
 class VarianceState:
@@ -47,6 +61,28 @@ class VarianceState:
                     f"the reference's behaviour", RuntimeWarning, self.control_group,
                 )
         return self._masks
+
+    # -- the frozen variance's storage (docs/ALGORITHMS.md 6.2) ------------------------------
+    def _frozen_for_good(self) -> bool:
+        """Whether the variance of the compressed parameters changes no more (OnebitAdam and
+        OnebitLamb: after the freeze; ZeroOneAdam: in phase 2)."""
+        raise NotImplementedError
+
+    def _narrow_variance(self) -> None:
+        """Store each compressed parameter's variance in ``variance_dtype`` (rounded once to nearest:
+        exact for one already representable, as a checkpoint of a narrowed one is) once it is frozen
+        for good; a no-op before, for float32, and where it is stored so already."""
+        if self.variance_dtype == torch.float32 or not self._frozen_for_good():
+            return
+        changed = False
+        for p, _ in self.compressed_params():
+            state = self.state[p]
+            v = state.get(self.VARIANCE_STATE)
+            if v is not None and v.dtype != self.variance_dtype:
+                state[self.VARIANCE_STATE] = v.to(self.variance_dtype)
+                changed = True
+        if changed:  # the floors and masks are those of the stored variance
+            self._variance_changed()
 
     def _variance_changed(self) -> None:
         self._masks = None
@@ -113,7 +149,7 @@ class VarianceState:
         if self.variance_floor is None or not self._stale_variance():
             return 0
         pairs = self.compressed_params()
-        counts = [(self.state[p][self.VARIANCE_STATE].sqrt() < floor).sum()
+        counts = [(self.state[p][self.VARIANCE_STATE].float().sqrt() < floor).sum()
                   for (p, _), floor in zip(pairs, self.sqrt_v_floors(), strict=True)]
         return int(sum(int(c) for c in counts))
 

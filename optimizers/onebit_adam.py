@@ -71,6 +71,7 @@ class OnebitAdam(WarmupThenCompress):
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
         error_dtype: torch.dtype = torch.bfloat16,
+        variance_dtype: torch.dtype | None = None,
         overlap: bool = False,
     ) -> None:
         self._options = options(locals())  # a cohort of groups added later is built with them
@@ -81,7 +82,7 @@ class OnebitAdam(WarmupThenCompress):
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
                          update_clip=update_clip, block=block,
-                         error_dtype=error_dtype)
+                         error_dtype=error_dtype, variance_dtype=variance_dtype)
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.updates = 0

@@ -109,6 +109,7 @@ class OnebitLamb(WarmupThenCompress):
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
         error_dtype: torch.dtype = torch.bfloat16,
+        variance_dtype: torch.dtype | None = None,
     ) -> None:
         self._options = options(locals())  # a cohort of groups added later is built with them
         defaults = adam_defaults(lr, betas, eps, weight_decay)
@@ -122,7 +123,7 @@ class OnebitLamb(WarmupThenCompress):
         super().__init__(params, defaults, group=group, bucket_cap_mb=math.inf, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
                          update_clip=update_clip, block=block,
-                         error_dtype=error_dtype)
+                         error_dtype=error_dtype, variance_dtype=variance_dtype)
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta

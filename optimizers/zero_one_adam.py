@@ -83,6 +83,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         update_clip: float | str | None = MODE_DEFAULT,
         block: int | None = None,
         error_dtype: torch.dtype = torch.bfloat16,
+        variance_dtype: torch.dtype | None = None,
         overlap: bool = False,
     ) -> None:
         self._options = options(locals())  # a cohort of groups added later is built with them
@@ -90,7 +91,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
         super().__init__(params, defaults, group=group, bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite,
                          auto_mask=auto_mask, compression=compression, variance_floor=variance_floor,
                          update_clip=update_clip, block=block,
-                         error_dtype=error_dtype)
+                         error_dtype=error_dtype, variance_dtype=variance_dtype)
         if any(g.get("non_freeze", False) for g in self.param_groups):
             raise ValueError("params: non_freeze groups are an OnebitAdam option; ZeroOneAdam has none")
         self.schedule = FreezeSchedule("var_freeze_step", var_freeze_step)
@@ -133,6 +134,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     def _stale_variance(self) -> bool:
         return self.var_updates > 0
+
+    def _frozen_for_good(self) -> bool:
+        return self.phase == 2
 
     def _stale_bc2(self, g: dict) -> float:
         """Preconditioned: the variance holds ``var_updates`` updates, so it estimates
@@ -238,6 +242,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 self.state[p].pop("sync_params", None)
 
     def _take_step(self) -> None:
+        if self.updates == self.frozen_at:  # phase 2's first step: the variance is stored in variance_dtype
+            self._narrow_variance()  # from here on (not at phase 1's last step: a skip agreed on the
+            # device may still undo that one, docs/ALGORITHMS.md 12.1)
         self._wake()
         reducer = self.reducer()
         phase = self.phase

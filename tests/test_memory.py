@@ -91,7 +91,9 @@ def test_past_the_freeze_the_stale_denominator_is_computed_not_kept():
     (bucket,) = opt.reducer().buckets
     N, e = bucket.worker_error.numel(), bucket.worker_error.element_size()  # bfloat16 by default: 2
     assert e == 2 and bucket.server_error.element_size() == 2
-    four = 4 * n + 4 * n + e * N + e * N  # exp_avg (the bucket), exp_avg_sq, the two errors
+    # exp_avg (the bucket), exp_avg_sq (bfloat16 past the freeze by default: variance_dtype), the two errors
+    assert all(opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16 for p in net.parameters())
+    four = 4 * n + 2 * n + e * N + e * N
     assert four <= bytes_per_parameter(opt) * n < four + 0.5 * n  # + step counters, masks' None, messages
     d = opt.stale_denominator(0, *opt.compressed_params()[0])
     assert not any(t.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()

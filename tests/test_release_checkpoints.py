@@ -4,10 +4,11 @@ tests/data/release56 holds, per rank of 2, what the code of commit 0f85f8a^ save
 (past the freeze) of OnebitAdam, OnebitLamb, ZeroOneAdam and AdamW behind the DDP hook with
 ``freeze_step``, and the parameters that code reached in the 4 steps after (make.py there made them
 and says how). Here the current code builds the same model and optimizer, loads the rank's file and
-takes the same 4 steps: with ``error_dtype=torch.float32`` (the release's error buffers) it must
-reach the release's parameters (bitwise behind the hook; the 1-bit optimizers to float32 rounding, see
-:data:`ROUNDING`); with the default bfloat16 error buffers it must load the float32 errors, run, stay
-finite, and keep the replicas bitwise identical where the optimizer says so.
+takes the same 4 steps: with ``error_dtype=torch.float32`` (the release's error buffers) and
+``variance_dtype=torch.float32`` (its frozen variance) it must reach the release's parameters
+(bitwise behind the hook; the 1-bit optimizers to float32 rounding, see :data:`ROUNDING`); with the
+defaults (bfloat16 error buffers and frozen variance) it must load the float32 errors and variance,
+run, stay finite, and keep the replicas bitwise identical where the optimizer says so.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def _resume(case: str, error_dtype: torch.dtype | None):
     module = make.make_model()
     model = DDP(module) if case == "adamw_hook" else module
     extra = {} if error_dtype is None else {"error_dtype": error_dtype}
+    if error_dtype == torch.float32 and case in ROUNDING:  # the release's formats: float32 variance too
+        extra["variance_dtype"] = torch.float32
     opt, hook = make.build(case, model, **extra)
     module.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])

@@ -32,7 +32,7 @@ static void fold_range(int isa, float* u, int64_t a, int64_t b, const table_t* t
     for (int64_t r = lo; r < hi; r += DEN_RUN) { /* run by run: the run's d from v */
       int64_t n = hi - r < DEN_RUN ? hi - r : DEN_RUN, o = r - t->start[kk];
       const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
-      den_run(isa, d, (const float*)t->d[kk] + o, sc, n);
+      den_run(isa, d, var_of(t->d[kk], o), var_bf(t->d[kk]), sc, n);
 #ifdef ONEBIT_X86
       if (isa >= 2) { fold_512(u + (r - a), g, d, b1, w, n); continue; }
       if (isa == 1) { fold_256(u + (r - a), g, d, b1, w, n); continue; }
@@ -88,7 +88,8 @@ static inline __m512 select16(const uint8_t* bits, __m512 neg, __m512 pos, int f
    read in registers, the folded u not stored; e16 (not NULL): the error is bfloat16, widened in
    registers (e is then not read). */
 ONEBIT_AVX512
-static double fold_encode_run512(float* u, const float* g, const float* v, const float* e, const uint16_t* e16,
+static double fold_encode_run512(float* u, const float* g, const float* v, const uint16_t* v16, const float* e,
+                                 const uint16_t* e16,
                                  const uint8_t* old, float old_s, uint8_t* bits, const float* sc, int64_t n) {
   const float b1 = sc[0], w = sc[1];
   const __m512 vb = _mm512_set1_ps(b1), vw = _mm512_set1_ps(w), vf = _mm512_set1_ps(sc[SC_FLOOR]),
@@ -97,7 +98,8 @@ static double fold_encode_run512(float* u, const float* g, const float* v, const
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(_mm512_loadu_ps(v + i))), vr), ve);
+    __m512 vv = v16 ? widen16(v16 + i) : _mm512_loadu_ps(v + i);
+    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(vv)), vr), ve);
     __m512 x = _mm512_add_ps(_mm512_mul_ps(old ? decode16(old + i / 8, vold, 1) : _mm512_loadu_ps(u + i), vb),
                              _mm512_div_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(g + i)), d));
     if (!old) _mm512_storeu_ps(u + i, x);
@@ -114,7 +116,8 @@ static double fold_encode_run512(float* u, const float* g, const float* v, const
       _mm512_store_ps(uo, decode16(old + i / 8, vold, 0));
       ut = uo;
     }
-    den_fill_c(d, v + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
+    if (v16) den_fill16_c(d, v16 + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
+    else den_fill_c(d, v + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
     for (int64_t k = 0; k < n - i; k++) ut[k] = ut[k] * b1 + (w * g[i + k]) / d[k];
     const float* et = e + i;
     if (e16) {
@@ -149,14 +152,15 @@ static inline __m256 select8(const uint8_t* bits, __m256 neg, __m256 pos) {
 
 /* fold_encode_run512 in AVX2 + FMA, 8 at a time: bitwise den_run, fold_256 then blocks_avx2 over the run */
 __attribute__((target("avx2,fma")))
-static double fold_encode_run256(float* u, const float* g, const float* v, const float* e, const uint16_t* e16,
+static double fold_encode_run256(float* u, const float* g, const float* v, const uint16_t* v16, const float* e,
+                                 const uint16_t* e16,
                                  const uint8_t* old, float old_s, uint8_t* bits, const float* sc, int64_t n) {
   const __m256 vb = _mm256_set1_ps(sc[0]), vw = _mm256_set1_ps(sc[1]), vf = _mm256_set1_ps(sc[SC_FLOOR]),
                vr = _mm256_set1_ps(sc[SC_FLOOR + 1]), ve = _mm256_set1_ps(sc[SC_FLOOR + 2]),
                vold = _mm256_set1_ps(old_s);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = 0; i < n; i += 8) {
-    __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(vf, _mm256_sqrt_ps(_mm256_loadu_ps(v + i))), vr), ve);
+    __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(vf, _mm256_sqrt_ps(v16 ? widen8(v16 + i) : _mm256_loadu_ps(v + i))), vr), ve);
     __m256 x = _mm256_add_ps(_mm256_mul_ps(old ? decode8(old + i / 8, vold) : _mm256_loadu_ps(u + i), vb),
                              _mm256_div_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(g + i)), d));
     if (!old) _mm256_storeu_ps(u + i, x);
@@ -171,6 +175,7 @@ static double fold_encode_run256(float* u, const float* g, const float* v, const
    arithmetic) */
 __attribute__((target("avx2,fma")))
 static void fold_decompress_update_run256(const uint8_t* old_bits, float old_s, const float* g, const float* v,
+                                          const uint16_t* v16,
                                           float* e, uint16_t* e16, uint32_t key, uint32_t i0, const uint8_t* bits,
                                           float s, float ws, float* p, const float* sc, float lo_c, float hi_c,
                                           int64_t n) {
@@ -186,7 +191,7 @@ static void fold_decompress_update_run256(const uint8_t* old_bits, float old_s, 
   const __m256 stepp = _mm256_mul_ps(vnlr, _mm256_min_ps(vhi, _mm256_max_ps(vlo, _mm256_div_ps(_mm256_mul_ps(up, vs), vbc1)))),
                stepn = _mm256_mul_ps(vnlr, _mm256_min_ps(vhi, _mm256_max_ps(vlo, _mm256_div_ps(_mm256_mul_ps(un, vs), vbc1))));
   for (int64_t i = 0; i < n; i += 8) {
-    __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(vf, _mm256_sqrt_ps(_mm256_loadu_ps(v + i))), vr), ve);
+    __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(vf, _mm256_sqrt_ps(v16 ? widen8(v16 + i) : _mm256_loadu_ps(v + i))), vr), ve);
     __m256 x = _mm256_add_ps(select8(old_bits + i / 8, oldn, oldp),
                              _mm256_div_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(g + i)), d));
     if (e || e16) {
@@ -217,6 +222,7 @@ static int one_tensor(int64_t a, int64_t b, const table_t* t, int* k) {
    likewise). Whole 16s unmasked, a last 8 masked (see wire). */
 ONEBIT_AVX512
 static void fold_decompress_update_run512(const uint8_t* old_bits, float old_s, const float* g, const float* v,
+                                          const uint16_t* v16,
                                           float* e, uint16_t* e16, uint32_t key, uint32_t i0, const uint8_t* bits,
                                           float s, float ws, float* p, const float* sc, float lo_c, float hi_c,
                                           int64_t n) {
@@ -234,7 +240,8 @@ static void fold_decompress_update_run512(const uint8_t* old_bits, float old_s, 
                stepn = _mm512_mul_ps(vnlr, _mm512_min_ps(vhi, _mm512_max_ps(vlo, _mm512_div_ps(_mm512_mul_ps(un, vs), vbc1))));
 #define ONEBIT_FDU_BODY(LOAD, STORE, FULL)                                                                   \
   {                                                                                                          \
-    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(LOAD(v + i))), vr), ve);           \
+    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(vf, _mm512_sqrt_ps(v16 ? WIDEN(v16 + i) : LOAD(v + i))), \
+                                           vr), ve);                                                          \
     __m512 x = _mm512_add_ps(select16(old_bits + i / 8, oldn, oldp, FULL),                                  \
                              _mm512_div_ps(_mm512_mul_ps(vw, LOAD(g + i)), d));                               \
     if (e || e16) {                                                                                          \
@@ -318,7 +325,8 @@ void onebit_fold_encode_all(float* flat, const float* e, uint8_t* bits, int64_t 
         if (kk >= 0) { /* one loop (fold_encode_run512 or 256), the old message and a bfloat16 error read in it */
           int64_t o = off + i - tab.start[kk];
           r = (isa >= 2 ? fold_encode_run512 : fold_encode_run256)(
-              u, (const float*)tab.g[kk] + o, (const float*)tab.d[kk] + o, er, ebf16 ? (const uint16_t*)e + off + i : 0,
+              u, (const float*)tab.g[kk] + o, var_bf(tab.d[kk]) ? 0 : (const float*)var_of(tab.d[kk], o),
+              var_bf(tab.d[kk]) ? (const uint16_t*)var_of(tab.d[kk], o) : 0, er, ebf16 ? (const uint16_t*)e + off + i : 0,
               flat ? 0 : old_bits + j * old_stride + i / 8, flat ? 0.0f : old_scales[j], bits + j * stride + i / 8,
               tab.sc + SC * kk, len);
           acc += r;
@@ -387,7 +395,9 @@ void onebit_decompress_update_all(const uint8_t* bits, int64_t stride, const flo
         if (kk >= 0) { /* one loop (fold_decompress_update_run512 or 256) */
           int64_t o = off + i - tab.start[kk];
           (isa >= 2 ? fold_decompress_update_run512 : fold_decompress_update_run256)(old_bits + j * old_stride + i / 8, old_scales[j], (const float*)tab.g[kk] + o,
-                                        (const float*)tab.d[kk] + o, e16 ? 0 : e ? e + off + i : 0, e16,
+                                        var_bf(tab.d[kk]) ? 0 : (const float*)var_of(tab.d[kk], o),
+                                        var_bf(tab.d[kk]) ? (const uint16_t*)var_of(tab.d[kk], o) : 0,
+                                        e16 ? 0 : e ? e + off + i : 0, e16,
                                         e16 ? round_key(ws[j], ROUND_WORKER) : 0, (uint32_t)(off + i),
                                         bits + j * stride + i / 8, s[j], e ? ws[j] : 0.0f, (float*)tab.p[kk] + o,
                                         tab.sc + SC * kk, lo_c, hi_c, len);
@@ -423,34 +433,33 @@ void onebit_update(const float* u, int64_t a, int64_t b, const int64_t* start, c
    (update_c's loop), each one pass over a tensor. */
 /* The stale denominators themselves, out = max(sqrt(v), floor) * r + eps (den_fill's loop): what the
    plain path reads where no pass computes them in place (onebit.kernels.preconditioning). */
-void onebit_stale_denominator(float* out, const float* v, float floor, float r, float eps, int64_t n, int isa,
-                              int threads) {
-  void (*f) DEN_ARGS = ONEBIT_PICK(den_fill, isa);
-  ONEBIT_PARALLEL(n, threads, f(out + a, v + a, floor, r, eps, len))
+void onebit_stale_denominator(float* out, const void* v, float floor, float r, float eps, int64_t n, int isa,
+                              int threads, int vbf) {
+  ONEBIT_PARALLEL(n, threads, den_fill_any(isa, out + a, var_at(v, vbf, a), vbf, floor, r, eps, len))
 }
 
 typedef void (*fold_fn)(float*, const float*, const float*, float, float, int64_t);
 
 /* the fold over n elements, d from v run by run (dsc: floor, r, eps) */
-static void fold_v(int isa, fold_fn f, float* u, const float* g, const float* v, const float* dsc, float b1, float w,
-                   int64_t n) {
+static void fold_v(int isa, fold_fn f, float* u, const float* g, const void* v, int vbf, const float* dsc, float b1,
+                   float w, int64_t n) {
   float d[DEN_RUN] __attribute__((aligned(64)));
   for (int64_t i = 0; i < n; i += DEN_RUN) {
     int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
-    ONEBIT_PICK(den_fill, isa)(d, v + i, dsc[0], dsc[1], dsc[2], len);
+    den_fill_any(isa, d, var_at(v, vbf, i), vbf, dsc[0], dsc[1], dsc[2], len);
     f(u + i, g + i, d, b1, w, len);
   }
 }
 
-void onebit_fold(float* u, const float* g, const float* v, float floor, float r, float eps, float b1, float w,
-                 int64_t n, int isa, int threads) {
+void onebit_fold(float* u, const float* g, const void* v, float floor, float r, float eps, float b1, float w,
+                 int64_t n, int isa, int threads, int vbf) {
   fold_fn f = fold_c;
 #ifdef ONEBIT_X86
   if (isa >= 2) f = fold_512;
   else if (isa == 1) f = fold_256;
 #endif
   const float dsc[3] = {floor, r, eps};
-  ONEBIT_PARALLEL(n, threads, fold_v(isa, f, u + a, g + a, v + a, dsc, b1, w, len))
+  ONEBIT_PARALLEL(n, threads, fold_v(isa, f, u + a, g + a, var_at(v, vbf, a), vbf, dsc, b1, w, len))
 }
 
 void onebit_stale_update(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n,

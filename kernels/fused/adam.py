@@ -38,9 +38,9 @@ from .table import (
     WARPS,
     Table,
     address,
+    denominator,
     elements,
     elements_at,
-    grad_denom,
     owned,
     programs,
     scalar,
@@ -226,16 +226,20 @@ def _kept_or_buffer(row, idx, g, i, in_x, total_bytes, chunk_bytes, seg_bytes, s
 @jit
 def _fold(u, idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
           BLOCK_BYTES: tl.constexpr):
-    # u * b1 + ((1 - b1) g) / d per element, each operation rounded (fold_preconditioned_)
-    grad, den = grad_denom(idx, in_x, q, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, scal_ptr, K, _GRAD,
-                           _VAR, BLOCK_BYTES)
+    # u * b1 + ((1 - b1) g) / d per element, each operation rounded (fold_preconditioned_); one loop over
+    # the program's tensors, w g kept instead of w and g (fewer live registers: the decompress pass folds too)
+    wg = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)  # 0 where no tensor's, or its gradient is None
     b1 = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
-    w = tl.zeros([BLOCK_BYTES, 8], dtype=tl.float32)
+    den = tl.full([BLOCK_BYTES, 8], 1.0, tl.float32)
     for k in range(tl.load(lo_ptr + q), tl.load(hi_ptr + q)):
-        _, mine = owned(idx, k, start_ptr, count_ptr)
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
+        ga = tl.load(addr_ptr + _GRAD * K + k)
+        grad = tl.load(ga.to(tl.pointer_type(tl.float32)) + off, mask=mine & ((off * 0 + ga) != 0), other=0.0)
+        wg = tl.where(mine, scalar(scal_ptr, k, _W1) * grad, wg)
         b1 = tl.where(mine, scalar(scal_ptr, k, _B1), b1)
-        w = tl.where(mine, scalar(scal_ptr, k, _W1), w)
-    return u * b1 + tl.div_rn(w * grad, den)
+        den = tl.where(mine, denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine), den)
+    return u * b1 + tl.div_rn(wg, den)
 
 
 @jit

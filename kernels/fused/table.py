@@ -12,7 +12,10 @@ kernels the same two tensors on the device (``addr + column * K + k``, ``scal + 
 A step that reads a frozen variance ``v`` (address column ``var``) has its stale denominator's
 scalars in the last three columns (``DENOMINATOR``: the tensor's floor, ``r = 1 / sqrt(bc2)``,
 ``eps``) and computes ``d = max(sqrt(v), floor) * r + eps`` as it reads ``v`` (docs/ALGORITHMS.md
-6.2: the optimizers keep ``v`` only).
+6.2: the optimizers keep ``v`` only), float32 or bfloat16 (a variance frozen for good, stored so:
+``variance_dtype``), widened exactly as it is read: a bfloat16 variance's address has bit 0 set in
+the table (:func:`_address`; its data is 2-byte aligned, so the bit is free), which the C
+(``native.h``'s ``var_of``) and the Triton passes (:func:`denominator`) read per tensor.
 
 The Triton passes also read which tensors each program's 1024 elements meet (:func:`tiles`); the
 C walks the table itself (``table_first`` / ``table_part``)."""
@@ -69,7 +72,7 @@ class Table:
         the scalars (one tuple per tensor, in ``SCALARS`` order, each rounded to float32 as the plain
         ops round a Python scalar); a no-op where neither changed since the last fill. The table
         holds addresses only: the caller keeps the tensors alive while a pass reads it."""
-        addrs = [[0 if t is None else t.data_ptr() for t in tensors[name]] for name in self.addresses]
+        addrs = [[_address(t, name) for t in tensors[name]] for name in self.addresses]
         old = self.key or (None, None)
         if old[0] != addrs:
             self._write(self.addr, torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
@@ -82,6 +85,16 @@ class Table:
     @staticmethod
     def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
         _write_to(dst, src)
+
+
+def _address(t: torch.Tensor | None, column: str) -> int:
+    """A table entry: 0 for None, else ``t``'s address; in the ``var`` column a bfloat16 variance's with
+    bit 0 set (the passes read its dtype from it), a float32 one's as it is."""
+    if t is None:
+        return 0
+    if column == "var" and t.dtype == torch.bfloat16:
+        return t.data_ptr() | 1
+    return t.data_ptr()
 
 
 def _write_to(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -178,8 +191,15 @@ def grad_denom(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, s
 @jit
 def denominator(addr_ptr, scal_ptr, VAR: tl.constexpr, K, k, off, mine):
     # tensor k's stale denominators at offsets off (where mine; elsewhere those of v = 1), from its
-    # variance in column VAR: max(sqrt(v), floor) * r + eps, each operation rounded
-    v = tl.load(address(addr_ptr, VAR, K, k) + off, mask=mine, other=1.0)
+    # variance in column VAR (float32, or bfloat16 where bit 0 of its address is set): max(sqrt(v),
+    # floor) * r + eps, each operation rounded
+    a = tl.load(addr_ptr + VAR * K + k)
+    tag = a & 1  # 1: a bfloat16 variance (bit 0 of its address: _address), widened exactly
+    base = a - tag
+    narrow = (off * 0 + tag) != 0  # (as a tensor of off's shape: the interpreter's masks are)
+    v = tl.load(base.to(tl.pointer_type(tl.float32)) + off, mask=mine & (narrow == 0), other=1.0)
+    v16 = tl.load(base.to(tl.pointer_type(tl.bfloat16)) + off, mask=mine & narrow, other=1.0)
+    v = tl.where(narrow, v16.to(tl.float32), v)
     d = tl.maximum(tl.sqrt_rn(v), scalar(scal_ptr, k, _FLOOR), propagate_nan=tl.PropagateNan.ALL)
     return d * scalar(scal_ptr, k, _FLOOR + 1) + scalar(scal_ptr, k, _FLOOR + 2)
 

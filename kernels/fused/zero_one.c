@@ -68,12 +68,13 @@ typedef struct { const int64_t *start, *count, *g, *d, *m, *p; const float* sc; 
 
 /* table tensor kk's part of flat elements [a, b): [lo, hi) (empty where hi <= lo), its offset o there
    and its gradient g (0: none) and variance d at that offset; 0 past [a, b) */
-typedef struct { int64_t lo, hi, o; const float *g, *d; } seg_t;
+typedef struct { int64_t lo, hi, o; const float* g; const void* d; int vbf; } seg_t;
 static int zoa_seg(const zoa_t* t, int64_t a, int64_t b, int kk, seg_t* s) {
   if (!table_part(t->start, t->count, t->K, a, b, kk, &s->lo, &s->hi)) return 0;
   s->o = s->lo - t->start[kk];
   s->g = t->g[kk] ? (const float*)t->g[kk] + s->o : 0;
-  s->d = (const float*)t->d[kk] + s->o;
+  s->d = var_of(t->d[kk], s->o); /* (bit 0 of the address: bfloat16, native.h) */
+  s->vbf = var_bf(t->d[kk]);
   return 1;
 }
 
@@ -98,7 +99,7 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
     for (int64_t r = 0; r < s.hi - s.lo; r += DEN_RUN) { /* run by run: the run's d from v */
       int64_t n = s.hi - s.lo - r < DEN_RUN ? s.hi - s.lo - r : DEN_RUN;
       const float* g = s.g ? s.g + r : 0;
-      if (g) den_run(isa, d, s.d + r, t->sc + SC * kk, n);
+      if (g) den_run(isa, d, var_at(s.d, s.vbf, r), s.vbf, t->sc + SC * kk, n);
 #ifdef ONEBIT_X86
       if (isa >= 2) { zoa_div_512(x + (s.lo - a) + r, g, d, n); continue; }
       if (isa == 1) { zoa_div_256(x + (s.lo - a) + r, g, d, n); continue; }
@@ -120,7 +121,7 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
       int64_t n = s.hi - r < DEN_RUN ? s.hi - r : DEN_RUN, o = r - s.lo;
       float *m = (float*)t->m[kk] + s.o + o, *p = (float*)t->p[kk] + s.o + o, *ee = e ? e + (r - a) : 0;
       const float *mv = mean + (r - a), *g = s.g ? s.g + o : 0;
-      den_run(isa, d, s.d + o, sc, n);
+      den_run(isa, d, var_at(s.d, s.vbf, o), s.vbf, sc, n);
       if (t->sync) {
         float* sp = (float*)t->g[kk] + s.o + o;
 #ifdef ONEBIT_X86
@@ -244,12 +245,12 @@ ONEBIT_VARIANTS(local_wd, LOCAL_ARGS,
 
 /* the step over n elements, d from v run by run (dsc: floor, r, eps); g NULL: the stale step */
 static void zoa_v(int isa, void (*stale_f) STALE_ARGS, void (*local_f) LOCAL_ARGS, float* p, float* m, const float* g,
-                  const float* v, const float* dsc, float b1, float w, float lo, float hi, float wd, float nlr,
-                  int64_t n) {
+                  const void* v, int vbf, const float* dsc, float b1, float w, float lo, float hi, float wd,
+                  float nlr, int64_t n) {
   float d[DEN_RUN] __attribute__((aligned(64)));
   for (int64_t i = 0; i < n; i += DEN_RUN) {
     int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
-    ONEBIT_PICK(den_fill, isa)(d, v + i, dsc[0], dsc[1], dsc[2], len);
+    den_fill_any(isa, d, var_at(v, vbf, i), vbf, dsc[0], dsc[1], dsc[2], len);
     if (g) local_f(p + i, m + i, g + i, d, b1, w, lo, hi, wd, nlr, len);
     else stale_f(p + i, m + i, d, lo, hi, wd, nlr, len);
   }
@@ -257,18 +258,18 @@ static void zoa_v(int isa, void (*stale_f) STALE_ARGS, void (*local_f) LOCAL_ARG
 
 /* wd 0: the step without its term (the plain ops add nothing: 0 * inf would be NaN); d from the
    variance v (floor, r, eps: den_fill) */
-void onebit_stale_step(float* p, const float* m, const float* v, float floor, float r, float eps, float lo, float hi,
-                       float wd, float nlr, int64_t n, int isa, int threads) {
+void onebit_stale_step(float* p, const float* m, const void* v, float floor, float r, float eps, float lo, float hi,
+                       float wd, float nlr, int64_t n, int isa, int threads, int vbf) {
   void (*f) STALE_ARGS = wd != 0.0f ? ONEBIT_PICK(stale_wd, isa) : ONEBIT_PICK(stale, isa);
   const float dsc[3] = {floor, r, eps};
-  ONEBIT_PARALLEL(n, threads, zoa_v(isa, f, 0, p + a, (float*)m + a, 0, v + a, dsc, 0.0f, 0.0f, lo, hi, wd, nlr, len))
+  ONEBIT_PARALLEL(n, threads, zoa_v(isa, f, 0, p + a, (float*)m + a, 0, var_at(v, vbf, a), vbf, dsc, 0.0f, 0.0f, lo, hi, wd, nlr, len))
 }
 
-void onebit_local_step(float* p, float* m, const float* g, const float* v, float floor, float r, float eps, float b1,
-                       float w, float lo, float hi, float wd, float nlr, int64_t n, int isa, int threads) {
+void onebit_local_step(float* p, float* m, const float* g, const void* v, float floor, float r, float eps, float b1,
+                       float w, float lo, float hi, float wd, float nlr, int64_t n, int isa, int threads, int vbf) {
   void (*f) LOCAL_ARGS = wd != 0.0f ? ONEBIT_PICK(local_wd, isa) : ONEBIT_PICK(local, isa);
   const float dsc[3] = {floor, r, eps};
-  ONEBIT_PARALLEL(n, threads, zoa_v(isa, 0, f, p + a, m + a, g + a, v + a, dsc, b1, w, lo, hi, wd, nlr, len))
+  ONEBIT_PARALLEL(n, threads, zoa_v(isa, 0, f, p + a, m + a, g + a, var_at(v, vbf, a), vbf, dsc, b1, w, lo, hi, wd, nlr, len))
 }
 
 /* ZeroOneAdam's momentum made again at rest after a synchronisation (optimizers/zero_one_adam.py _wake):
@@ -277,17 +278,17 @@ void onebit_local_step(float* p, float* m, const float* g, const float* v, float
 #define ZOA_MOM_ARGS (float* restrict m, const float* restrict u, const float* restrict d, float nl, int64_t n)
 ONEBIT_VARIANTS(zoa_mom, ZOA_MOM_ARGS, for (int64_t i = 0; i < n; i++) m[i] = (u[i] * d[i]) / nl;)
 
-static void zoa_mom_v(int isa, float* m, const float* u, const float* v, const float* dsc, float nl, int64_t n) {
+static void zoa_mom_v(int isa, float* m, const float* u, const void* v, int vbf, const float* dsc, float nl, int64_t n) {
   float d[DEN_RUN] __attribute__((aligned(64)));
   for (int64_t i = 0; i < n; i += DEN_RUN) {
     int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
-    ONEBIT_PICK(den_fill, isa)(d, v + i, dsc[0], dsc[1], dsc[2], len);
+    den_fill_any(isa, d, var_at(v, vbf, i), vbf, dsc[0], dsc[1], dsc[2], len);
     ONEBIT_PICK(zoa_mom, isa)(m + i, u + i, d, nl, len);
   }
 }
 
-void onebit_zoa_momentum(float* m, const float* u, const float* v, float floor, float r, float eps, float nl, int64_t n,
-                         int isa, int threads) {
+void onebit_zoa_momentum(float* m, const float* u, const void* v, float floor, float r, float eps, float nl, int64_t n,
+                         int isa, int threads, int vbf) {
   const float dsc[3] = {floor, r, eps};
-  ONEBIT_PARALLEL(n, threads, zoa_mom_v(isa, m + a, u + a, v + a, dsc, nl, len))
+  ONEBIT_PARALLEL(n, threads, zoa_mom_v(isa, m + a, u + a, var_at(v, vbf, a), vbf, dsc, nl, len))
 }

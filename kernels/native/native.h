@@ -111,6 +111,8 @@ static inline void chunk_sums(const int64_t* n_enc, int W, const double* part, i
 /* A bucket's table for the fused passes: tensor k covers flat elements [start[k], start[k] + count[k]);
    the addresses g[k], d[k], p[k] (their meaning is the pass's: see each fused file) and the tensor's
    float32 scalars sc[SC k .. SC k + SC - 1] (onebit.kernels.fused.table). */
+/* A table's variance column (d) holds each tensor's address with bit 0 set where its variance is bfloat16
+   (a variance frozen for good, stored so: variance_dtype; onebit.kernels.fused.table), else float32 */
 typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int K; } table_t;
 
 /* A per-tensor element-wise pass in three variants from one loop (LOOP: over i in [0, n) of the
@@ -139,9 +141,34 @@ typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int 
 #define DEN_LOOP for (int64_t i = 0; i < n; i++) { float s = sqrtf(v[i]); s = s < floor ? floor : s; out[i] = s * r + eps; }
 ONEBIT_VARIANTS(den_fill, DEN_ARGS, DEN_LOOP)
 
-/* the stale denominators of v[0, n), n <= DEN_RUN, of the tensor whose scalars are sc, into out */
-static inline void den_run(int isa, float* out, const float* v, const float* sc, int64_t n) {
-  ONEBIT_PICK(den_fill, isa)(out, v, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n);
+/* The same from a variance stored in bfloat16 (docs/ALGORITHMS.md 6.2): each v widened exactly (its bits
+   shifted up), then den_fill's operations */
+#define DEN_ARGS16 (float* restrict out, const uint16_t* restrict v, float floor, float r, float eps, int64_t n)
+#define DEN_LOOP16 for (int64_t i = 0; i < n; i++) { \
+    union { uint32_t u; float f; } w_ = {(uint32_t)v[i] << 16}; \
+    float s = sqrtf(w_.f); s = s < floor ? floor : s; out[i] = s * r + eps; }
+ONEBIT_VARIANTS(den_fill16, DEN_ARGS16, DEN_LOOP16)
+
+/* a variance's element o: v float32 (vbf 0) or bfloat16 (vbf 1) */
+static inline const void* var_at(const void* v, int vbf, int64_t o) {
+  return vbf ? (const void*)((const uint16_t*)v + o) : (const void*)((const float*)v + o);
+}
+
+/* a table's variance address (bit 0: bfloat16): its dtype, and its element o */
+static inline int var_bf(int64_t a) { return (int)(a & 1); }
+static inline const void* var_of(int64_t a, int64_t o) { return var_at((const void*)(a & ~(int64_t)1), (int)(a & 1), o); }
+
+/* out = the stale denominators of n elements of a variance v (float32, or bfloat16 where vbf) */
+static inline void den_fill_any(int isa, float* out, const void* v, int vbf, float floor, float r, float eps,
+                                int64_t n) {
+  if (vbf) ONEBIT_PICK(den_fill16, isa)(out, (const uint16_t*)v, floor, r, eps, n);
+  else ONEBIT_PICK(den_fill, isa)(out, (const float*)v, floor, r, eps, n);
+}
+
+/* the stale denominators of v[0, n), n <= DEN_RUN (bfloat16 where vbf), of the tensor whose scalars
+   are sc, into out */
+static inline void den_run(int isa, float* out, const void* v, int vbf, const float* sc, int64_t n) {
+  den_fill_any(isa, out, v, vbf, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n);
 }
 
 /* TOTAL = the float64 sum of what BODY adds into `s` on each thread's range [a, b) of [0, n) (whole
