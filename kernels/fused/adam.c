@@ -116,7 +116,7 @@ static double fold_encode_run512(float* u, const float* g, const float* v, const
       _mm512_store_ps(uo, decode16(old + i / 8, vold, 0));
       ut = uo;
     }
-    if (v16) den_fill16_c(d, v16 + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
+    if (v16) den_fill_any(0, d, v16 + i, 1, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
     else den_fill_c(d, v + i, sc[SC_FLOOR], sc[SC_FLOOR + 1], sc[SC_FLOOR + 2], n - i);
     for (int64_t k = 0; k < n - i; k++) ut[k] = ut[k] * b1 + (w * g[i + k]) / d[k];
     const float* et = e + i;

@@ -141,13 +141,12 @@ typedef struct { const int64_t *start, *count, *g, *d, *p; const float* sc; int 
 #define DEN_LOOP for (int64_t i = 0; i < n; i++) { float s = sqrtf(v[i]); s = s < floor ? floor : s; out[i] = s * r + eps; }
 ONEBIT_VARIANTS(den_fill, DEN_ARGS, DEN_LOOP)
 
-/* The same from a variance stored in bfloat16 (docs/ALGORITHMS.md 6.2): each v widened exactly (its bits
-   shifted up), then den_fill's operations */
-#define DEN_ARGS16 (float* restrict out, const uint16_t* restrict v, float floor, float r, float eps, int64_t n)
-#define DEN_LOOP16 for (int64_t i = 0; i < n; i++) { \
-    union { uint32_t u; float f; } w_ = {(uint32_t)v[i] << 16}; \
-    float s = sqrtf(w_.f); s = s < floor ? floor : s; out[i] = s * r + eps; }
-ONEBIT_VARIANTS(den_fill16, DEN_ARGS16, DEN_LOOP16)
+/* a bfloat16 run widened to float32 (exact): the passes that keep an error in bfloat16 read a run so */
+#define WIDEN_ARGS (uint32_t* restrict o, const uint16_t* restrict e, int64_t n)
+ONEBIT_VARIANTS(widen, WIDEN_ARGS, for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)e[i] << 16;)
+static inline void widen_run(int isa, float* out, const uint16_t* e, int64_t n) {
+  ONEBIT_PICK(widen, isa)((uint32_t*)out, e, n);
+}
 
 /* a variance's element o: v float32 (vbf 0) or bfloat16 (vbf 1) */
 static inline const void* var_at(const void* v, int vbf, int64_t o) {
@@ -158,11 +157,20 @@ static inline const void* var_at(const void* v, int vbf, int64_t o) {
 static inline int var_bf(int64_t a) { return (int)(a & 1); }
 static inline const void* var_of(int64_t a, int64_t o) { return var_at((const void*)(a & ~(int64_t)1), (int)(a & 1), o); }
 
-/* out = the stale denominators of n elements of a variance v (float32, or bfloat16 where vbf) */
+/* out = the stale denominators of n elements of a variance v (float32, or bfloat16 where vbf: each run of
+   DEN_RUN widened exactly on the stack first, then den_fill's operations, docs/ALGORITHMS.md 12.1) */
 static inline void den_fill_any(int isa, float* out, const void* v, int vbf, float floor, float r, float eps,
                                 int64_t n) {
-  if (vbf) ONEBIT_PICK(den_fill16, isa)(out, (const uint16_t*)v, floor, r, eps, n);
-  else ONEBIT_PICK(den_fill, isa)(out, (const float*)v, floor, r, eps, n);
+  if (!vbf) {
+    ONEBIT_PICK(den_fill, isa)(out, (const float*)v, floor, r, eps, n);
+    return;
+  }
+  float w[DEN_RUN] __attribute__((aligned(64)));
+  for (int64_t i = 0; i < n; i += DEN_RUN) {
+    int64_t len = n - i < DEN_RUN ? n - i : DEN_RUN;
+    ONEBIT_PICK(widen, isa)((uint32_t*)w, (const uint16_t*)v + i, len);
+    ONEBIT_PICK(den_fill, isa)(out + i, w, floor, r, eps, len);
+  }
 }
 
 /* the stale denominators of v[0, n), n <= DEN_RUN (bfloat16 where vbf), of the tensor whose scalars
@@ -285,12 +293,6 @@ static inline void narrow8(uint16_t* out, __m256 x, __m256i vkey) {
 
 #endif
 
-/* a bfloat16 run widened to float32 (exact): the passes that keep an error in bfloat16 read a run so */
-#define WIDEN_ARGS (uint32_t* restrict o, const uint16_t* restrict e, int64_t n)
-ONEBIT_VARIANTS(widen, WIDEN_ARGS, for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)e[i] << 16;)
-static inline void widen_run(int isa, float* out, const uint16_t* e, int64_t n) {
-  ONEBIT_PICK(widen, isa)((uint32_t*)out, e, n);
-}
 
 /* the codec's passes (codec.c), by ISA level: 2 AVX-512, 1 AVX2 + FMA, 0 portable C */
 typedef void (*blocks_fn)(const float*, const float*, uint8_t*, double*, int64_t, int64_t);
