@@ -87,7 +87,7 @@ def direction(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, weight_decay: float,
 ) -> torch.Tensor:
     """The update direction ``m / (sqrt(v) + eps) + wd * p`` (a new tensor; no bias correction)."""
-    update = m / (v.sqrt() + eps)
+    update = m / (v.float().sqrt() + eps)  # (a variance stored in bfloat16: widened, exactly)
     if weight_decay > 0:
         update.add_(p, alpha=weight_decay)
     return update
@@ -140,6 +140,7 @@ def adam_update(
     """
     if weight_decay:
         p.mul_(1.0 - lr * weight_decay)
+    v = v.float()  # a frozen variance stored in bfloat16 (``variance_dtype``): widened, exactly; float32: v
     if eps_inside_sqrt:
         denom = (v / bc2 if bc2 != 1.0 else v.clone()).add_(eps).sqrt_()
     else:
@@ -229,7 +230,7 @@ def lamb_compressed_update(
     g = (m - b1 * m_last) / (1 - b1)
     v_fresh.mul_(b2).addcmul_(g, g, value=1 - b2)
     if denom is None:
-        denom = v.sqrt() + eps
+        denom = v.float().sqrt() + eps  # (a variance stored in bfloat16: widened, exactly)
     upd_pre = m / denom
     if clip is not None:
         upd_pre.clamp_(-clip, clip)

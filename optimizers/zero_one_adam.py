@@ -487,7 +487,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
         def denom(k, p, g):  # made where it is read, once before the collective and once after
             if self._reference_maths():
-                return self.state[p]["exp_avg_sq"].sqrt() + g["eps"]
+                return self.state[p]["exp_avg_sq"].float().sqrt() + g["eps"]
             return self.stale_denominator(k, p, g)
 
         for k, (p, g) in enumerate(pairs):
