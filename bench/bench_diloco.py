@@ -111,7 +111,7 @@ def child(args) -> None:
                      fragments=run.get("fragments", 1), delay=run.get("delay", 0),
                      mixing=args.mixing if run.get("fragments", 1) > 1 else 0.0,
                      momentum_share={"auto": "auto", "plain": 0.0, "momentum": 1.0}[args.form],
-                     error_decay=args.error_decay)
+                     error_decay=args.error_decay, error_dtype=getattr(torch, args.error_dtype))
     from onebit.movement import MovementMeter
 
     meter = MovementMeter(model.parameters())  # coordinates that stop after the first sync
@@ -156,7 +156,7 @@ def launch(name: str, run: dict, link: str, args) -> dict:
            os.path.abspath(__file__), "--child", "--config", json.dumps(run), "--out", out,
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
              ("task", "inner", "muon_lr", "seed", "steps", "lr", "outer_lr", "mixing", "batch", "context",
-              "d_model", "layers", "heads", "eval_batches", "form", "error_decay")]]
+              "d_model", "layers", "heads", "eval_batches", "form", "error_decay", "error_dtype")]]
     ns = Namespace(LINKS[link]) if LINKS[link] is not None or can_shape() is None else None
     try:
         done = subprocess.run((ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd],
@@ -193,6 +193,8 @@ def main() -> None:
                         "plain (0: the bare pseudo-gradient) or momentum (1: it plus the outer momentum)")
     p.add_argument("--error-decay", type=float, default=0.5,
                    help="1-bit runs: DiLoCo's error_decay (the buffers times 1 - (1 - it)(1 - g) per sync)")
+    p.add_argument("--error-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="1-bit runs: DiLoCo's error buffers (float32 is its default)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
@@ -220,7 +222,7 @@ def main() -> None:
             row = {"run": name, "task": args.task, "inner": args.inner,
                    **({"muon_lr": args.muon_lr} if args.inner == "muon" else {}), "seed": args.seed,
                    "outer_lr": args.outer_lr, "link": link,
-                   "form": args.form, "error_decay": args.error_decay,
+                   "form": args.form, "error_decay": args.error_decay, "error_dtype": args.error_dtype,
                    "steps": args.steps, "ranks": args.ranks, **table[name], **got}
             with open(args.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
