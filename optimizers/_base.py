@@ -126,7 +126,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
     ``variance_dtype``: how ``exp_avg_sq`` is stored once it is frozen for good (after the freeze;
     ZeroOneAdam: from phase 2), float32 before. ``torch.bfloat16`` (the default with
     ``compression="preconditioned"``) rounds it once to nearest there: half the bytes, and the
-    stale denominator within ``2^-9`` of float32's (docs/ALGORITHMS.md 6.2); ``torch.float32``
+    stale denominator within ``2^-9`` of float32's (docs/ALGORITHMS.md 12.1); ``torch.float32``
     keeps it (the default with ``compression="momentum"``: the reference's maths, bitwise).
     ``state_dict()`` holds it as float32 either way; a loaded one is rounded again (exact for one
     saved so).
