@@ -42,6 +42,15 @@ def check_instance(name: str, value: object, cls: type | tuple[type, ...], what:
     return value
 
 
+def check_half_or_float(name: str, value: object) -> torch.dtype:
+    """``value`` if it is torch.float32 or torch.bfloat16 (a buffer's storage format; else an error
+    naming ``name``)."""
+    check_instance(name, value, torch.dtype, "a torch.dtype")
+    if value not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: expected torch.float32 or torch.bfloat16, got {value}")
+    return value
+
+
 def check_number(name: str, value: object, low: float = 0.0, high: float | None = None, *,
                  low_open: bool = False, optional: bool = False) -> float | None:
     """A real number (int or float, not a bool, not NaN) with ``low <= value < high``

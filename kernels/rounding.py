@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from ._checks import check_instance
+from ._checks import check_half_or_float
 from ._triton import jit, tl
 
 __all__ = ["ERROR_DTYPES", "SERVER", "WORKER", "check_error_dtype", "narrow_", "widen"]
@@ -39,10 +39,7 @@ _PIECE = 1 << 22  # elements per piece of the plain path (its int64 temporaries:
 
 def check_error_dtype(error_dtype: object) -> torch.dtype:
     """``error_dtype`` if it is float32 or bfloat16 (else ValueError naming it)."""
-    check_instance("error_dtype", error_dtype, torch.dtype, "a torch.dtype")
-    if error_dtype not in ERROR_DTYPES:
-        raise ValueError(f"error_dtype: expected torch.float32 or torch.bfloat16, got {error_dtype}")
-    return error_dtype
+    return check_half_or_float("error_dtype", error_dtype)
 
 
 def widen(e: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,10 @@ from typing import Any
 import torch
 
 from ..collectives._group import warn_collective
-from ..kernels._checks import check_instance
+from ..kernels._checks import check_half_or_float
 from ..kernels.preconditioning import inverse_sqrt_bc2
 from ._freeze import FreezeSchedule
 from ._functional import sqrt_v_floors, stale_denominator, tiny_variance_mask
-
-VARIANCE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_variance_dtype(variance_dtype: object, compression: str) -> torch.dtype:
@@ -25,10 +23,7 @@ def check_variance_dtype(variance_dtype: object, compression: str) -> torch.dtyp
     ``compression="preconditioned"``, float32 with ``"momentum"`` (the reference's maths, bitwise)."""
     if variance_dtype is None:
         return torch.bfloat16 if compression == "preconditioned" else torch.float32
-    check_instance("variance_dtype", variance_dtype, torch.dtype, "a torch.dtype")
-    if variance_dtype not in VARIANCE_DTYPES:
-        raise ValueError(f"variance_dtype: expected torch.float32 or torch.bfloat16, got {variance_dtype}")
-    return variance_dtype
+    return check_half_or_float("variance_dtype", variance_dtype)
 
 
 class VarianceState:
@@ -62,7 +57,7 @@ class VarianceState:
                 )
         return self._masks
 
-    # -- the frozen variance's storage (docs/ALGORITHMS.md 6.2) ------------------------------
+    # -- the frozen variance's storage (docs/ALGORITHMS.md 12.1) -----------------------------
     def _frozen_for_good(self) -> bool:
         """Whether the variance of the compressed parameters changes no more (OnebitAdam and
         OnebitLamb: after the freeze; ZeroOneAdam: in phase 2)."""
