@@ -193,8 +193,8 @@ def main() -> None:
                         "plain (0: the bare pseudo-gradient) or momentum (1: it plus the outer momentum)")
     p.add_argument("--error-decay", type=float, default=0.5,
                    help="1-bit runs: DiLoCo's error_decay (the buffers times 1 - (1 - it)(1 - g) per sync)")
-    p.add_argument("--error-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="1-bit runs: DiLoCo's error buffers (float32 is its default)")
+    p.add_argument("--error-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="1-bit runs: DiLoCo's error buffers (bfloat16 is its default)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)

@@ -89,8 +89,9 @@ class DiLoCo:
     0.0 is the plain form, 1.0 the momentum form. After each sync the error buffers are
     multiplied by ``1 - (1 - error_decay) * (1 - g)``: ``error_decay`` for the plain form, 1 for
     the momentum form. ``momentum_form`` (deprecated): True is ``momentum_share=1.0``, False
-    ``0.0``. ``error_dtype``: the error buffers' dtype, float32 or bfloat16 (half the bytes: stored
-    with stochastic rounding, docs/ALGORITHMS.md 12; the decay then rounds to nearest, once per sync).
+    ``0.0``. ``error_dtype``: the error buffers' dtype, bfloat16 (the default: half the bytes, stored
+    with stochastic rounding, docs/ALGORITHMS.md 12; the decay then rounds to nearest, once per sync;
+    measured against float32 errors in bench/RESULTS.md "DiLoCo") or float32.
     """
 
     def __init__(
@@ -98,7 +99,8 @@ class DiLoCo:
         outer_optimizer: torch.optim.Optimizer, sync_every: int, group=None, compress: bool = True, *,
         block: int | None = 128, fragments: int = 1, fragment_order: str = "strided", delay: int = 0,
         mixing: float = 0.0, nonfinite: str = "skip", momentum_share: float | str = "auto",
-        error_decay: float = 0.5, momentum_form: bool | None = None, error_dtype: torch.dtype = torch.float32,
+        error_decay: float = 0.5, momentum_form: bool | None = None,
+        error_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         check_instance("model", model, torch.nn.Module, "a torch.nn.Module")
         check_instance("inner_optimizer", inner_optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")

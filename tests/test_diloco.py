@@ -94,8 +94,9 @@ def _body_train(H, steps, kw, resume_at=None, check_every_step=True):
             identical &= all(torch.equal(t, table[0]) for t in table)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     N = opt._errors[0][0].numel() if opt.compress else None
+    dtypes = {e.dtype for pair in opt._errors for e in pair} if opt.compress else set()
     return {"val": _val_loss(model, W), "identical": identical, "syncs_seen": syncs_seen,
-            "stats": opt.stats(), "params": params, "numel": params.numel(), "N": N}
+            "stats": opt.stats(), "params": params, "numel": params.numel(), "N": N, "error_dtypes": dtypes}
 
 
 def _inner_steps(models, inners, step):
@@ -148,10 +149,12 @@ def _simulate(W, H, steps, F=1, order="strided"):
     return _val_loss(models[0], W), torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
 
 
-def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128, inner="adamw"):
+def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128, inner="adamw",
+                      dtype=torch.bfloat16):
     """1-bit DiLoCo in one process (local_compressed_allreduce, the same collective for W ranks)
     with the sync of docs/ALGORITHMS.md section 10 written out: each replica compresses
-    Delta_r + g c, SGD gets D - g c, the error buffers decay by 1 - (1 - decay)(1 - g)."""
+    Delta_r + g c, SGD gets D - g c, the error buffers (``dtype``: the collective stores bfloat16
+    ones with its stochastic rounding) decay by 1 - (1 - decay)(1 - g), rounded to nearest."""
     from onebit.collectives import local_compressed_allreduce, padded_numel
 
     models = [_model() for _ in range(W)]
@@ -161,7 +164,8 @@ def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128, inner=
     outer = torch.optim.SGD(gp, lr=outer_lr, momentum=0.9, nesterov=True)
     n = sum(p.numel() for p in gp)
     N = padded_numel(n, W, block)
-    we, se = [torch.zeros(N) for _ in range(W)], [torch.zeros(N // W) for _ in range(W)]
+    we = [torch.zeros(N, dtype=dtype) for _ in range(W)]
+    se = [torch.zeros(N // W, dtype=dtype) for _ in range(W)]
     g = (1.0 - outer_lr) if share == "auto" else share
     for step in range(steps):
         _inner_steps(models, inners, step)
@@ -190,17 +194,21 @@ def _simulate_one_bit(W, H, steps, outer_lr, share, decay=0.5, block=128, inner=
 
 
 @pytest.mark.parametrize(("W", "kw"), [(3, {}), (3, {"outer_lr": 0.3}), (2, {"momentum_share": 1.0}),
-                                       (2, {"momentum_share": 0.0, "outer_lr": 0.1})],
-                         ids=["auto-0.7", "auto-0.3", "momentum", "plain"])
+                                       (2, {"momentum_share": 0.0, "outer_lr": 0.1}),
+                                       (3, {"error_dtype": torch.float32})],
+                         ids=["auto-0.7", "auto-0.3", "momentum", "plain", "float32-errors"])
 def test_one_bit_sync_matches_its_single_process_simulation(ranks, W, kw):
     """The library's 1-bit sync is section 10's blend (g = 1 - outer lr by default), bitwise:
-    the same collective, the same momentum term and the same decay of the error buffers."""
+    the same collective, the same momentum term and the same decay of the error buffers, kept in
+    bfloat16 by default or in float32."""
     H, steps = 10, 40
     got = ranks(W).run(_body_train, H, steps, {"compress": True, **kw})
     with _one_thread():
-        ref = _simulate_one_bit(W, H, steps, kw.get("outer_lr", 0.7), kw.get("momentum_share", "auto"))
+        ref = _simulate_one_bit(W, H, steps, kw.get("outer_lr", 0.7), kw.get("momentum_share", "auto"),
+                                dtype=kw.get("error_dtype", torch.bfloat16))
     for g in got:
         assert g["identical"] and g["syncs_seen"] == steps // H
+        assert g["error_dtypes"] == {kw.get("error_dtype", torch.bfloat16)}
         assert torch.equal(g["params"], ref), float((g["params"] - ref).norm() / ref.norm())
 
 

@@ -161,15 +161,20 @@ def test_ddp_hook_with_bfloat16_errors(ranks):
         assert all(torch.equal(a, b) for a, b in zip(other[0][0], results[0][0][0], strict=True))
 
 
-def _diloco_body(dtype: torch.dtype):
+def _diloco(dtype: torch.dtype | None):
     from onebit.optimizers import DiLoCo
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    diloco = DiLoCo(model, inner, outer, sync_every=3, error_dtype=dtype)
-    for step in range(9):
+    kw = {} if dtype is None else {"error_dtype": dtype}
+    return model, DiLoCo(model, inner, outer, sync_every=3, **kw)
+
+
+def _diloco_body(dtype: torch.dtype | None, steps: int = 9):
+    model, diloco = _diloco(dtype)
+    for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 2, (8,), generator=g)
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -179,13 +184,61 @@ def _diloco_body(dtype: torch.dtype):
 
 
 def _diloco_both():
-    return _diloco_body(torch.bfloat16), _diloco_body(torch.float32)
+    return _diloco_body(None), _diloco_body(torch.float32)
 
 
 def test_diloco_with_bfloat16_errors(ranks):
+    # bfloat16 is DiLoCo's default
     for bf, f32 in ranks(2).run(_diloco_both):
         assert all(e.dtype == torch.bfloat16 for e in bf[1]) and any(bool(e.ne(0).any()) for e in bf[1])
         assert max(_rel(a, b) for a, b in zip(bf[0], f32[0], strict=True)) < 5e-2
+
+
+def _diloco_cross_load():
+    """A float32 DiLoCo's state loaded into a bfloat16 one and the other way round, after 4 steps (a
+    sync done, one on its way): the buffers keep the loading DiLoCo's dtype, rounded to nearest or
+    widened exactly, and the run goes on."""
+    out = {}
+    for saved, loading in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        model, diloco = _diloco(saved)
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 2, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            diloco.step()
+            diloco.zero_grad()
+        state, weights = diloco.state_dict(), copy.deepcopy(model.state_dict())
+        model2, other = _diloco(loading)
+        model2.load_state_dict(weights)
+        other.load_state_dict(state)
+        before = [e.clone() for pair in other._errors for e in pair]
+        for step in range(4, 7):
+            g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 2, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model2(x), y).backward()
+            other.step()
+            other.zero_grad()
+        out[str(loading)] = ([e for pair in state["errors"] for e in pair], before,
+                             [e for pair in other._errors for e in pair], other.syncs,
+                             [t.clone() for t in other.theta])  # the global weights
+    return out
+
+
+def test_diloco_checkpoints_load_across_error_dtypes(ranks):
+    results = ranks(2).run(_diloco_cross_load)
+    for got in results:
+        for loading, (saved, loaded, after, syncs, params) in got.items():
+            dtype = torch.bfloat16 if loading.endswith("bfloat16") else torch.float32
+            assert syncs == 2 and all(torch.isfinite(t).all() for t in params)
+            assert any(bool(e.ne(0).any()) for e in saved)
+            for s_, l_, a_ in zip(saved, loaded, after, strict=True):
+                assert l_.dtype == dtype and a_.dtype == dtype
+                assert torch.equal(l_, s_.to(dtype))  # rounded to nearest, or widened exactly
+                if dtype == torch.float32:
+                    assert torch.equal(l_.to(torch.bfloat16).float(), l_)
+    for got in results[1:]:  # the replicas' global weights identical
+        for k, v in got.items():
+            assert all(torch.equal(a, b) for a, b in zip(v[4], results[0][k][4], strict=True))
 
 
 def _in_pass_body(in_pass: bool, message: bool, nonfinite_at=None):
