@@ -74,6 +74,29 @@ def step_counts(steps: list) -> list[float]:
     return out
 
 
+def counts_on_device(steps: list, forced: bool | None = None) -> bool:
+    """Whether the step counts are used where they live, as device tensors, with no host read (issue 57):
+    where any is a tensor off the CPU (torch's fused and capturable Adam-types on a GPU keep them there).
+    ``forced``: True or False decides (the tests force True on a CPU)."""
+    if forced is not None:
+        return forced and any(isinstance(s, torch.Tensor) for s in steps)
+    return any(isinstance(s, torch.Tensor) and s.device.type != "cpu" for s in steps)
+
+
+def device_counts(steps: list, device: torch.device) -> list[torch.Tensor]:
+    """The step counts as 0-dim float32 tensors on ``device`` (a tensor's own value, a number copied
+    there), with no host read."""
+    return [s.detach().reshape(()).to(device=device, dtype=torch.float32) if isinstance(s, torch.Tensor)
+            else torch.tensor(float(s), dtype=torch.float32, device=device) for s in steps]
+
+
+def device_bc2(b2: float, steps: torch.Tensor) -> torch.Tensor:
+    """``1 - b2^steps`` (1 where ``steps`` is 0) from a 0-dim device count, in float64 on the device as
+    the host computes it in Python floats (no host read)."""
+    t = steps.to(torch.float64)
+    return torch.where(t > 0, 1.0 - torch.pow(b2, t), 1.0)
+
+
 class FrozenAdam:
     """The frozen denominators (by the hook's parameter names) and the step hooks."""
 
@@ -93,6 +116,8 @@ class FrozenAdam:
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) hidden from torch's step
         self.tables: dict = {}  # the Triton passes' tables (collectives/_hook_fused.py)
+        # the step counts used on their device, not read (None: where they live off the CPU; counts_on_device)
+        self.device_counts: bool | None = None
 
     @property
     def frozen(self) -> bool:
@@ -158,14 +183,18 @@ class FrozenAdam:
                         or "exp_avg" not in entry:
                     continue
                 rows.append((group, p, name, entry))
-        # every step count read at once (a fused or capturable AdamW keeps them on the device: one host
-        # synchronisation in all, not one per parameter)
-        counts = step_counts([entry["step"] for *_, entry in rows])
+        steps = [entry["step"] for *_, entry in rows]
+        if rows and counts_on_device(steps, self.device_counts):
+            # a fused or capturable AdamW's counts on a GPU: used there, as torch's capturable step does
+            # (t + 1 in one multi-tensor add; the bias corrections made on the device), no host read
+            ts: list = torch._foreach_add(device_counts(steps, to_local(rows[0][1]).device), 1.0)
+        else:
+            # every step count read at once (one host read in all, not one per parameter)
+            ts = [count + 1.0 for count in step_counts(steps)]  # torch counts the step before its corrections
         batch = OwnSteps()  # what the C does not take, made at the end (multi-tensor)
-        for (group, p, name, entry), count in zip(rows, counts, strict=True):
+        for (group, p, name, entry), t in zip(rows, ts, strict=True):
             b1, b2 = group["betas"]
             eps = group["eps"]
-            t = count + 1.0  # torch counts the step before its bias corrections
             if own and self._own_step(p, entry, group, name, t, batch):
                 continue
             d = self.denominator(opt, p, name)
@@ -173,7 +202,9 @@ class FrozenAdam:
                 continue
             m, grad = to_local(entry["exp_avg"]), to_local(p.grad)  # DTensors (FSDP2): their slices
             m.mul_(b1).add_(grad, alpha=1.0 - b1).div_(b1)  # the optimizer's b1 * m gives m_new
-            target = (d - eps).mul_(math.sqrt(1.0 - b2**t)).square_().div_(b2)
+            root = (1.0 - torch.pow(b2, t.to(torch.float64))).sqrt().to(torch.float32) \
+                if isinstance(t, torch.Tensor) else math.sqrt(1.0 - b2**t)
+            target = (d - eps).mul_(root).square_().div_(b2)
             v = to_local(entry["exp_avg_sq"])
             self._saved.append((v, v.clone()))  # v_F, put back after the step
             v.copy_(target)  # the optimizer's b2 * v gives the frozen one
@@ -181,7 +212,8 @@ class FrozenAdam:
             grad.zero_()
         batch.run()
 
-    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, name, t: float, batch: OwnSteps) -> bool:
+    def _own_step(self, p: torch.Tensor, entry: dict, group: dict, name, t: float | torch.Tensor,
+                  batch: OwnSteps) -> bool:
         """torch's Adam/AdamW update of ``p`` on the frozen denominator, done here: the momentum
         takes this iteration's gradient, ``p -= lr * m / (bc1 * d)`` (after AdamW's decay; Adam's
         L2 term joins the gradient), ``d`` computed from ``exp_avg_sq`` (``v_F``, left as it is) and
@@ -192,23 +224,26 @@ class FrozenAdam:
         is ``d`` after a square and a root). Where the C pass does not take it (a GPU, a small tensor,
         an old checkpoint's denominator) the update joins ``batch``, which :func:`own_steps` makes for
         the whole group in multi-tensor ops (:class:`OwnSteps`), and the step counts advance there, all
-        at once. False: not done (options this does not model: the caller takes the preparing route)."""
+        at once. ``t``: the count after this step, a number or (counts kept on a device) a 0-dim tensor there,
+        whose ``lr / bc1`` the batch makes on the device. False: not done (options this does not model: the
+        caller takes the preparing route)."""
         if any(group.get(k) for k in ("maximize", "amsgrad", "capturable", "differentiable")):
             return False
         b1 = group["betas"][0]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        bc1 = 1.0 - b1**t
+        on_device = isinstance(t, torch.Tensor)
         decoupled = group.get("decoupled_weight_decay", False)
         pl, grad = to_local(p).detach(), to_local(p.grad)
         m, v = to_local(entry["exp_avg"]), to_local(entry["exp_avg_sq"])
         legacy, done = self.legacy.get(name), False
-        if legacy is None and pl.device.type == "cpu":  # the C pass (a CPU tensor large enough)
+        if legacy is None and pl.device.type == "cpu" and not on_device:  # the C pass (a large CPU tensor)
             g = grad.add(pl, alpha=wd) if wd and not decoupled else grad
             decay = 1.0 - lr * wd if wd and decoupled else 1.0
-            done = cpu_fused.frozen_adam_(pl, m, g, v, beta1=b1, decay=decay, step=lr / bc1,
+            done = cpu_fused.frozen_adam_(pl, m, g, v, beta1=b1, decay=decay, step=lr / (1.0 - b1**t),
                                           denominator=self._c_scalars(name))
         if not done:
-            batch.add(group, (pl, m, grad, v, legacy, self.scalars.get(name), lr / bc1))
+            size = t if on_device else lr / (1.0 - b1**t)
+            batch.add(group, (pl, m, grad, v, legacy, self.scalars.get(name), size))
         batch.steps.append(entry)
         self._hidden.append((p, p.grad))
         p.grad = None
@@ -324,7 +359,10 @@ def own_steps(items: list[tuple], group: dict) -> None:
     v, d, (floor, bc2, eps), lr / bc1)``, ``d`` an old checkpoint's denominator or None (made from ``v``:
     ``max(sqrt(v), floor) * r + eps``, each operation rounded, as ``stale_denominator``). Each element
     takes the per-parameter route's operations in its order: ``m = b1 m + (1 - b1) g`` (``g = grad + wd p``
-    for Adam's L2 term), ``p = p * (1 - lr wd)`` (AdamW), ``p = p + (-lr / bc1) m / d``."""
+    for Adam's L2 term), ``p = p * (1 - lr wd)`` (AdamW), ``p = p + (-lr / bc1) m / d``. With the step
+    counts on the device the last item is the count ``t`` (0-dim tensors there): ``-lr / bc1`` is made
+    there as torch's capturable Adam makes it (``1 / ((b1^t - 1) / lr)``) and ``p = p + m / (d / (-lr /
+    bc1))`` (the same to rounding; no host read)."""
     b1, lr, wd = group["betas"][0], float(group["lr"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", False)
     ps, ms, grads, vs = ([it[k] for it in items] for k in range(4))
@@ -344,7 +382,15 @@ def own_steps(items: list[tuple], group: dict) -> None:
     torch._foreach_add_(ms, gs, alpha=1.0 - b1)
     if wd and decoupled:
         torch._foreach_mul_(ps, 1.0 - lr * wd)
-    torch._foreach_addcdiv_(ps, ms, ds, [-it[6] for it in items])
+    last = [it[6] for it in items]
+    if isinstance(last[0], torch.Tensor):  # the step counts on the device
+        size = torch._foreach_pow(b1, last)
+        torch._foreach_sub_(size, 1.0)
+        torch._foreach_div_(size, lr)
+        torch._foreach_reciprocal_(size)  # -lr / bc1
+        torch._foreach_addcdiv_(ps, ms, torch._foreach_div(ds, size))  # (ds kept: an old d may be one)
+    else:
+        torch._foreach_addcdiv_(ps, ms, ds, [-s for s in last])
 
 
 def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout, share="auto"):

@@ -47,7 +47,17 @@ from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ..kernels.rounding import check_error_dtype
 from . import _hook_fused, _momentum, _several
-from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, frozen_terms, is_adam_type, step_counts
+from ._frozen_adam import (
+    FrozenAdam,
+    clip_agreed,
+    counts_on_device,
+    device_bc2,
+    device_counts,
+    frozen_pre_,
+    frozen_terms,
+    is_adam_type,
+    step_counts,
+)
 from ._group import warn_collective
 from ._unused import LIVE, rank_of
 from .allreduce import compressed_allreduce, compressed_allreduce_passes, error_buffer_numel
@@ -160,6 +170,9 @@ class OnebitCompressHookState:
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
         self._warned_unused = False
+        # the optimizer's step counts used on their device, not read (None: where they live off the CPU;
+        # _frozen_adam.counts_on_device; the tests force True on a CPU)
+        self._device_counts: bool | None = None
         LIVE.add(self)
 
     @property
@@ -319,6 +332,7 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("_naming", True)
         self.__dict__.setdefault("_warned", False)
         self.__dict__.setdefault("_warned_unused", False)
+        self.__dict__.setdefault("_device_counts", None)
         self.__dict__.setdefault("_timing", Traffic())
         self.__dict__.setdefault("_mesh", None)
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
@@ -481,9 +495,14 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket, re
             factor = _momentum.factor(owner, group) * _momentum.share_of(owner, state.momentum_share)
             if factor:
                 sgd.append((i, buf.detach(), factor))
-    counts = step_counts([e.get("step", 0) for _, e, _ in rows])
-    for (i, entry, group), steps in zip(rows, counts, strict=True):
-        bc2 = 1.0 - group["betas"][1] ** steps if steps else 1.0
+    steps = [e.get("step", 0) for _, e, _ in rows]
+    if rows and counts_on_device(steps, state._device_counts):  # kept on a GPU: used there, not read
+        bc2s = [device_bc2(group["betas"][1], t)
+                for (_, _, group), t in zip(rows, device_counts(steps, grads[0].device), strict=True)]
+    else:  # read together: one host read
+        bc2s = [1.0 - group["betas"][1] ** t if t else 1.0
+                for (_, _, group), t in zip(rows, step_counts(steps), strict=True)]
+    for (i, entry, group), bc2 in zip(rows, bc2s, strict=True):
         adam.append((i, entry["exp_avg_sq"].detach().float(), bc2, group.get("eps", 1e-8)))
     d = c = None
     if adam:

@@ -60,7 +60,8 @@ def _f32(x: float) -> float:
 
 
 def stale_denominator(
-    v: torch.Tensor, floor: torch.Tensor | None, eps: float, bc2: float = 1.0, eps_inside_sqrt: bool = False,
+    v: torch.Tensor, floor: torch.Tensor | None, eps: float, bc2: float | torch.Tensor = 1.0,
+    eps_inside_sqrt: bool = False,
 ) -> torch.Tensor:
     """Adam's denominator from a frozen (or not refreshed) variance, each ``sqrt(v)`` raised to
     at least ``floor`` first (None: no floor): ``max(sqrt(v), floor) * r + eps`` with ``r =``
@@ -68,14 +69,16 @@ def stale_denominator(
     passes compute it the same way from ``v``, docs/ALGORITHMS.md 6.2), or
     ``sqrt(max(v, floor^2) / bc2 + eps)`` with
     ``eps_inside_sqrt``. A new tensor. Without a floor and bias correction it is bitwise
-    ``v.sqrt() + eps``, the reference's."""
+    ``v.sqrt() + eps``, the reference's. ``bc2`` a 0-dim tensor (a step count kept on a GPU): the same
+    maths on the device, with no host read."""
+    on_device = isinstance(bc2, torch.Tensor)
     if eps_inside_sqrt:
         v = v.float()  # a variance stored in bfloat16 (``variance_dtype``): widened, exactly
         w = v.clamp(min=floor * floor) if floor is not None else v.clone()
-        if bc2 != 1.0:
+        if on_device or bc2 != 1.0:
             w.div_(bc2)
         return w.add_(eps).sqrt_()
-    if v.device.type == "cpu":  # one C pass where the library runs (the float64 sqrt below is slow)
+    if v.device.type == "cpu" and not on_device:  # one C pass where the library runs (float64 sqrt: slow)
         from . import cpu_fused
 
         d = cpu_fused.stale_denominator(v, (0.0 if floor is None else float(floor), inverse_sqrt_bc2(bc2),
@@ -85,6 +88,8 @@ def stale_denominator(
     d = sqrt_rn(v)
     if floor is not None:
         d = torch.maximum(d, floor)
-    if bc2 != 1.0:
+    if on_device:  # inverse_sqrt_bc2's roundings (a float64 root rounded once, a float32 quotient), there
+        d.mul_(1.0 / bc2.to(device=d.device, dtype=torch.float64).sqrt().to(torch.float32))
+    elif bc2 != 1.0:
         d.mul_(inverse_sqrt_bc2(bc2))
     return d.add_(eps)

@@ -33,11 +33,16 @@ counters choose its kind).
 
 The run is bitwise the host agreement's, skipped steps included (tests/test_device_agreement.py,
 tests/test_device_agreement_zoa.py).
+OnebitAdam's warm-up steps agree the same way as those local steps (the poison summed over the ranks, every
+bucket's update one Triton launch gated by it: kernels/fused/warmup.py), all but the last (it enters
+compression) and none under an automatic freeze (it reads the variance).
+
 Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton step with the momentum
 kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
-``overlap``; ZeroOneAdam's phase-1 compressed steps (a fixed ``var_freeze_step``) and its phase-2 local
-steps; everything else (the warm-ups, phase 1's variance steps, ``nonfinite="raise"``) agrees on the
-host. Two differences,
+``overlap``; OnebitAdam's warm-up steps but the last (a fixed ``freeze_step``); ZeroOneAdam's phase-1
+compressed steps (a fixed ``var_freeze_step``) and its phase-2 local steps; everything else (OnebitLamb,
+the first compressed step, phase 1's variance steps, ``nonfinite="raise"``) agrees on the host. Two
+differences,
 both on steps that the host would also not take as they are: the ranks are not named, and a finite
 gradient whose norm overflows float32 (all entries finite, their sum of squares not) skips the step
 (the host check then tests every element and takes it, with non-finite values in its update).

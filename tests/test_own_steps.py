@@ -68,3 +68,42 @@ def test_own_steps_on_cuda_match_the_per_parameter_operations():
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=1e-7)
+
+
+def _with_counts(items, device: str):
+    """The same items with the step count itself (a 0-dim float32 tensor on ``device``, as a fused AdamW
+    keeps it on a GPU) in place of ``lr / bc1``: own_steps makes ``-lr / bc1`` on the device."""
+    return [tuple(it[:6]) + (torch.tensor(float(11 + k), device=device),) for k, it in enumerate(items)]
+
+
+@pytest.mark.parametrize("decoupled, wd", [(True, 0.01), (False, 0.1)])
+def test_own_steps_with_the_step_counts_on_the_device_match_to_rounding(decoupled, wd):
+    # the bias correction in float32 on the device (torch's capturable Adam's way) and the step size divided
+    # into the denominator: the same update to float32 rounding, the momentum bitwise
+    group = {"betas": (0.9, 0.999), "lr": 1e-2, "weight_decay": wd, "decoupled_weight_decay": decoupled}
+    ours, theirs = _items(2, "cpu"), _items(2, "cpu")
+    legacy = ours[3][4].clone()
+    own_steps(_with_counts(ours, "cpu"), group)
+    own_steps([tuple(it) for it in theirs], group)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=2e-6, atol=1e-7)
+        assert torch.equal(a[1], b[1])
+    assert torch.equal(ours[3][4], legacy)  # an old checkpoint's denominator is read, never written
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_own_steps_with_the_step_counts_on_the_device_synchronise_nothing():
+    # issue 57: the hook's own step for a fused AdamW (step counts on the GPU) reads no count back
+    group = {"betas": (0.9, 0.999), "lr": 1e-2, "weight_decay": 0.01, "decoupled_weight_decay": True}
+    ours, theirs = _items(3, "cuda"), _items(3, "cuda")
+    items = _with_counts(ours, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        own_steps(items, group)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    own_steps([tuple(it) for it in theirs], group)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=2e-6, atol=1e-7)

@@ -9,6 +9,11 @@ variants by ``--diag`` (comma-separated):
   decay=G       both errors multiplied by G before each use
   scale         each matrix's gradient divided by a running RMS of its shared averages (beta=0.99)
   pred=L        the gradient minus L times the shared momentum compressed (the momentum added back)
+  fact=B        each matrix's gradient divided elementwise by sqrt of a factored second moment (Adafactor's
+                row and column means of the shared averages' squares, EMA with beta B) before compression,
+                multiplied back after: the errors and the block scales in that normalised space
+  elem=B        the same with each element's own second moment (an EMA of the shared averages' squares)
+  floor=F       fact/elem: the root raised to at least F times its mean over the matrix (default 0.1)
 
   torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag server
   torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag ""   # plain DDP
@@ -47,6 +52,12 @@ class DiagHook:
         self.block = int(opts.get("block", 64))
         self.decay = float(opts["decay"]) if "decay" in opts else None
         self.pred = float(opts["pred"]) if "pred" in opts else None
+        self.fact = float(opts["fact"]) if "fact" in opts else None
+        self.elem = float(opts["elem"]) if "elem" in opts else None
+        self.floor = float(opts.get("floor", 0.1))
+        self.vs: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
+        self.cols: dict[int, torch.Tensor] = {}
         self.ew: dict[int, torch.Tensor] = {}
         self.es: dict[int, torch.Tensor] = {}
         self.rms: dict[int, torch.Tensor] = {}
@@ -60,6 +71,19 @@ class DiagHook:
         flat.div_(W)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
+
+    def _factored(self, k: int, shape) -> torch.Tensor | None:
+        """sqrt of the factored second moment R_i C_j / mean(R) of parameter ``k`` (flat), from the
+        shared averages (alike on every rank); None before any."""
+        if self.elem is not None:
+            v = self.vs.get(k)
+        else:
+            r, c = self.rows.get(k), self.cols.get(k)
+            v = None if r is None or len(shape) != 2 else torch.outer(r, c) / r.mean().clamp_min(1e-30)
+        if v is None:
+            return None
+        root = v.sqrt().reshape(-1)
+        return torch.maximum(root, self.floor * root.mean()).clamp_min(1e-20)
 
     def _error(self, table: dict, k: int, like: torch.Tensor) -> torch.Tensor:
         e = table.setdefault(k, torch.zeros_like(like))
@@ -80,6 +104,8 @@ class DiagHook:
             if self.pred is not None:
                 x = x - self.pred * self.m.get(k, torch.zeros_like(x))
             d = self.rms.get(k) if "scale" in self.opts else None
+            if self.fact is not None or self.elem is not None:
+                d = self._factored(k, params[i].shape)
             if d is not None:
                 x = x / d
             e = self._error(self.ew, k, x)
@@ -110,6 +136,16 @@ class DiagHook:
                 old = self.m.get(id(p))
                 self.m[id(p)] = ((1 - MOMENTUM) * y if old is None
                                  else old.mul_(MOMENTUM).add_(y, alpha=1 - MOMENTUM))
+                if self.fact is not None and p.ndim == 2:
+                    sq = y.view(p.shape).pow(2)
+                    rm, cm = sq.mean(1), sq.mean(0)
+                    r, c = self.rows.get(id(p)), self.cols.get(id(p))
+                    self.rows[id(p)] = rm if r is None else r.mul_(self.fact).add_(rm, alpha=1 - self.fact)
+                    self.cols[id(p)] = cm if c is None else c.mul_(self.fact).add_(cm, alpha=1 - self.fact)
+                if self.elem is not None:
+                    old_v = self.vs.get(id(p))
+                    self.vs[id(p)] = (y * y if old_v is None
+                                      else old_v.mul_(self.elem).addcmul_(y, y, value=1 - self.elem))
                 ms = y.pow(2).mean()
                 r = self.rms.get(id(p))
                 self.rms[id(p)] = (ms if r is None else 0.99 * r.pow(2) + 0.01 * ms).sqrt().clamp_min(1e-12)
