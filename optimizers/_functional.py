@@ -203,16 +203,20 @@ def count_sketch(x: torch.Tensor, index: torch.Tensor | SketchHash | None, size:
 
 def lamb_sketched_update(
     p: torch.Tensor, u: torch.Tensor, norm_estimate: torch.Tensor, *, lr: float, weight_decay: float,
-    min_coeff: float, max_coeff: float,
+    min_coeff: float, max_coeff: float, skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """OnebitLamb's compressed-stage step (docs/ALGORITHMS.md section 6.3): ``p -= lr * c * (u +
     wd*p)`` with ``c = clip(||p|| / norm_estimate, min_coeff, max_coeff)`` (1 if a norm is 0);
     ``norm_estimate`` is the sketched ``||m* + wd*p||``, not the norm of the noisy ``u``.
+    ``skip``: a 0-dim bool on the device (a step agreed there): ``p`` left as it was where it is True.
     Returns ``c`` (0-dim float64)."""
     upd = u.add(p, alpha=weight_decay) if weight_decay > 0 else u
     w, n = _norm(p), norm_estimate.to(torch.float64)
     c = torch.where((w == 0) | (n == 0), 1.0, (w / n).clamp(min_coeff, max_coeff))
-    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    if skip is None:
+        p.addcmul_(upd, (-lr * c).to(p.dtype))
+    else:
+        p.copy_(torch.where(skip, p, p.addcmul(upd, (-lr * c).to(p.dtype))))
     return c
 
 

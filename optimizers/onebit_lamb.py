@@ -156,6 +156,24 @@ class OnebitLamb(WarmupThenCompress):
             if self.compressing:
                 self._enter_compression()
 
+    def _agreement_on_device(self):
+        """A steady preconditioned compression step agreed on the device (optimizers/_device_agreement.py):
+        every bucket's momentum kept as its last message (from the second compressed step on; no mask, no
+        clip), this rank's poison added to ``g / d`` (its messages' scales and sketches then NaN on every
+        rank; the collective leaves the errors), the kept message, the sketch, the parameters and the
+        coefficients selected on the device. Elsewhere the host agrees."""
+        if not (self.compressing and self.preconditioned and self.update_clip is None):
+            return None
+        reducer = self.reducer()
+        if not self._may_agree_on_device(reducer.device):
+            return None
+        pairs = self.compressed_params()
+        if not self._may_keep(reducer, pairs, self.auto_masks()) or not self._coeffs:
+            return None
+        if any(b.message is None for b in reducer.buckets if b.numel):
+            return None
+        return self._new_agreement(pairs, reducer)
+
     def _lamb_kwargs(self, g: dict) -> dict:
         return dict(lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], min_coeff=self.min_coeff,
                     max_coeff=self.max_coeff, coeff_beta=self.coeff_beta)
@@ -260,11 +278,15 @@ class OnebitLamb(WarmupThenCompress):
         """Fold ``g / d`` into ``u`` and sketch it; one full-precision all-reduce of the sketches
         (and of ``p``'s), one compressed all-reduce of ``u``; LAMB's step with the trust ratio
         from the sketched norm of the exact momentum."""
+        agreement = self._on_device  # the step's agreement on the device (_agreement_on_device), or None
+        old = [b.message for b in reducer.buckets] if agreement is not None else None  # (views decode them)
         views, index = reducer.views, self._sketch_indices(pairs)
         sketches = []
         for k, (p, g) in enumerate(pairs):
             b1, d = g["betas"][0], self.stale_denominator(k, p, g)
             gd = p.grad / d if p.grad is not None else torch.zeros_like(views[k])
+            if agreement is not None:
+                gd.add_(agreement.poison)  # 0, or NaN: this rank's messages and sketches poisoned
             views[k].mul_(b1).add_(gd, alpha=1.0 - b1)
             sketches.append(count_sketch(gd, index[k], TRUST_SKETCH))
         sketches += [count_sketch(p.detach(), index[k], TRUST_SKETCH) for k, (p, _) in enumerate(pairs)]
@@ -274,26 +296,37 @@ class OnebitLamb(WarmupThenCompress):
         # nothing writes u after the call (no mask, no clip)
         keep = self.update_clip is None and self._may_keep(reducer, pairs, masks)
         kept = reducer.compressed_mean_(keep=keep)
+        skip = None
+        if agreement is not None:  # each bucket keeps the gathered message, or its old one on a skip
+            kept = [None if k is None else (agreement.keep(k[0], k[1], o[0]), k[1])
+                    for k, o in zip(kept, old, strict=True)]
+            skip = agreement.skipped
         coeffs, offset, half = [], 0, means.numel() // 2 if means is not None else 0
         for k, ((p, g), dead) in enumerate(zip(pairs, masks, strict=True)):
             size = min(p.numel(), TRUST_SKETCH)
             y = self.state[p]["lamb_sketch"]
-            y.mul_(g["betas"][0]).add_(means[offset : offset + size], alpha=1.0 - g["betas"][0])
+            b1 = g["betas"][0]
+            if skip is None:
+                y.mul_(b1).add_(means[offset : offset + size], alpha=1.0 - b1)
+            else:
+                y.copy_(torch.where(skip, y, y.mul(b1).add_(means[offset : offset + size], alpha=1.0 - b1)))
             sketch_p = means[half + offset : half + offset + size]
             estimate = torch.linalg.vector_norm(y + g["weight_decay"] * sketch_p)
             offset += size
             u = clip_(mask_(views[k], dead, g.get("exp_avg_mask")), self.update_clip)
             coeffs.append(lamb_sketched_update(p, u, estimate, lr=g["lr"], weight_decay=g["weight_decay"],
-                                               min_coeff=self.min_coeff, max_coeff=self.max_coeff))
+                                               min_coeff=self.min_coeff, max_coeff=self.max_coeff, skip=skip))
+        if skip is not None:  # a skipped step's coefficients are the last step's
+            coeffs = [torch.where(skip, last, c) for last, c in zip(self._coeffs, coeffs, strict=True)]
         self._keep(reducer, kept)
         return coeffs
 
     def _compressed_step(self, reducer, pairs, first: bool) -> list[torch.Tensor]:
-        views = reducer.views
         if not reducer.buckets:
             return []
-        if self.preconditioned:
+        if self.preconditioned:  # (its buckets' kept messages read before their views decode them)
             return self._preconditioned_step(reducer, pairs)
+        views = reducer.views
         if first:  # the fresh variance starts from the frozen one
             for p, _ in pairs:
                 self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])

@@ -110,3 +110,41 @@ def test_the_ddp_hook_with_ranks_sharing_a_device(ranks, device):
     if device == "cuda":
         for a, b in zip(got[0], ranks(2).run(_hook, "cpu")[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _lamb(device: str, device_side: bool):
+    import warnings
+
+    from onebit.optimizers import OnebitLamb
+
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in ((120, 70), (33,), (4000,))]
+    opt = OnebitLamb(params, lr=1e-3, weight_decay=0.01, freeze_step=2)
+    opt._device_agreement = device_side
+    g = torch.Generator().manual_seed(100 + r)
+    agreed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(8):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(device)
+            if t == 5 and r == 1:
+                params[1].grad[3] = float("nan")
+            opt.step()
+            agreed.append(bool(opt._pending_agreements))
+        stats = opt.stats()
+    return [p.detach().cpu() for p in params], agreed, stats["updates"], stats["skipped_steps"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lambs_agreement_on_the_device_with_ranks_sharing_a_device(ranks, device):
+    # issue 57: OnebitLamb's steady compression steps agreed on the device (the poison through the Triton
+    # codec's scales, the selects on the device) skip a NaN step bitwise as the host agreement does
+    pool = ranks(2)
+    on, off = pool.run(_lamb, device, True), pool.run(_lamb, device, False)
+    for (a, agreed, updates, skipped), (b, host, updates_b, skipped_b) in zip(on, off, strict=True):
+        assert agreed == [False] * 3 + [True] * 5 and not any(host)
+        assert (updates, skipped) == (updates_b, skipped_b) == (7, 1)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)

@@ -1,0 +1,83 @@
+"""OnebitLamb's steady compression steps agree on the device (issue 57; optimizers/_device_agreement.py,
+OnebitLamb._agreement_on_device): this rank's poison (0, or NaN for a non-finite gradient) added to
+``g / d`` poisons its messages and its sketches on every rank; the collective leaves the error buffers,
+and the kept message, the trust-ratio sketch, the parameters and the coefficients are selected on the
+device. On 2 and 3 gloo ranks, with the Triton codec (a GPU's; here under the interpreter), the C and the
+plain one: bitwise the host agreement's run, skipped steps included; with the Triton codec nothing read
+back in a steady step (the CPU codecs read their scales on the host, where that is no synchronisation);
+the host learns of a skip at a later step."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import ValueReads
+
+from onebit.kernels.backends import use_backend
+from onebit.optimizers import OnebitLamb
+
+SHAPES = [(40, 30), (17,), (5, 7, 3), (300,)]
+STEPS = 9
+
+
+def _body(device_side: bool, bad_step: int | None, backend: str):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OnebitLamb(params, lr=1e-2, weight_decay=0.01, freeze_step=2)
+    opt._device_agreement = device_side
+    g = torch.Generator().manual_seed(100 + r)
+    on_device, reads = [], []
+    with use_backend(backend), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(STEPS):
+            grads = [torch.randn(s, generator=g) for s in SHAPES]
+            if t == bad_step and r == 1:
+                grads[2].view(-1)[4] = float("nan")
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+            with ValueReads() as counted:
+                opt.step()
+            # (on a CPU the variance's denominator and the sketches' C passes read their scalars: no
+            # synchronisation there; a GPU's routes read none, tests/test_cuda.py)
+            reads.append([w for w in counted.where if not w.startswith(("preconditioning", "sketch"))])
+            on_device.append(bool(opt._pending_agreements))
+        coeffs = opt.get_lamb_coeffs()
+        state = opt.state_dict()  # (learns of a skip at the last step first)
+        said = [str(w.message) for w in caught if "step skipped" in str(w.message)]
+    errors = [e.clone() for pair in opt.reducer().errors() for e in pair]
+    return {"params": [p.detach().clone() for p in params], "errors": errors,
+            "exp_avg": [state["state"][k]["exp_avg"].clone() for k in range(len(SHAPES))],
+            "sketch": [state["state"][k]["lamb_sketch"].clone() for k in range(len(SHAPES))],
+            "coeffs": coeffs, "updates": opt.updates, "skipped": opt.skipped_steps, "on_device": on_device,
+            "said": said, "reads": reads}
+
+
+@pytest.mark.parametrize("backend", ["triton", "native", "plain"])
+@pytest.mark.parametrize("W, bad_step", [(2, None), (3, 5), (2, 4), (3, STEPS - 1)])
+def test_lambs_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, backend):
+    pool = ranks(W)
+    device = pool.run(_body, True, bad_step, backend)
+    host = pool.run(_body, False, bad_step, backend)
+    for r, (a, b) in enumerate(zip(device, host, strict=True)):
+        for key in ("params", "errors", "exp_avg", "sketch"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert torch.equal(x, y), (r, key)
+        assert a["coeffs"] == b["coeffs"]
+        assert a["updates"] == b["updates"] == STEPS - (bad_step is not None)
+        assert a["skipped"] == b["skipped"] == (bad_step is not None)
+        # on the device from the second compressed step on (the warm-up, its last step and the first
+        # compressed one on the host); never on the host's
+        assert a["on_device"] == [False] * 3 + [True] * (STEPS - 3), a["on_device"]
+        assert not any(b["on_device"])
+        for t in range(3, STEPS):  # nothing read back but the earlier steps' flags (pinned memory)
+            if backend == "triton":
+                assert all(w.startswith("_device_agreement") for w in a["reads"][t]), (t, a["reads"][t])
+        assert any(w.startswith("_agreement") for w in b["reads"][4])  # (the host's: read back)
+        said = a["said"]
+        assert len(said) == (bad_step is not None and r == 0), said
+        if said:
+            assert "agreed on the device" in said[0]
