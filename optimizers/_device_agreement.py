@@ -36,7 +36,8 @@ tests/test_device_agreement_zoa.py).
 OnebitLamb's steady compression steps (its unfused step) agree with the poison added to ``g / d``: its
 messages and its trust-ratio sketches are NaN on every rank, the collective leaves the errors, and the
 kept message, the sketch, the parameters and the coefficients are selected on the device
-(OnebitLamb._agreement_on_device).
+(OnebitLamb._agreement_on_device); its warm-up steps as OnebitAdam's below, the moments, the parameters
+and the trust-ratio EMA selected by the summed poison.
 
 OnebitAdam's warm-up steps agree the same way as those local steps (the poison summed over the ranks, every
 bucket's update one Triton launch gated by it: kernels/fused/warmup.py), all but the last (it enters
@@ -46,8 +47,9 @@ Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton st
 kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
 ``overlap``; OnebitAdam's warm-up steps but the last (a fixed ``freeze_step``); ZeroOneAdam's phase-1
 compressed steps (a fixed ``var_freeze_step``) and its phase-2 local steps; OnebitLamb's preconditioned
-compression steps from the second on (no mask, no clip); everything else (the first compressed step, the
-LAMB warm-up, phase 1's variance steps, ``nonfinite="raise"``) agrees on the host. Two
+compression steps from the second on (no mask, no clip) and its warm-up steps but the first and the last;
+everything else (the first compressed step, phase 1's variance steps, ``nonfinite="raise"``) agrees on the
+host. Two
 differences,
 both on steps that the host would also not take as they are: the ranks are not named, and a finite
 gradient whose norm overflows float32 (all entries finite, their sum of squares not) skips the step

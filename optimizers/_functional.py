@@ -159,15 +159,21 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
 def lamb_warmup_update(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coeff_freeze: torch.Tensor, *, lr: float,
     eps: float, weight_decay: float, min_coeff: float, max_coeff: float, coeff_beta: float,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LAMB step with trust ratio ``c = clip(||p|| / ||upd||)`` (1 if a norm is 0); folds
-    ``c`` into the EMA ``coeff_freeze`` when ``c != 1``. Returns ``c`` (0-dim float64)."""
+    ``c`` into the EMA ``coeff_freeze`` when ``c != 1``. ``skip``: a 0-dim bool on the device (a step
+    agreed there): ``p`` and the EMA left as they were where it is True. Returns ``c`` (0-dim float64)."""
     upd = direction(p, m, v, eps, weight_decay)
     w, u = _norm(p), _norm(upd)
     c = torch.where((w == 0) | (u == 0), 1.0, (w / u).clamp(min_coeff, max_coeff))
     ema = coeff_beta * coeff_freeze + (1 - coeff_beta) * c
-    coeff_freeze.copy_(torch.where(c != 1, ema, coeff_freeze))
-    p.addcmul_(upd, (-lr * c).to(p.dtype))
+    keep = c == 1 if skip is None else skip | (c == 1)
+    coeff_freeze.copy_(torch.where(keep, coeff_freeze, ema))
+    if skip is None:
+        p.addcmul_(upd, (-lr * c).to(p.dtype))
+    else:
+        p.copy_(torch.where(skip, p, p.addcmul(upd, (-lr * c).to(p.dtype))))
     return c
 
 

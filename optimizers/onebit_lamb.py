@@ -161,30 +161,55 @@ class OnebitLamb(WarmupThenCompress):
         every bucket's momentum kept as its last message (from the second compressed step on; no mask, no
         clip), this rank's poison added to ``g / d`` (its messages' scales and sketches then NaN on every
         rank; the collective leaves the errors), the kept message, the sketch, the parameters and the
-        coefficients selected on the device. Elsewhere the host agrees."""
-        if not (self.compressing and self.preconditioned and self.update_clip is None):
+        coefficients selected on the device. A warm-up step but the last (it enters compression; and none
+        under an automatic freeze, which reads the variance) agrees too: the ranks' poisons summed on the
+        device (one 4-byte all-reduce, nothing read back), the moments, the parameters and the trust-ratio
+        EMA selected by it. Elsewhere (the first step, the first compressed one) the host agrees."""
+        if not self._coeffs:
+            return None
+        if not self.compressing:
+            if self.schedule.auto is not None or self.updates + 1 >= self.schedule.fixed:
+                return None
+            reducer = self.reducer()
+            if not self._may_agree_on_device(reducer.device):
+                return None
+            return self._new_agreement(self.compressed_params(), reducer, summed=True)
+        if not (self.preconditioned and self.update_clip is None):
             return None
         reducer = self.reducer()
         if not self._may_agree_on_device(reducer.device):
             return None
         pairs = self.compressed_params()
-        if not self._may_keep(reducer, pairs, self.auto_masks()) or not self._coeffs:
+        if not self._may_keep(reducer, pairs, self.auto_masks()):
             return None
         if any(b.message is None for b in reducer.buckets if b.numel):
             return None
         return self._new_agreement(pairs, reducer)
+
+    def _counts_enter_update(self) -> bool:
+        # the warm-up: the update count decides when it ends (a skip agreed on the device counted first)
+        return not self.compressing or super()._counts_enter_update()
 
     def _lamb_kwargs(self, g: dict) -> dict:
         return dict(lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], min_coeff=self.min_coeff,
                     max_coeff=self.max_coeff, coeff_beta=self.coeff_beta)
 
     def _warmup_step(self, reducer, pairs) -> list[torch.Tensor]:
+        skip = None if self._on_device is None else self._on_device.skipped  # agreed on the device: its gate
         coeffs = []
         for k, p, g, grad in self.averaged_gradients(reducer, pairs):
             state = self.state[p]
             m, v = reducer.views[k], state["exp_avg_sq"]
-            moments_(m, v, grad, g["betas"])
-            coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], **self._lamb_kwargs(g)))
+            if skip is None:
+                moments_(m, v, grad, g["betas"])
+            else:  # the same operations, each moment kept where the step is skipped
+                b1, b2 = g["betas"]
+                m.copy_(torch.where(skip, m, m.mul(b1).add_(grad, alpha=1.0 - b1)))
+                v.copy_(torch.where(skip, v, v.mul(b2).addcmul_(grad, grad, value=1.0 - b2)))
+            coeffs.append(lamb_warmup_update(p, m, v, state["lamb_coeff_freeze"], skip=skip,
+                                             **self._lamb_kwargs(g)))
+        if skip is not None:  # a skipped step's coefficients are the last step's
+            coeffs = [torch.where(skip, last, c) for last, c in zip(self._coeffs, coeffs, strict=True)]
         return coeffs
 
     # -- preconditioned stage (docs/ALGORITHMS.md 6.3) --------------------------------------

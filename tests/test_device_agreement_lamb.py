@@ -5,7 +5,8 @@ and the kept message, the trust-ratio sketch, the parameters and the coefficient
 device. On 2 and 3 gloo ranks, with the Triton codec (a GPU's; here under the interpreter), the C and the
 plain one: bitwise the host agreement's run, skipped steps included; with the Triton codec nothing read
 back in a steady step (the CPU codecs read their scales on the host, where that is no synchronisation);
-the host learns of a skip at a later step."""
+the host learns of a skip at a later step. The warm-up's steps (but the first and the last) agree on the
+device as well: the ranks' poisons summed there, the moments, parameters and trust-ratio EMA selected."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ SHAPES = [(40, 30), (17,), (5, 7, 3), (300,)]
 STEPS = 9
 
 
-def _body(device_side: bool, bad_step: int | None, backend: str):
+def _body(device_side: bool, bad_step: int | None, backend: str, freeze: int = 2):
     r = dist.get_rank()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-    opt = OnebitLamb(params, lr=1e-2, weight_decay=0.01, freeze_step=2)
+    opt = OnebitLamb(params, lr=1e-2, weight_decay=0.01, freeze_step=freeze)
     opt._device_agreement = device_side
     g = torch.Generator().manual_seed(100 + r)
     on_device, reads = [], []
@@ -56,12 +57,25 @@ def _body(device_side: bool, bad_step: int | None, backend: str):
             "said": said, "reads": reads}
 
 
+def _expected(freeze: int, bad_step: int | None) -> list[bool]:
+    """Which steps agree on the device: the warm-up's but the first and its last (a skipped step does not
+    count: the warm-up lasts one step more), the compressed ones once a message is kept."""
+    out, updates, kept = [], 0, False
+    for t in range(STEPS):
+        out.append(t > 0 and updates + 1 < freeze if updates < freeze else kept)
+        if t != bad_step:
+            kept |= updates >= freeze
+            updates += 1
+    return out
+
+
 @pytest.mark.parametrize("backend", ["triton", "native", "plain"])
-@pytest.mark.parametrize("W, bad_step", [(2, None), (3, 5), (2, 4), (3, STEPS - 1)])
-def test_lambs_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, backend):
+@pytest.mark.parametrize("W, bad_step, freeze", [(2, None, 2), (3, 5, 2), (2, 4, 2), (3, STEPS - 1, 2),
+                                                 (3, 3, 6), (2, None, 6)])
+def test_lambs_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, freeze, backend):
     pool = ranks(W)
-    device = pool.run(_body, True, bad_step, backend)
-    host = pool.run(_body, False, bad_step, backend)
+    device = pool.run(_body, True, bad_step, backend, freeze)
+    host = pool.run(_body, False, bad_step, backend, freeze)
     for r, (a, b) in enumerate(zip(device, host, strict=True)):
         for key in ("params", "errors", "exp_avg", "sketch"):
             for x, y in zip(a[key], b[key], strict=True):
@@ -69,11 +83,12 @@ def test_lambs_agreement_on_the_device_is_bitwise_the_hosts(ranks, W, bad_step, 
         assert a["coeffs"] == b["coeffs"]
         assert a["updates"] == b["updates"] == STEPS - (bad_step is not None)
         assert a["skipped"] == b["skipped"] == (bad_step is not None)
-        # on the device from the second compressed step on (the warm-up, its last step and the first
-        # compressed one on the host); never on the host's
-        assert a["on_device"] == [False] * 3 + [True] * (STEPS - 3), a["on_device"]
+        # on the device: the warm-up's steps but its first and last, and the compressed ones from the
+        # second on; never on the host's
+        expected = _expected(freeze, bad_step)
+        assert a["on_device"] == expected, a["on_device"]
         assert not any(b["on_device"])
-        for t in range(3, STEPS):  # nothing read back but the earlier steps' flags (pinned memory)
+        for t in (t for t in range(1, STEPS) if expected[t]):  # nothing read back but earlier steps' flags
             if backend == "triton":
                 assert all(w.startswith("_device_agreement") for w in a["reads"][t]), (t, a["reads"][t])
         assert any(w.startswith("_agreement") for w in b["reads"][4])  # (the host's: read back)
