@@ -14,6 +14,7 @@ variants by ``--diag`` (comma-separated):
                 multiplied back after: the errors and the block scales in that normalised space
   elem=B        the same with each element's own second moment (an EMA of the shared averages' squares)
   floor=F       fact/elem: the root raised to at least F times its mean over the matrix (default 0.1)
+  start=N       the first compressed iteration (default 2: the hook's start_iter)
 
   torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag server
   torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag ""   # plain DDP
@@ -179,7 +180,7 @@ def main() -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             trainer = scope["trainer"]
             ids = {id(q) for q in scope["hidden"]}
-            trainer.model_wrapped.register_comm_hook(DiagHook(ids, opts), _call)
+            trainer.model_wrapped.register_comm_hook(DiagHook(ids, opts, int(opts.get("start", 2))), _call)
 
     scope = {"__name__": "__main__", "_DIAG": Register()}
     sys.argv = [sys.argv[0], "--optimizer", optimizer, *rest]
