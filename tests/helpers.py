@@ -155,6 +155,16 @@ def make_grads(step, rank, shapes=SHAPES):
     return out
 
 
+def draw_grads(params, g: torch.Generator, nan: bool = False) -> None:
+    """Fresh normal gradients for ``params`` from ``g``; ``nan``: element 4 of the third one NaN (the
+    device-agreement tests' bad step on one rank)."""
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    if nan:
+        grads[2].view(-1)[4] = float("nan")
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+
+
 def set_grads(params, grads):
     for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import draw_grads
 
 from onebit.kernels.backends import use_backend
 from onebit.optimizers import OnebitAdam
@@ -34,11 +35,7 @@ def _body(device_side: bool, bad_step: int | None, bias_correction: bool, stats_
     with use_backend("triton"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(STEPS):
-            grads = [torch.randn(s, generator=g) for s in SHAPES]
-            if t == bad_step and r == 1:
-                grads[2].view(-1)[4] = float("nan")
-            for p, grad in zip(params, grads, strict=True):
-                p.grad = grad
+            draw_grads(params, g, nan=t == bad_step and r == 1)
             opt.step()
             on_device.append(bool(opt._pending_agreements))
             if t == bad_step and stats_after_bad:

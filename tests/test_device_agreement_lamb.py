@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ValueReads
+from helpers import ValueReads, draw_grads
 
 from onebit.kernels.backends import use_backend
 from onebit.optimizers import OnebitLamb
@@ -35,11 +35,7 @@ def _body(device_side: bool, bad_step: int | None, backend: str, freeze: int = 2
     with use_backend(backend), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(STEPS):
-            grads = [torch.randn(s, generator=g) for s in SHAPES]
-            if t == bad_step and r == 1:
-                grads[2].view(-1)[4] = float("nan")
-            for p, grad in zip(params, grads, strict=True):
-                p.grad = grad
+            draw_grads(params, g, nan=t == bad_step and r == 1)
             with ValueReads() as counted:
                 opt.step()
             # (on a CPU the variance's denominator and the sketches' C passes read their scalars: no
