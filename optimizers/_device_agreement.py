@@ -25,11 +25,14 @@ the worker pass, the decompress pass gated by the gathered scales (momenta, para
 they were) and setting the flag itself (:meth:`flag`: no message is kept, nothing to select); the host's
 counters are kept before the step (``snapshot``) and put back when the skip is learnt.
 
-ZeroOneAdam's phase-2 local steps that synchronise nothing agree on the device too, with no collective
-of their own to carry a poison: it is summed over the ranks on the device (``all_reduce``, nothing read
-back) and the one Triton local step reads it as its gate; the host's counters are kept before the step
+ZeroOneAdam's phase-2 steps but the first agree on the device too: the local step has no collective of its
+own to carry a poison, so it is summed over the ranks on the device (``all_reduce``, nothing read back) and
+the one Triton local step reads it as its gate; a synchronisation after it adds the summed poison to every
+message in its fused worker pass, and its decompress pass, gated by the gathered scales, leaves the errors,
+momenta, ``sync_params`` and parameters as they were. The host's counters are kept before the step
 (``snapshot``) and put back when the skip is learnt, at the next step, which waits for the flag (the
-counters choose its kind).
+counters choose its kind); a synchronisation that began at rest rests on its messages (NaN on a skip), and
+the state at rest before it (``rest_before``) is put back with the counters.
 
 The run is bitwise the host agreement's, skipped steps included (tests/test_device_agreement.py,
 tests/test_device_agreement_zoa.py).
@@ -46,13 +49,13 @@ compression) and none under an automatic freeze (it reads the variance).
 Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton step with the momentum
 kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
 ``overlap``; OnebitAdam's warm-up steps but the last (a fixed ``freeze_step``); ZeroOneAdam's phase-1
-compressed steps (a fixed ``var_freeze_step``) and its phase-2 local steps; OnebitLamb's preconditioned
-compression steps from the second on (no mask, no clip) and its warm-up steps but the first and the last;
-everything else (the first compressed step, phase 1's variance steps, ``nonfinite="raise"``) agrees on the
-host. Two
-differences,
-both on steps that the host would also not take as they are: the ranks are not named, and a finite
-gradient whose norm overflows float32 (all entries finite, their sum of squares not) skips the step
+compressed steps (a fixed ``var_freeze_step``) and its phase-2 steps but the first (the local step one
+Triton launch, a synchronisation in the fused Triton passes, every group moved since the last);
+OnebitLamb's preconditioned compression steps from the second on (no mask, no clip) and its warm-up steps
+but the first and the last; everything else (the first compressed step, phase 1's variance steps,
+``nonfinite="raise"``) agrees on the host. Two differences, both on steps that the host would also not take
+as they are: the ranks are not named, and a finite gradient whose norm overflows float32 (all entries
+finite, their sum of squares not) skips the step
 (the host check then tests every element and takes it, with non-finite values in its update).
 """
 
@@ -75,6 +78,7 @@ class DeviceAgreement:
         self.poison = torch.where(finite, 0.0, float("nan")).to(device=device, dtype=torch.float32)
         self.skipped = torch.zeros((), dtype=torch.bool, device=device)
         self.snapshot: dict | None = None  # the host's counters before the step, put back on a skip
+        self.rest_before = None  # ZeroOneAdam: the state at rest before a synchronisation that rested
         self._host: torch.Tensor | None = None
         self._event = None
 

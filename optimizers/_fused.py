@@ -362,10 +362,10 @@ class ZeroOneStep(AdamStep):
         return zero_one.TritonPasses(table, clip, self.SYNC, poison, flag)
 
     def agrees_on_device(self) -> bool:
-        """Phase 1's step can take the agreement on the device in Triton: its worker pass writes no state,
-        its decompress pass updates nothing where a gathered scale is not finite (the gate) and says so
-        in the agreement's flag."""
-        return self.backend == "triton" and not self.SYNC
+        """Phase 1's step and phase 2's synchronisation can take the agreement on the device in Triton:
+        their worker pass writes no state, their decompress pass updates nothing where a gathered scale is
+        not finite (the gate) and says so in the agreement's flag."""
+        return self.backend == "triton"
 
     def _restorable(self) -> bool:
         return True  # the worker pass writes no state

@@ -264,27 +264,50 @@ class ZeroOneAdam(OnebitOptimizerBase):
         """The steps that agree on the device (optimizers/_device_agreement.py), each rank's verdict a
         float32 poison: phase 1's compressed steps in the fused Triton passes (the poison in the messages'
         scales, the decompress pass gated by them, as OnebitAdam's; a fixed ``var_freeze_step``), and
-        phase 2's local steps that synchronise nothing, where the local step is the one Triton launch (the
-        poison summed over the ranks on the device: one all-reduce, nothing read back; the launch leaves
-        every tensor where the sum is NaN). The host's counters (``COUNTERS``: the update count, the
-        schedules, the summed learning rates) are kept before the step and put back when the skip is
-        learnt, at the next step (it waits for the flag: the counters choose that step's kind). The
-        variance steps, the synchronisations and the first steps of phase 2 agree on the host."""
+        phase 2's steps but its first, where the local step is the one Triton launch (the poison summed
+        over the ranks on the device: one all-reduce, nothing read back; the launch leaves every tensor
+        where the sum is NaN) and a synchronisation runs in the fused Triton passes (the summed poison
+        in every message, the decompress pass gated by the gathered scales: errors, momenta,
+        ``sync_params`` and parameters left as they were). The host's counters (``COUNTERS``: the update
+        count, the schedules, the summed learning rates) are kept before the step and put back when the
+        skip is learnt, at the next step (it waits for the flag: the counters choose that step's kind);
+        so is the state at rest (:meth:`_rest`) before a synchronisation: a skipped one rested on NaN
+        messages. The variance steps and the first step of phase 2 agree on the host."""
         if self.phase == 1:
             return self._phase_one_agreement()
         if self.updates == self.frozen_at:
             return None
         t = self.updates + 1
-        if t == self.frozen_at + 1 or t % self.local_step_interval == 0:
+        if t == self.frozen_at + 1:
             return None
         reducer = self.reducer()
         if not self._may_agree_on_device(reducer.device):
             return None
+        before = self._kept  # the state at rest before this step (None: held)
         self._wake()  # what the step does first (its local step reads the momentum)
         pairs, masks = self.compressed_params(), self.auto_masks()
         if not _fused.local_applies(self, pairs, masks):
             return None
-        return self._new_agreement(pairs, reducer, snapshot=True, summed=True)
+        if t % self.local_step_interval == 0 and not self._sync_agrees_on_device(reducer, pairs):
+            return None
+        agreement = self._new_agreement(pairs, reducer, snapshot=True, summed=True)
+        agreement.rest_before = before
+        return agreement
+
+    def _sync_agrees_on_device(self, reducer, pairs) -> bool:
+        """Whether this step's synchronisation can agree on the device: the fused Triton passes, and every
+        group moved since the last one (a group at lr 0 all along takes the exact all-reduce)."""
+        if any(lrs + g["lr"] == 0.0 for lrs, g in zip(self.lrs, self._own_groups(), strict=True)):
+            return False
+        if not _fused.zoa_applies(self, reducer, pairs, phase=2):
+            return False
+        return _fused.plan(self, "_zos_cache", reducer, _fused.ZeroOneSync).agrees_on_device()
+
+    def _undo_skipped(self, agreement) -> None:
+        super()._undo_skipped(agreement)
+        before = getattr(agreement, "rest_before", None)
+        if before is not None:  # a synchronisation skipped on the device rested on its NaN messages
+            self._kept = before
 
     def _phase_one_agreement(self):
         """Phase 1's compressed step agreed on the device, where it applies (see _agreement_on_device)."""
@@ -481,8 +504,14 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self.lrs = [0.0] * len(self._own_groups())
             self.last_sync = t
             messages, plan.messages = plan.messages, []  # the plan holds none between steps
-            if self._may_keep(reducer, pairs, masks) and None not in messages:
+            # agreed on the device: at rest only where the step began at rest (a skip, learnt at the next
+            # step, puts back what rested before it; a held state is left as it was by the gated passes)
+            agreement = self._on_device
+            rests = agreement is None or agreement.rest_before is not None
+            if rests and self._may_keep(reducer, pairs, masks) and None not in messages:
                 self._rest(messages, nl)
+            elif agreement is not None:
+                agreement.rest_before = None
             return
 
         def denom(k, p, g):  # made where it is read, once before the collective and once after

@@ -73,3 +73,14 @@ def test_the_warm_up_and_phase_one_agreed_on_the_device_read_nothing_back(ranks,
         stage, _, where = rows[t]
         assert stage in ("warm-up", "phase 1"), (t, stage)
         assert all(f.startswith("_device_agreement") for f in where), (t, where)
+
+
+def test_zero_one_adams_synchronisations_agreed_on_the_device_read_nothing_back(ranks):
+    # ZeroOneAdam's phase 2 (var_freeze_step=4) at its default local_step_scaler: every step a
+    # synchronisation; the first (loop index 4) agrees on the host, the others on the device (each begins at
+    # rest and rests again): the only reads are the earlier steps' skip flags, from pinned host memory
+    (_, rows), _ = ranks(2).run(_body, "zero_one", 0.004, True, 4)
+    for t in range(5, 9):
+        stage, _, where = rows[t]
+        assert stage == "phase 2", (t, stage)
+        assert all(f.startswith("_device_agreement") for f in where), (t, where)
