@@ -34,8 +34,14 @@ from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.fused import hook
 from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_rn, sqrt_v_floors, stale_denominator
+from ..kernels.sketch import SketchHash, sketch
 from . import _hook_fused, _momentum, _several
 from ._fsdp_replicas import to_local
+
+# the clip's count sketch of the ranks' mean gradient: floats (all-reduced in float64 each compressed
+# iteration that clips); the squared norm's relative standard deviation is at most sqrt(2 / CLIP_SKETCH),
+# 2.2% (the norm's about half that)
+CLIP_SKETCH = 4096
 
 # torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
 # (FrozenAdam._own_step); False: every Adam-type optimizer through the preparing route
@@ -112,6 +118,12 @@ class FrozenAdam:
         self._frozen = False
         self.pending = False  # this iteration's buckets were compressed in the frozen space
         self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
+        # the clip's norm (clip_agreed): once the clip has been asked for, each compressed bucket of this
+        # rank's gradient is also count-sketched (CLIP_SKETCH floats, summed over the buckets), the hash
+        # drawn from the optimizer steps seen (``rounds``) and the bucket, alike on every rank
+        self.clips = False
+        self.rounds = 0
+        self.local_sketch: torch.Tensor | None = None
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) hidden from torch's step
@@ -164,7 +176,8 @@ class FrozenAdam:
         # yet and prepare() is called after it, before the update (this rank's norm is stale)
         if self.pending:
             self.prepare(opt, names)
-        self.local_sq = None
+        self.local_sq = self.local_sketch = None
+        self.rounds += 1
 
     def prepare(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
         """Set the optimizer's state for the update on this iteration's (clipped) gradients; for
@@ -297,6 +310,21 @@ class FrozenAdam:
             sq = torch.linalg.vector_norm(b, dtype=torch.float64).square()
         self.local_sq = sq if self.local_sq is None else self.local_sq + sq
 
+    def sketch_local(self, buffer: torch.Tensor, pieces) -> None:
+        """Count-sketch a bucket of this rank's own gradient (before any pass writes it) into this
+        iteration's ``local_sketch``, once the clip has been asked for (``clips``). ``pieces``: ``(ident,
+        lo, n)`` per parameter, its ``n`` elements from ``lo``, ``ident`` (ints, nested in tuples) its name,
+        the same on every rank and after a resume: each parameter's hash is its own (drawn afresh each
+        optimizer step), so the sketch does not depend on how the parameters fall into buckets."""
+        if not self.clips:
+            return
+        for ident, lo, n in pieces:
+            seed = self.rounds
+            for v in _ints(ident):  # FNV-1a over the words
+                seed = ((seed ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+            s = sketch(buffer.detach()[lo:lo + n], SketchHash(n, CLIP_SKETCH, seed), step="clip")
+            self.local_sketch = s if self.local_sketch is None else self.local_sketch.add_(s)
+
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
         """``(d, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: the frozen
         denominator, ``exp_avg`` and the factor of ``c``; None where the parameter has neither."""
@@ -313,13 +341,16 @@ class FrozenAdam:
     def state(self) -> dict[str, Any]:
         """The frozen scalars (the denominators are the optimizer's ``exp_avg_sq``, in its own state);
         loaded denominators of an old checkpoint as they came."""
-        return {"freeze_step": self.freeze_step, "frozen": self._frozen,
+        return {"freeze_step": self.freeze_step, "frozen": self._frozen, "clips": self.clips,
+                "rounds": self.rounds,
                 "names": [list(n) for n in self.scalars], "scalars": [list(s) for s in self.scalars.values()],
                 "legacy_names": [list(n) for n in self.legacy],
                 "denominators": [d.clone() for d in self.legacy.values()]}
 
     def load(self, state: dict[str, Any]) -> None:
         self._floors = {}
+        self.clips = bool(state.get("clips", False))  # (a checkpoint from before the sketch: False, 0)
+        self.rounds = int(state.get("rounds", 0))
         if "scalars" in state:
             self.scalars = {tuple(n): tuple(s) for n, s in zip(state["names"], state["scalars"], strict=True)}
             names = state.get("legacy_names", [])
@@ -328,6 +359,15 @@ class FrozenAdam:
             self.scalars, names = {}, state["names"]
             self._frozen = bool(names)
         self.legacy = {tuple(n): d for n, d in zip(names, state["denominators"], strict=True)}
+
+
+def _ints(x):
+    """The ints of ``x`` (an int or tuples of them), depth first."""
+    if isinstance(x, int):
+        yield x
+    else:
+        for y in x:
+            yield from _ints(y)
 
 
 class OwnSteps:
@@ -504,21 +544,33 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
 def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_norm: float, norm_type: float,
                 group, replicas: int, who: str) -> torch.Tensor:
     """The hooks' ``clip_grad_norm_`` (DDP's and FSDP's): in full-precision iterations torch's clip
-    of the averaged gradients; in ``freeze_step``'s compressed ones by the root mean square over
-    ``replicas`` of their own gradient norms (``fa.local_sq``, summed over ``group`` by one float64
-    all-reduce), the same on every rank. ``who`` names the caller in the error without an optimizer."""
+    of the averaged gradients; in ``freeze_step``'s compressed ones by an estimate of the same norm, that
+    of the ranks' mean gradient (docs/ALGORITHMS.md 8.2): the hook count-sketched each bucket of each
+    rank's own gradient (``fa.local_sketch``; linear, so the sum over ``group``, one float64 all-reduce of
+    ``CLIP_SKETCH`` floats, is ``replicas`` times the mean's sketch), the same on every rank. Where no
+    sketch was made (the clip's first call falls in a compressed iteration: the hook sketches from the
+    next one on), the root mean square over ``replicas`` of their own gradient norms (``fa.local_sq``),
+    at least the mean's norm. ``who`` names the caller in the error without an optimizer."""
     max_norm = check_number("max_norm", max_norm, low=0.0)
     if norm_type != 2.0:
         raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
     if opt is None:
         raise RuntimeError(f"clip_grad_norm_: {who} no optimizer=")
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    if fa is not None:
+        fa.clips = True  # each compressed bucket is sketched from now on
     if fa is None or not fa.pending or fa.local_sq is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    sq = fa.local_sq.reshape(1).clone()
-    if replicas > 1:
-        dist.all_reduce(sq, group=group if group is not None else dist.group.WORLD)
-    norm = (sq[0] / replicas).sqrt()
+    group = group if group is not None else dist.group.WORLD
+    if fa.local_sketch is not None and replicas > 1:
+        sums = fa.local_sketch.to(torch.float64)
+        dist.all_reduce(sums, group=group)
+        norm = sums.square().sum().sqrt() / replicas
+    else:
+        sq = fa.local_sq.reshape(1).clone()
+        if replicas > 1:
+            dist.all_reduce(sq, group=group)
+        norm = (sq[0] / replicas).sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.mul_(scale.to(p.grad.dtype))

@@ -37,6 +37,7 @@ bench/RESULTS.md "The DDP hook with SGD" and "with AdamW".
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 import copy
+import itertools
 import time
 
 import torch
@@ -250,9 +251,10 @@ class OnebitCompressHookState:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients between backward and step by a norm every rank agrees
         on; returns it. Full-precision iterations: the averaged gradient's norm (the same on
-        every rank). ``freeze_step``'s compressed iterations: the root mean square over ranks of
-        each rank's own gradient norm (recorded by the hook; one float64 all-reduce), because
-        the gradient handed over carries the momentum's 1-bit noise (docs/ALGORITHMS.md 8.2)."""
+        every rank). ``freeze_step``'s compressed iterations: an estimate of that norm from count
+        sketches of each rank's own gradient (made by the hook once the clip has been asked for;
+        one float64 all-reduce of 4096 floats), because the gradient handed over carries the
+        momentum's 1-bit noise (docs/ALGORITHMS.md 8.2; ``_frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.process_group,
                            self.world_size, "the state has")
 
@@ -656,6 +658,9 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
             fa.freeze(adam, state._names)
         fa.pending = True
+        if fa.clips:  # each parameter's gradient sketched for the clip's norm
+            sizes = [g.numel() for g in bucket.gradients()]
+            fa.sketch_local(buffer, zip(layout, itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True))
         d, parts = frozen_terms(state.optimizer, fa, bucket, layout, state.momentum_share)
         if d is None:
             fa.add_local(buffer)

@@ -199,16 +199,19 @@ class FSDPHooks(dict):
         if frozen is not None:
             frozen.attach(optimizer, lambda: self._names)
             optimizer.register_step_post_hook(lambda *_: self._called.clear())
-            for name, hook in self.items():
-                hook._terms = self._make_terms(hook, self._layouts[name])
+            for position, (name, hook) in enumerate(self.items()):
+                hook._terms = self._make_terms(hook, self._layouts[name], position)
 
     @property
     def freeze_step(self) -> int | None:
         return None if self._frozen_adam is None else self._frozen_adam.freeze_step
 
-    def _make_terms(self, hook: OnebitAllReduceHook, group):
+    def _make_terms(self, hook: OnebitAllReduceHook, group, position: int):
         fa, opt = self._frozen_adam, self.optimizer
         groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+        # the block's sketch for the clip: one hash per parameter and shard, alike across the replicas (the
+        # sum over the mesh's ranks is then the replicas' sum of the mean's sketch, every shard's in one)
+        shard = getattr(group.fsdp_params[0].mesh_info, "shard_mesh_rank", 0) if group.fsdp_params else 0
 
         def terms(block: torch.Tensor):
             if fa.pending and hook in self._called:
@@ -223,12 +226,13 @@ class FSDPHooks(dict):
             fa.add_local(block)
             fa.pending = True
             d = torch.ones_like(block, dtype=torch.float32)
-            parts, offset = [], 0
-            for fp in group.fsdp_params:
+            parts, pieces, offset = [], [], 0
+            for j, fp in enumerate(group.fsdp_params):
                 p = fp.sharded_param
                 S = fp.mesh_info.shard_mesh_size
                 chunk = -(-p.size(0) // S) * (p.numel() // p.size(0)) if p.dim() and p.size(0) else p.numel()
                 n = fp.sharded_size.numel()
+                pieces.append(((position, j, shard), offset, n))
                 found = groups.get(id(p))
                 t = None if found is None else fa.terms(opt, p, self._names.get(id(p)), found)
                 if t is not None and n:
@@ -241,6 +245,7 @@ class FSDPHooks(dict):
                     f"freeze_step: an FSDP module's gradient block has {block.numel()} elements where its "
                     f"parameters' blocks make {offset}; every parameter of a module must get a gradient in "
                     "every step with optimizer= and freeze_step")
+            fa.sketch_local(block, pieces)  # (for the clip's norm; the block as it came, before any pass)
             return d, parts, _post_division(group, block)
 
         return terms
@@ -253,10 +258,10 @@ class FSDPHooks(dict):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients by a norm every rank agrees on; returns it. Full-precision
-        iterations: the mean gradient's norm. ``freeze_step``'s compressed iterations: the root
-        mean square over replicas of each replica's own gradient norm (its blocks' squared norms
-        summed over all the mesh's ranks, divided by the replicas), because the gradient handed
-        over carries the momentum's 1-bit noise (ALGORITHMS 8.2, 11)."""
+        iterations: the mean gradient's norm. ``freeze_step``'s compressed iterations: an estimate of
+        the same norm from count sketches of each rank's blocks (summed over all the mesh's ranks, one
+        all-reduce), because the gradient handed over carries the momentum's 1-bit noise (ALGORITHMS
+        8.2, 11; ``onebit.collectives._frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.control_group,
                            self.replicas, "register_fsdp_hooks was given")
 

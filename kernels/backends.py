@@ -21,6 +21,7 @@ and runs that backend's implementation of the whole step, or its plain path wher
 ``hook``   the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective
 ``tensor`` the optimizers' per-tensor element-wise passes (``onebit.kernels.cpu_fused``)
 ``sketch`` OnebitLamb's count sketch with its hashed index (``onebit.kernels.sketch``)
+``clip``   the hooks' count sketch of a bucket for the clip's norm (the same index, sums in any order)
 ========== ==============================================================================
 
 Forcing one: ``with use_backend("plain"):`` (this thread, inside the block), or the environment
@@ -49,7 +50,7 @@ from ._warn import warn_user
 __all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "STEPS", "Backend", "forced", "native_isa", "select",
            "use_backend"]
 
-STEPS = ("codec", "adam", "zoa", "local", "warmup", "hook", "tensor", "sketch")
+STEPS = ("codec", "adam", "zoa", "local", "warmup", "hook", "tensor", "sketch", "clip")
 _OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
 
 
@@ -90,10 +91,10 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "plain": Backend("plain", frozenset(STEPS), lambda device: True,
                      "torch ops on any device (the reference; every step unfused)"),
-    "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor", "sketch")),
+    "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor", "sketch", "clip")),
                       _native_available,
                       "the C library on CPU tensors (AVX-512, AVX2 + FMA or portable C)"),
-    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "warmup", "hook")),
+    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "warmup", "hook", "clip")),
                       _triton_available,
                       "the Triton kernels on CUDA tensors (CPU tensors: forced, under TRITON_INTERPRET=1)"),
 }

@@ -9,6 +9,9 @@ sums[k:]``, the sums in element order in float32.
 Backends (``sketch`` step): ``native``, the C in ``native/sketch.c`` (one thread, the hash of a run of
 elements vectorised); ``plain``, torch ops in pieces of :data:`PIECE` elements (bounded int64
 temporaries), on any device. Both give the same index; on CPU the same bits (sums in element order).
+The hooks' clip (``clip`` step, :func:`sketch` with ``step="clip"``) may also take ``triton``: one launch
+of atomic adds (the same index, the float32 sums in no fixed order: their last bits may differ from run
+to run; ``torch.use_deterministic_algorithms(True)`` keeps the plain path).
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .rounding import GOLDEN, _fmix
+from ._triton import AVAILABLE, jit, tl
+from .rounding import GOLDEN, _fmix, _fmix_tl, triton_cdiv
+
+if AVAILABLE:
+    from .triton_kernels import Launch
 
 __all__ = ["SKETCH", "SketchHash", "sketch"]
 
@@ -48,14 +55,39 @@ class SketchHash:
         return f"SketchHash(numel={self.numel}, size={self.size}, key={self.key:#010x})"
 
 
-def sketch(x: torch.Tensor, h: SketchHash) -> torch.Tensor:
-    """``S x`` (float32 ``[h.size]``) of ``x`` (``h.numel`` elements, any float dtype)."""
+@jit
+def _sketch_kernel(x_ptr, n, key, sums_ptr, mask, BLOCK: tl.constexpr):
+    # each element added to its signed bucket fmix32(key + i * GOLDEN) & mask (SketchHash.index), atomically
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    live = idx < n
+    x = tl.load(x_ptr + idx, mask=live, other=0.0)
+    bucket = _fmix_tl(key.to(tl.uint32) + idx.to(tl.uint32) * 0x9E3779B9) & mask.to(tl.uint32)
+    tl.atomic_add(sums_ptr + bucket.to(tl.int64), x, mask=live)
+
+
+_BLOCK = 1024
+
+
+def sketch_launches(flat: torch.Tensor, n: int, key: int, sums: torch.Tensor, size: int) -> list:
+    """The Triton sketch of ``flat``'s ``n`` elements into ``sums`` (``2 * size`` floats, zeroed)."""
+    return [Launch(_sketch_kernel, triton_cdiv(n, _BLOCK), (flat, n, key, sums, 2 * size - 1),
+                   dict(BLOCK=_BLOCK), 4)]
+
+
+def sketch(x: torch.Tensor, h: SketchHash, step: str = "sketch") -> torch.Tensor:
+    """``S x`` (float32 ``[h.size]``) of ``x`` (``h.numel`` elements, any float dtype); ``step``:
+    ``"clip"`` lets the sums come in any order (the Triton backend; module docstring)."""
     flat = x.reshape(-1)
     if flat.numel() != h.numel:
         raise ValueError(f"x: expected {h.numel} elements (the sketch's), got {flat.numel()}")
     flat = flat.to(torch.float32).contiguous()
     sums = torch.zeros(2 * h.size, dtype=torch.float32, device=flat.device)
-    if backends.select(flat.device, "sketch").name == "native":
+    name = backends.select(flat.device, step).name
+    if name == "triton" and not torch.are_deterministic_algorithms_enabled() and h.numel:
+        for launch in sketch_launches(flat, h.numel, h.key, sums, h.size):
+            launch()
+    elif name == "native":
         from . import cpu_simd
 
         cpu_simd.library().onebit_count_sketch(flat.data_ptr(), h.numel, h.key, 2 * h.size, sums.data_ptr(),

@@ -62,6 +62,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
+from onebit.kernels import sketch as ks  # noqa: E402
 from onebit.kernels import triton_blocks as tb  # noqa: E402
 from onebit.kernels import triton_kernels as tk  # noqa: E402
 from onebit.kernels.fused import adam, stage, warmup  # noqa: E402
@@ -98,6 +99,16 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
     yield from hook_launches(N)
     yield from zoa_launches(N, W)
     yield from stage_launches(W)
+    yield from sketch_launches(N)
+
+
+def sketch_launches(N: int):
+    """The hooks' clip sketch (onebit.kernels.sketch): float32, n a multiple of 16 and not, a key below
+    and above 2^31 (an i32 or i64 argument)."""
+    T, f32 = MockTensor, torch.float32
+    for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
+        for key in (0x12345678, 0xDEADBEEF):
+            yield f"sketch{align}", ks.sketch_launches(T(f32), n, key, T(f32), 4096)[0]
 
 
 def mock_table(columns: int, N: int, per: int = 1024) -> SimpleNamespace:

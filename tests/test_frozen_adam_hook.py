@@ -140,6 +140,16 @@ def test_a_checkpoint_that_kept_the_denominators_loads_and_resumes(ranks):
         assert resumed[r][0][-1]["kept"], "the loaded denominators are not what the run uses"
 
 
+def test_a_run_that_clips_resumes_bitwise(ranks):
+    # the clip's sketches (drawn from the optimizer steps seen, made once the clip was asked for) go on
+    # after a resume as in the whole run: the hook state saves both
+    whole = ranks(2).run(_body, 9, True, None, 0.05)
+    resumed = ranks(2).run(_body, 9, True, 6, 0.05)
+    for r in range(2):
+        for a, b in zip(resumed[r][0][-1]["params"], whole[r][0][-1]["params"], strict=True):
+            assert torch.equal(a, b), f"rank {r}: the resumed run differs"
+
+
 def test_agreed_clip_after_the_freeze(ranks):
     got = ranks(2).run(_body, 8, True, None, 0.05)
     for r in range(2):
