@@ -34,7 +34,7 @@ from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.fused import hook
 from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_rn, sqrt_v_floors, stale_denominator
-from ..kernels.sketch import SketchHash, sketch
+from ..kernels.sketch import SketchHash, add_sums_, signed
 from . import _hook_fused, _momentum, _several
 from ._fsdp_replicas import to_local
 
@@ -318,12 +318,13 @@ class FrozenAdam:
         optimizer step), so the sketch does not depend on how the parameters fall into buckets."""
         if not self.clips:
             return
+        if self.local_sketch is None:  # the signed buckets' sums (sketch.add_sums_), 2 CLIP_SKETCH floats
+            self.local_sketch = torch.zeros(2 * CLIP_SKETCH, dtype=torch.float32, device=buffer.device)
         for ident, lo, n in pieces:
             seed = self.rounds
             for v in _ints(ident):  # FNV-1a over the words
                 seed = ((seed ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-            s = sketch(buffer.detach()[lo:lo + n], SketchHash(n, CLIP_SKETCH, seed), step="clip")
-            self.local_sketch = s if self.local_sketch is None else self.local_sketch.add_(s)
+            add_sums_(self.local_sketch, buffer.detach()[lo:lo + n], SketchHash(n, CLIP_SKETCH, seed), "clip")
 
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
         """``(d, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: the frozen
@@ -563,7 +564,7 @@ def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_no
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     group = group if group is not None else dist.group.WORLD
     if fa.local_sketch is not None and replicas > 1:
-        sums = fa.local_sketch.to(torch.float64)
+        sums = signed(fa.local_sketch).to(torch.float64)
         dist.all_reduce(sums, group=group)
         norm = sums.square().sum().sqrt() / replicas
     else:

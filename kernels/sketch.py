@@ -25,7 +25,7 @@ from .rounding import GOLDEN, _fmix, _fmix_tl, triton_cdiv
 if AVAILABLE:
     from .triton_kernels import Launch
 
-__all__ = ["SKETCH", "SketchHash", "sketch"]
+__all__ = ["SKETCH", "SketchHash", "add_sums_", "signed", "sketch"]
 
 SKETCH = 0x536B6574  # "Sket" in ASCII: the key of a seed is not the rounding's key of the same number
 _MASK = 0xFFFFFFFF
@@ -42,7 +42,7 @@ class SketchHash:
         if size < 1 or (2 * size) & (2 * size - 1):
             raise ValueError(f"size: expected a power of two, got {size}")  # 2k must divide 2^32
         self.numel, self.size = int(numel), int(size)
-        self.key = int(_fmix(torch.tensor((int(seed) ^ SKETCH) & _MASK, dtype=torch.int64)))
+        self.key = _fmix((int(seed) ^ SKETCH) & _MASK)  # (Python ints: the same wrapping arithmetic)
 
     def index(self, start: int = 0, stop: int | None = None,
               device: torch.device | str = "cpu") -> torch.Tensor:
@@ -78,11 +78,29 @@ def sketch_launches(flat: torch.Tensor, n: int, key: int, sums: torch.Tensor, si
 def sketch(x: torch.Tensor, h: SketchHash, step: str = "sketch") -> torch.Tensor:
     """``S x`` (float32 ``[h.size]``) of ``x`` (``h.numel`` elements, any float dtype); ``step``:
     ``"clip"`` lets the sums come in any order (the Triton backend; module docstring)."""
+    sums = torch.zeros(2 * h.size, dtype=torch.float32, device=x.device)
+    add_sums_(sums, x, h, step)
+    return signed(sums)
+
+
+def signed(sums: torch.Tensor) -> torch.Tensor:
+    """``S x`` from the signed buckets' sums :func:`add_sums_` made: ``sums[:k] - sums[k:]``."""
+    k = sums.numel() // 2
+    return sums[:k] - sums[k:]
+
+
+def add_sums_(sums: torch.Tensor, x: torch.Tensor, h: SketchHash, step: str = "sketch") -> torch.Tensor:
+    """Add ``x``'s elements into their signed buckets' sums ``sums`` (float32, ``2 * h.size``, on
+    ``x``'s device): sketches of several tensors (each its own hash) summed in one buffer, one pass
+    (one launch) per tensor; :func:`signed` makes the sketch. Returns ``sums``."""
     flat = x.reshape(-1)
     if flat.numel() != h.numel:
         raise ValueError(f"x: expected {h.numel} elements (the sketch's), got {flat.numel()}")
+    if sums.dtype != torch.float32 or sums.numel() != 2 * h.size or not sums.is_contiguous() \
+            or sums.device != flat.device:
+        raise ValueError(f"sums: expected {2 * h.size} contiguous float32 on {flat.device}, got "
+                         f"{sums.numel()} {sums.dtype} on {sums.device}")
     flat = flat.to(torch.float32).contiguous()
-    sums = torch.zeros(2 * h.size, dtype=torch.float32, device=flat.device)
     name = backends.select(flat.device, step).name
     if name == "triton" and not torch.are_deterministic_algorithms_enabled() and h.numel:
         for launch in sketch_launches(flat, h.numel, h.key, sums, h.size):
@@ -96,4 +114,4 @@ def sketch(x: torch.Tensor, h: SketchHash, step: str = "sketch") -> torch.Tensor
         for a in range(0, h.numel, PIECE):
             b = min(a + PIECE, h.numel)
             sums.index_add_(0, h.index(a, b, flat.device), flat[a:b])
-    return sums[: h.size] - sums[h.size :]
+    return sums
