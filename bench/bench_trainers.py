@@ -1,7 +1,8 @@
 """onebit inside the Hugging Face Trainer and Lightning at full length: the docs pages' own scripts
 (docs/hf-trainer.md, docs/lightning.md: a 2-layer GPT-2 on stdlib bytes, 2 gloo ranks, batch 16
 per rank, lr 1e-3, the default clip at 1.0, 400 steps), each optimizer against plain AdamW
-(no onebit) in the same framework, and the HF Trainer resumed from its own step-200 checkpoint.
+(no onebit) in the same framework, and the HF Trainer resumed from its own step-200 checkpoint
+(OnebitAdam and AdamW behind the hook).
 
   python bench/bench_trainers.py                       # all rows, seed 0
   python bench/bench_trainers.py --frameworks hf --seeds 0 1 2 --variants adamw-plain adamw
@@ -87,7 +88,7 @@ def main() -> None:
                                ranks=a.ranks if framework == "hf" else 1,
                                **({"muon_lr": a.muon_lr} if variant.startswith("muon") else {}),
                                **run(framework, Path(tmp), *args, ranks=a.ranks))
-                    if framework == "hf" and variant == "onebit-adam" and not a.no_resume:
+                    if framework == "hf" and variant in ("onebit-adam", "adamw") and not a.no_resume:
                         # resumed from the Trainer's own checkpoint at half way
                         resumed = Path(tmp) / "resumed"
                         half = f"checkpoint-{a.steps // 2}"
