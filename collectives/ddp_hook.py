@@ -164,6 +164,7 @@ class OnebitCompressHookState:
         # from there compresses (and sends its early parts) as those buckets, in that order
         self.plan: dict[int, tuple[tuple[int, int], ...]] = {}
         self.bytes_full = 0
+        self.bytes_control = 0  # the clip's all-reduces (the sketches of section 8.2)
         self.bytes_compressed = 0
         self.resets = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
@@ -253,10 +254,13 @@ class OnebitCompressHookState:
         on; returns it. Full-precision iterations: the averaged gradient's norm (the same on
         every rank). ``freeze_step``'s compressed iterations: an estimate of that norm from count
         sketches of each rank's own gradient (made by the hook once the clip has been asked for;
-        one float64 all-reduce of 4096 floats), because the gradient handed over carries the
-        momentum's 1-bit noise (docs/ALGORITHMS.md 8.2; ``_frozen_adam.clip_agreed``)."""
+        one all-reduce of 256-4096 floats, counted in ``bytes_control``), because the gradient handed
+        over carries the momentum's 1-bit noise (docs/ALGORITHMS.md 8.2; ``_frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.process_group,
-                           self.world_size, "the state has")
+                           self.world_size, "the state has", self._count_control)
+
+    def _count_control(self, numel: int, element_size: int) -> None:
+        self.bytes_control += ring_allreduce_bytes(numel, self.world_size, element_size)
 
     def stats(self) -> dict:
         """Iteration, stage, buckets with error buffers, error buffers started afresh because a
@@ -268,7 +272,7 @@ class OnebitCompressHookState:
         timing.resolve()
         return {"iter": self.iter, "compressing": self.iter >= self._first_compressed(),
                 "buckets": len(self.errors),
-                "resets": self.resets, "bytes_full": self.bytes_full,
+                "resets": self.resets, "bytes_full": self.bytes_full, "bytes_control": self.bytes_control,
                 "bytes_compressed": self.bytes_compressed, "seconds_codec": timing.codec_seconds,
                 "seconds_comm": timing.comm_seconds, "seconds_full": timing.full_seconds}
 
@@ -339,6 +343,7 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("_mesh", None)
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.__dict__.setdefault("error_dtype", torch.float32)
+        self.__dict__.setdefault("bytes_control", 0)  # a state saved before the clip's sketches
         dtype = self.error_dtype
         self.errors = {int(k): (w.to(dtype), s.to(dtype)) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}

@@ -191,6 +191,7 @@ class FSDPHooks(dict):
         self.control_group = control_group
         self.replicas = replicas
         self._layouts = layouts or {}  # hook name -> the FSDP parameter group (its parameters' blocks)
+        self.bytes_control = 0  # sent by the clip's all-reduces (this rank)
         self._names: dict[int, tuple[int, int]] = {}
         for i, group in enumerate(self._layouts.values()):
             for j, fp in enumerate(group.fsdp_params):
@@ -263,7 +264,12 @@ class FSDPHooks(dict):
         all-reduce), because the gradient handed over carries the momentum's 1-bit noise (ALGORITHMS
         8.2, 11; ``onebit.collectives._frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.control_group,
-                           self.replicas, "register_fsdp_hooks was given")
+                           self.replicas, "register_fsdp_hooks was given", self._count_control)
+
+    def _count_control(self, numel: int, element_size: int) -> None:
+        """The clip's all-reduce over the control group, in ``bytes_control``."""
+        size = dist.get_world_size(self.control_group) if dist.is_initialized() else 1
+        self.bytes_control += ring_allreduce_bytes(numel, size, element_size)
 
     def stats(self) -> dict:
         """The hooks' counters summed (``iter`` and ``compressing`` of the first hook)."""
@@ -271,16 +277,18 @@ class FSDPHooks(dict):
         out = dict(per[0]) if per else {}
         for key in ("bytes_full", "bytes_compressed", "seconds_codec", "seconds_comm", "seconds_full"):
             out[key] = sum(s[key] for s in per)
+        out["bytes_control"] = self.bytes_control  # the clip's all-reduces (over the control group)
         return out
 
     def rank_state(self) -> dict:
         fa = self._frozen_adam
         return {"hooks": {name: h.state_dict() for name, h in self.items()},
-                "frozen_adam": None if fa is None else fa.state()}
+                "frozen_adam": None if fa is None else fa.state(), "bytes_control": self.bytes_control}
 
     def load_rank_state(self, state: dict) -> None:
         for name, h in self.items():
             h.load_state_dict(state["hooks"][name])
+        self.bytes_control = int(state.get("bytes_control", 0))
         if state.get("frozen_adam") is not None:
             if self._frozen_adam is None:
                 raise ValueError("state: saved with freeze_step; register the hooks with freeze_step too")

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
-from onebit.collectives._frozen_adam import CLIP_SKETCH
+from onebit.collectives._frozen_adam import CLIP_SKETCH, CLIP_SKETCH_MIN, clip_sketch_size
+from onebit.collectives.wire import ring_allreduce_bytes
 from onebit.kernels.backends import use_backend
 from onebit.kernels.sketch import SketchHash, sketch
 
@@ -54,16 +55,22 @@ def test_the_clip_sketch_is_the_same_in_every_backend(n):
     assert torch.equal(sketch(x, h), want)  # OnebitLamb's step: the same index
 
 
+def test_the_clip_sketch_grows_with_the_model_within_its_bounds():
+    sizes = [clip_sketch_size(n) for n in (1, 10_000, 263_296, 1 << 20, 124_000_000)]
+    assert sizes == [CLIP_SKETCH_MIN, CLIP_SKETCH_MIN, 1024, 4096, CLIP_SKETCH], sizes
+    assert all(s & (s - 1) == 0 for s in sizes)
+
+
 def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(48, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    torch.manual_seed(0)  # 263,296 elements: a sketch of 1,024 (the norm's spread about 2.2%)
+    return torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 128))
 
 
 def _batch(t: int, r: int):
     g = torch.Generator().manual_seed(1000 * t + r)
-    x = torch.randn(4, 48, generator=g)
+    x = torch.randn(4, 128, generator=g)
     x[:, :6] = 0.0  # always-zero features: their weights' gradients are zero
-    return x, (x[:, 6:16] * (1 + r)).argmax(1)
+    return x, (x[:, 6:] * (1 + r)).argmax(1)
 
 
 def _body(steps: int, freeze: int, clip_from: int):
@@ -83,12 +90,15 @@ def _body(steps: int, freeze: int, clip_from: int):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if t >= clip_from:
+            sent = state.stats()["bytes_control"]
             norm = state.clip_grad_norm_(1e30)
+            sent = state.stats()["bytes_control"] - sent
             mean = own.clone()
             dist.all_reduce(mean)
             sq = own.square().sum()
             dist.all_reduce(sq)
-            rows.append((t, float(norm), float(mean.norm() / W), float((sq / W).sqrt())))
+            rows.append((t, float(norm), float(mean.norm() / W), float((sq / W).sqrt()), sent,
+                         state._frozen_adam.sketch_size))
         opt.step()
         opt.zero_grad()
     return rows
@@ -97,27 +107,30 @@ def _body(steps: int, freeze: int, clip_from: int):
 @pytest.mark.parametrize("W", [2, 3])
 def test_the_hooks_clip_by_the_mean_gradients_norm_after_the_freeze(ranks, W):
     n = sum(p.numel() for p in _model().parameters())
-    assert n > 3 * CLIP_SKETCH  # (buckets share the sketch's entries: an estimate, not the exact norm)
+    size = clip_sketch_size(n)
+    assert size == 1024 and n > 100 * size  # (the sketch's entries shared: an estimate, not the exact norm)
     got = ranks(W).run(_body, 12, 4, 0)
     for rows in got:
         assert [row[1] for row in rows] == [row[1] for row in got[0]]  # the same norm on every rank
-        for t, norm, mean, rms in rows:
-            if t < 4:  # full precision: torch's clip of the averaged gradients
-                assert norm == pytest.approx(mean, rel=1e-5), t
-            else:  # compressed: the sketch's estimate, within 5 of its standard deviations (2.2% or less)
-                assert abs(norm / mean - 1) < 5 * math.sqrt(2 / CLIP_SKETCH) / 2, (t, norm, mean)
+        for t, norm, mean, rms, sent, sketched in rows:
+            assert sketched == size
+            if t < 4:  # full precision: torch's clip of the averaged gradients, nothing sent by the clip
+                assert norm == pytest.approx(mean, rel=1e-5) and sent == 0, (t, sent)
+            else:  # compressed: the sketch's estimate, within 5 of its standard deviations
+                assert abs(norm / mean - 1) < 5 * math.sqrt(2 / size) / 2, (t, norm, mean)
                 assert rms > 1.1 * mean  # (what the root mean square of the ranks' own norms gives instead)
+                assert sent == ring_allreduce_bytes(size, W, 4), sent  # its all-reduce counted
 
 
 def test_a_first_clip_in_a_compressed_iteration_takes_the_ranks_root_mean_square(ranks):
     # the hook sketches once the clip has been asked for: a first call past the freeze has no sketch, and
     # clips by the ranks' root mean square (at least the mean's norm); the next iteration's is the estimate
     got = ranks(2).run(_body, 8, 3, 5)
-    for t, norm, mean, rms in got[0]:
+    for t, norm, mean, rms, _, size in got[0]:
         if t == 5:
             assert norm == pytest.approx(rms, rel=1e-9)
         else:
-            assert abs(norm / mean - 1) < 5 * math.sqrt(2 / CLIP_SKETCH) / 2, (t, norm, mean)
+            assert abs(norm / mean - 1) < 5 * math.sqrt(2 / size) / 2, (t, norm, mean)
 
 
 def _body_hsdp(freeze: int, steps: int):
@@ -141,7 +154,10 @@ def _body_hsdp(freeze: int, steps: int):
         opt.zero_grad()
         blocks.clear()
         _loss(model, step).backward()
+        sent = hooks.stats()["bytes_control"]
         norm = float(hooks.clip_grad_norm_(1e30))
+        sent = hooks.stats()["bytes_control"] - sent
+        size = fa.sketch_size
         if step >= freeze:
             mine = torch.cat(blocks).double()
             both = mine.clone()
@@ -149,7 +165,7 @@ def _body_hsdp(freeze: int, steps: int):
             sq, own = both.square().sum(), mine.square().sum()
             dist.all_reduce(sq, group=shard)
             dist.all_reduce(own)
-            rows.append((step, norm, float(sq.sqrt() / 2), float((own / 2).sqrt())))
+            rows.append((step, norm, float(sq.sqrt() / 2), float((own / 2).sqrt()), size, sent))
         opt.step()
     return rows
 
@@ -159,6 +175,8 @@ def test_the_hsdp_hooks_clip_by_the_mean_gradients_norm_after_the_freeze(ranks):
     for rows in got:
         assert [row[1] for row in rows] == [row[1] for row in got[0]]  # the same norm on every rank
         assert len(rows) == 5
-        for step, norm, mean, rms in rows:
-            assert abs(norm / mean - 1) < 5 * math.sqrt(2 / CLIP_SKETCH) / 2, (step, norm, mean)
+        for step, norm, mean, rms, size, sent in rows:
+            assert size == CLIP_SKETCH_MIN  # (a small model: the smallest sketch)
+            assert sent == ring_allreduce_bytes(size, 4, 4), sent  # over all 4 ranks, counted
+            assert abs(norm / mean - 1) < 5 * math.sqrt(2 / size) / 2, (step, norm, mean)
             assert rms > 1.05 * mean, (step, rms, mean)
