@@ -34,22 +34,10 @@ from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
 from ..kernels.fused import hook
 from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_rn, sqrt_v_floors, stale_denominator
-from ..kernels.sketch import SketchHash, add_sums_, signed
+from ..kernels.sketch import signed
 from . import _hook_fused, _momentum, _several
+from ._clip_sketch import ClipSketch
 from ._fsdp_replicas import to_local
-
-# the clip's count sketch of the ranks' mean gradient (all-reduced in float32 each compressed iteration
-# that clips): a power of two near numel / 256 (the sketch's bytes about 1.6% of the elements', 4% of a
-# 1.5-bit step's wire), within [CLIP_SKETCH_MIN, CLIP_SKETCH]; the squared norm's relative standard
-# deviation is at most sqrt(2 / size): 2.2% at 4096, 8.8% at 256 (the norm's about half that)
-CLIP_SKETCH = 4096
-CLIP_SKETCH_MIN = 256
-
-
-def clip_sketch_size(numel: int) -> int:
-    """The clip sketch's size for a model of ``numel`` elements (see ``CLIP_SKETCH``)."""
-    size = 1 << max(0, (numel // 256).bit_length() - 1)
-    return min(CLIP_SKETCH, max(CLIP_SKETCH_MIN, size))
 
 # torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
 # (FrozenAdam._own_step); False: every Adam-type optimizer through the preparing route
@@ -126,13 +114,6 @@ class FrozenAdam:
         self._frozen = False
         self.pending = False  # this iteration's buckets were compressed in the frozen space
         self.local_sq: torch.Tensor | None = None  # this rank's squared gradient norm, this iteration
-        # the clip's norm (clip_agreed): once the clip has been asked for, each parameter's gradient in a
-        # compressed bucket is also count-sketched (``sketch_size`` floats, summed over the parameters), its
-        # hash drawn from the optimizer steps seen (``rounds``) and its name, alike on every rank
-        self.clips = False
-        self.sketch_size = CLIP_SKETCH
-        self.rounds = 0
-        self.local_sketch: torch.Tensor | None = None
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) hidden from torch's step
@@ -185,8 +166,7 @@ class FrozenAdam:
         # yet and prepare() is called after it, before the update (this rank's norm is stale)
         if self.pending:
             self.prepare(opt, names)
-        self.local_sq = self.local_sketch = None
-        self.rounds += 1
+        self.local_sq = None
 
     def prepare(self, opt: torch.optim.Optimizer, names: dict[int, tuple[int, int]]) -> None:
         """Set the optimizer's state for the update on this iteration's (clipped) gradients; for
@@ -319,23 +299,6 @@ class FrozenAdam:
             sq = torch.linalg.vector_norm(b, dtype=torch.float64).square()
         self.local_sq = sq if self.local_sq is None else self.local_sq + sq
 
-    def sketch_local(self, buffer: torch.Tensor, pieces) -> None:
-        """Count-sketch a bucket of this rank's own gradient (before any pass writes it) into this
-        iteration's ``local_sketch``, once the clip has been asked for (``clips``). ``pieces``: ``(ident,
-        lo, n)`` per parameter, its ``n`` elements from ``lo``, ``ident`` (ints, nested in tuples) its name,
-        the same on every rank and after a resume: each parameter's hash is its own (drawn afresh each
-        optimizer step), so the sketch does not depend on how the parameters fall into buckets."""
-        if not self.clips:
-            return
-        size = self.sketch_size
-        if self.local_sketch is None:  # the signed buckets' sums (sketch.add_sums_)
-            self.local_sketch = torch.zeros(2 * size, dtype=torch.float32, device=buffer.device)
-        for ident, lo, n in pieces:
-            seed = self.rounds
-            for v in _ints(ident):  # FNV-1a over the words
-                seed = ((seed ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-            add_sums_(self.local_sketch, buffer.detach()[lo:lo + n], SketchHash(n, size, seed), "clip")
-
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
         """``(d, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: the frozen
         denominator, ``exp_avg`` and the factor of ``c``; None where the parameter has neither."""
@@ -352,17 +315,13 @@ class FrozenAdam:
     def state(self) -> dict[str, Any]:
         """The frozen scalars (the denominators are the optimizer's ``exp_avg_sq``, in its own state);
         loaded denominators of an old checkpoint as they came."""
-        return {"freeze_step": self.freeze_step, "frozen": self._frozen, "clips": self.clips,
-                "sketch_size": self.sketch_size, "rounds": self.rounds,
+        return {"freeze_step": self.freeze_step, "frozen": self._frozen,
                 "names": [list(n) for n in self.scalars], "scalars": [list(s) for s in self.scalars.values()],
                 "legacy_names": [list(n) for n in self.legacy],
                 "denominators": [d.clone() for d in self.legacy.values()]}
 
     def load(self, state: dict[str, Any]) -> None:
         self._floors = {}
-        self.clips = bool(state.get("clips", False))  # (a checkpoint from before the sketch: False, 0)
-        self.rounds = int(state.get("rounds", 0))
-        self.sketch_size = int(state.get("sketch_size", CLIP_SKETCH))
         if "scalars" in state:
             self.scalars = {tuple(n): tuple(s) for n, s in zip(state["names"], state["scalars"], strict=True)}
             names = state.get("legacy_names", [])
@@ -371,15 +330,6 @@ class FrozenAdam:
             self.scalars, names = {}, state["names"]
             self._frozen = bool(names)
         self.legacy = {tuple(n): d for n, d in zip(names, state["denominators"], strict=True)}
-
-
-def _ints(x):
-    """The ints of ``x`` (an int or tuples of them), depth first."""
-    if isinstance(x, int):
-        yield x
-    else:
-        for y in x:
-            yield from _ints(y)
 
 
 class OwnSteps:
@@ -554,37 +504,42 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
 
 
 def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_norm: float, norm_type: float,
-                group, replicas: int, who: str, sent=None) -> torch.Tensor:
-    """The hooks' ``clip_grad_norm_`` (DDP's and FSDP's): in full-precision iterations torch's clip
-    of the averaged gradients; in ``freeze_step``'s compressed ones by an estimate of the same norm, that
-    of the ranks' mean gradient (docs/ALGORITHMS.md 8.2): the hook count-sketched each bucket of each
-    rank's own gradient (``fa.local_sketch``; linear, so the sum over ``group``, one all-reduce of
-    ``fa.sketch_size`` floats, is ``replicas`` times the mean's sketch), the same on every rank. Where no
-    sketch was made (the clip's first call falls in a compressed iteration: the hook sketches from the
-    next one on), the root mean square over ``replicas`` of their own gradient norms (``fa.local_sq``),
-    at least the mean's norm. ``who`` names the caller in the error without an optimizer; ``sent(numel,
-    element_size)`` counts an all-reduce made here (the caller's ``bytes_full``)."""
+                group, replicas: int, who: str, sent=None, sketch: ClipSketch | None = None) -> torch.Tensor:
+    """The hooks' ``clip_grad_norm_`` (DDP's and FSDP's) by the norm of the ranks' mean gradient, what plain
+    DDP clips by, the same on every rank. Where the hook handed gradients over compressed this iteration
+    (their 1-bit noise in them), an estimate (docs/ALGORITHMS.md 8.2): the hook count-sketched each rank's
+    own gradients of those parameters (``sketch``; linear, so the sum over ``group``, one all-reduce of
+    ``sketch.size`` floats, is ``replicas`` times the mean's sketch); the parameters averaged in full
+    precision count exactly. Where nothing was sketched: torch's clip of the gradients as they are (full
+    precision), or, in ``freeze_step``'s compressed iterations, the root mean square over ``replicas`` of
+    their own gradient norms (``fa.local_sq``; at least the mean's norm), which a first call past the
+    freeze takes (the hook sketches from the next iteration on). ``who`` names the caller in the error
+    without an optimizer; ``sent(numel, element_size)`` counts an all-reduce made here."""
     max_norm = check_number("max_norm", max_norm, low=0.0)
     if norm_type != 2.0:
         raise ValueError(f"norm_type: only 2.0 is supported, got {norm_type!r}")
     if opt is None:
         raise RuntimeError(f"clip_grad_norm_: {who} no optimizer=")
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    if fa is not None and not fa.clips:  # each compressed parameter is sketched from now on
-        fa.clips = True
-        fa.sketch_size = clip_sketch_size(sum(p.numel() for g in opt.param_groups for p in g["params"]))
-    if fa is None or not fa.pending or fa.local_sq is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if sketch is not None:
+        sketch.start(sum(p.numel() for g in opt.param_groups for p in g["params"]))
     group = group if group is not None else dist.group.WORLD
-    if fa.local_sketch is not None and replicas > 1:
-        sums = signed(fa.local_sketch)
+    if sketch is not None and sketch.sums is not None and replicas > 1:
+        sums = signed(sketch.sums)
         dist.all_reduce(sums, group=group)
-        norm = sums.double().square().sum().sqrt() / replicas
-    else:
+        sq = sums.double().square().sum() / replicas**2
+        exact = [p.grad for p in params if id(p) not in sketch.covered]  # averaged in full precision
+        if exact:
+            sq = sq + torch.stack([torch.linalg.vector_norm(to_local(g), dtype=torch.float64).square()
+                                   for g in exact]).sum().to(sq.device)
+        norm = sq.sqrt()
+    elif fa is not None and fa.pending and fa.local_sq is not None:
         sums = fa.local_sq.reshape(1).clone()
         if replicas > 1:
             dist.all_reduce(sums, group=group)
         norm = (sums[0] / replicas).sqrt()
+    else:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if sent is not None and replicas > 1:
         sent(sums.numel(), sums.element_size())
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

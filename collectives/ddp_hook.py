@@ -48,6 +48,7 @@ from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ..kernels.rounding import check_error_dtype
 from . import _hook_fused, _momentum, _several
+from ._clip_sketch import ClipSketch
 from ._frozen_adam import (
     FrozenAdam,
     clip_agreed,
@@ -165,6 +166,7 @@ class OnebitCompressHookState:
         self.plan: dict[int, tuple[tuple[int, int], ...]] = {}
         self.bytes_full = 0
         self.bytes_control = 0  # the clip's all-reduces (the sketches of section 8.2)
+        self._clip = ClipSketch()  # the clip's sketch of each rank's compressed gradients (section 8.2)
         self.bytes_compressed = 0
         self.resets = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
@@ -257,7 +259,7 @@ class OnebitCompressHookState:
         one all-reduce of 256-4096 floats, counted in ``bytes_control``), because the gradient handed
         over carries the momentum's 1-bit noise (docs/ALGORITHMS.md 8.2; ``_frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.process_group,
-                           self.world_size, "the state has", self._count_control)
+                           self.world_size, "the state has", self._count_control, self._clip)
 
     def _count_control(self, numel: int, element_size: int) -> None:
         self.bytes_control += ring_allreduce_bytes(numel, self.world_size, element_size)
@@ -283,6 +285,7 @@ class OnebitCompressHookState:
         state["early_errors"] = {k: (w.clone(), s.clone()) for k, (w, s) in self.early_errors.items()}
         if self._frozen_adam is not None:
             state["frozen_adam"] = self._frozen_adam.state()
+        state["clip"] = self._clip.state()
         return state
 
     def __deepcopy__(self, memo: dict):
@@ -322,8 +325,9 @@ class OnebitCompressHookState:
     def __setstate__(self, state: dict) -> None:
         local = {k: v for k, v in self.__dict__.items()
                  if k in ("process_group", "optimizer") or k.startswith("_")}
-        frozen = state.get("frozen_adam")
-        state = {k: v for k, v in state.items() if k not in ("world_size", "optimizer", "frozen_adam")}
+        frozen, clip = state.get("frozen_adam"), state.get("clip")
+        skip = ("world_size", "optimizer", "frozen_adam", "clip")
+        state = {k: v for k, v in state.items() if k not in skip}
         self.__dict__.update(state)
         self.__dict__.update(local)
         self.__dict__.setdefault("process_group", None)
@@ -344,6 +348,8 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.__dict__.setdefault("error_dtype", torch.float32)
         self.__dict__.setdefault("bytes_control", 0)  # a state saved before the clip's sketches
+        self.__dict__.setdefault("_clip", ClipSketch())
+        self._clip.load(clip)
         dtype = self.error_dtype
         self.errors = {int(k): (w.to(dtype), s.to(dtype)) for k, (w, s) in state["errors"].items()}
         self.layouts = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("layouts", {}).items()}
@@ -618,6 +624,19 @@ def _early_allreduce(state: OnebitCompressHookState, bucket: dist.GradBucket, la
     return torch.futures.collect_all(futures).then(scatter)
 
 
+def _sketch(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout,
+            positions) -> None:
+    """Once the clip has been asked for: the gradients at ``positions`` of a bucket about to be sent
+    compressed, count-sketched for the clip's norm (before any pass writes the bucket)."""
+    if not state._clip.clips:
+        return
+    sizes = [g.numel() for g in bucket.gradients()]
+    offsets = list(itertools.accumulate([0, *sizes[:-1]]))
+    params = bucket.parameters()
+    state._clip.add(buffer, [(layout[i], offsets[i], sizes[i]) for i in positions],
+                    [params[i] for i in positions])
+
+
 def onebit_compress_hook(state: OnebitCompressHookState,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket over ``state.process_group``: in full precision for the first
@@ -641,8 +660,11 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
+    if bucket.index() == 0:  # (DDP reduces its buckets in index order: an iteration's first)
+        state._clip.begin()
     early = state._early(bucket) if not compressing and it >= state.start_iter else []
     if early:
+        _sketch(state, bucket, buffer, layout, early)
         return _early_allreduce(state, bucket, layout, early)
     if not compressing:
         group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -657,15 +679,13 @@ def onebit_compress_hook(state: OnebitCompressHookState,
 
         return work.get_future().then(done)
     index = bucket.index()
+    _sketch(state, bucket, buffer, layout, range(len(layout)))
     fa = state._frozen_adam
     adam = None if fa is None else _adam_member(state.optimizer, check=False)
     if fa is not None and adam is not None:
         if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
             fa.freeze(adam, state._names)
         fa.pending = True
-        if fa.clips:  # each parameter's gradient sketched for the clip's norm
-            sizes = [g.numel() for g in bucket.gradients()]
-            fa.sketch_local(buffer, zip(layout, itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True))
         d, parts = frozen_terms(state.optimizer, fa, bucket, layout, state.momentum_share)
         if d is None:
             fa.add_local(buffer)

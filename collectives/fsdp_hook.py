@@ -42,6 +42,7 @@ from ..kernels._checks import check_choice, check_group, check_instance, check_i
 from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
 from . import _hook_fused
+from ._clip_sketch import ClipSketch
 from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, is_adam_type
 from ._fsdp_replicas import ReplicaReduction, fsdp_param_groups, is_hsdp
 from ._unwrap import unwrap_optimizer
@@ -192,6 +193,7 @@ class FSDPHooks(dict):
         self.replicas = replicas
         self._layouts = layouts or {}  # hook name -> the FSDP parameter group (its parameters' blocks)
         self.bytes_control = 0  # sent by the clip's all-reduces (this rank)
+        self._clip = ClipSketch()  # the clip's sketch of each rank's compressed blocks (ALGORITHMS 8.2, 11)
         self._names: dict[int, tuple[int, int]] = {}
         for i, group in enumerate(self._layouts.values()):
             for j, fp in enumerate(group.fsdp_params):
@@ -199,7 +201,7 @@ class FSDPHooks(dict):
         self._called: set[OnebitAllReduceHook] = set()  # hooks that ran since the optimizer's last step
         if frozen is not None:
             frozen.attach(optimizer, lambda: self._names)
-            optimizer.register_step_post_hook(lambda *_: self._called.clear())
+            optimizer.register_step_post_hook(lambda *_: (self._called.clear(), self._clip.begin()))
             for position, (name, hook) in enumerate(self.items()):
                 hook._terms = self._make_terms(hook, self._layouts[name], position)
 
@@ -246,7 +248,8 @@ class FSDPHooks(dict):
                     f"freeze_step: an FSDP module's gradient block has {block.numel()} elements where its "
                     f"parameters' blocks make {offset}; every parameter of a module must get a gradient in "
                     "every step with optimizer= and freeze_step")
-            fa.sketch_local(block, pieces)  # (for the clip's norm; the block as it came, before any pass)
+            # for the clip's norm: the block as it came, before any pass
+            self._clip.add(block, pieces, [fp.sharded_param for fp in group.fsdp_params])
             return d, parts, _post_division(group, block)
 
         return terms
@@ -264,7 +267,7 @@ class FSDPHooks(dict):
         all-reduce), because the gradient handed over carries the momentum's 1-bit noise (ALGORITHMS
         8.2, 11; ``onebit.collectives._frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.control_group,
-                           self.replicas, "register_fsdp_hooks was given", self._count_control)
+                           self.replicas, "register_fsdp_hooks was given", self._count_control, self._clip)
 
     def _count_control(self, numel: int, element_size: int) -> None:
         """The clip's all-reduce over the control group, in ``bytes_control``."""
@@ -283,12 +286,14 @@ class FSDPHooks(dict):
     def rank_state(self) -> dict:
         fa = self._frozen_adam
         return {"hooks": {name: h.state_dict() for name, h in self.items()},
-                "frozen_adam": None if fa is None else fa.state(), "bytes_control": self.bytes_control}
+                "frozen_adam": None if fa is None else fa.state(), "bytes_control": self.bytes_control,
+                "clip": self._clip.state()}
 
     def load_rank_state(self, state: dict) -> None:
         for name, h in self.items():
             h.load_state_dict(state["hooks"][name])
         self.bytes_control = int(state.get("bytes_control", 0))
+        self._clip.load(state.get("clip"))
         if state.get("frozen_adam") is not None:
             if self._frozen_adam is None:
                 raise ValueError("state: saved with freeze_step; register the hooks with freeze_step too")

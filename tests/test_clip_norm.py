@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
-from onebit.collectives._frozen_adam import CLIP_SKETCH, CLIP_SKETCH_MIN, clip_sketch_size
+from onebit.collectives._clip_sketch import CLIP_SKETCH, CLIP_SKETCH_MIN, clip_sketch_size
 from onebit.collectives.wire import ring_allreduce_bytes
 from onebit.kernels.backends import use_backend
 from onebit.kernels.sketch import SketchHash, sketch
@@ -73,13 +73,25 @@ def _batch(t: int, r: int):
     return x, (x[:, 6:] * (1 + r)).argmax(1)
 
 
-def _body(steps: int, freeze: int, clip_from: int):
+def _body(steps: int, freeze: int | None, clip_from: int, kind: str = "adamw"):
     """Each iteration: this rank's own gradient (DDP's no_sync), then the hooked one; from ``clip_from`` on
-    the state's clip (max_norm huge: nothing scaled) and, in float64, the exact norms it estimates."""
+    the state's clip (max_norm huge: nothing scaled) and, in float64, the exact norms it estimates.
+    ``kind``: AdamW (with ``freeze``), SGD with momentum (its momentum compressed from start_iter 2), or
+    Muon on the matrices beside AdamW (Combined; Muon's gradients compressed from start_iter 2, AdamW's
+    averaged exactly until ``freeze``)."""
+    from onebit.optimizers import Combined
+
     r, W = dist.get_rank(), dist.get_world_size()
     model = DDP(_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = OnebitCompressHookState(optimizer=opt, freeze_step=freeze)
+    if kind == "muon":
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        opt = Combined([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)])
+    elif kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = OnebitCompressHookState(optimizer=opt, freeze_step=freeze, start_iter=2)
     model.register_comm_hook(state, onebit_compress_hook)
     rows = []
     for t in range(steps):
@@ -97,8 +109,9 @@ def _body(steps: int, freeze: int, clip_from: int):
             dist.all_reduce(mean)
             sq = own.square().sum()
             dist.all_reduce(sq)
+            handed = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm()
             rows.append((t, float(norm), float(mean.norm() / W), float((sq / W).sqrt()), sent,
-                         state._frozen_adam.sketch_size))
+                         state._clip.size, float(handed)))
         opt.step()
         opt.zero_grad()
     return rows
@@ -112,7 +125,7 @@ def test_the_hooks_clip_by_the_mean_gradients_norm_after_the_freeze(ranks, W):
     got = ranks(W).run(_body, 12, 4, 0)
     for rows in got:
         assert [row[1] for row in rows] == [row[1] for row in got[0]]  # the same norm on every rank
-        for t, norm, mean, rms, sent, sketched in rows:
+        for t, norm, mean, rms, sent, sketched, _ in rows:
             assert sketched == size
             if t < 4:  # full precision: torch's clip of the averaged gradients, nothing sent by the clip
                 assert norm == pytest.approx(mean, rel=1e-5) and sent == 0, (t, sent)
@@ -122,11 +135,28 @@ def test_the_hooks_clip_by_the_mean_gradients_norm_after_the_freeze(ranks, W):
                 assert sent == ring_allreduce_bytes(size, W, 4), sent  # its all-reduce counted
 
 
+@pytest.mark.parametrize("W, kind", [(2, "sgd"), (3, "muon")])
+def test_the_hook_without_freeze_step_clips_by_the_mean_gradients_norm(ranks, W, kind):
+    # compressed from start_iter 2 (SGD's momentum; Muon's matrices beside AdamW's exact rest, the freeze far
+    # away): the clip's norm is the estimate (the exact part counted exactly), where torch's clip of the
+    # gradients handed over would read their 1-bit noise
+    got = ranks(W).run(_body, 10, None if kind == "sgd" else 100, 0, kind)
+    for rows in got:
+        assert [row[1] for row in rows] == [row[1] for row in got[0]]
+        for t, norm, mean, _, sent, size, handed in rows:
+            if t < 2:
+                assert norm == pytest.approx(mean, rel=1e-5) and sent == 0, (t, sent)
+            else:  # compressed from start_iter 2 (the clip was asked for at t = 0: sketched since)
+                assert abs(norm / mean - 1) < 5 * math.sqrt(2 / size) / 2, (t, norm, mean)
+                assert sent == ring_allreduce_bytes(size, W, 4)
+                assert t < 4 or handed > 1.1 * mean, (t, handed, mean)  # (the errors start at zero)
+
+
 def test_a_first_clip_in_a_compressed_iteration_takes_the_ranks_root_mean_square(ranks):
     # the hook sketches once the clip has been asked for: a first call past the freeze has no sketch, and
     # clips by the ranks' root mean square (at least the mean's norm); the next iteration's is the estimate
     got = ranks(2).run(_body, 8, 3, 5)
-    for t, norm, mean, rms, _, size in got[0]:
+    for t, norm, mean, rms, _, size, _ in got[0]:
         if t == 5:
             assert norm == pytest.approx(rms, rel=1e-9)
         else:
@@ -157,7 +187,7 @@ def _body_hsdp(freeze: int, steps: int):
         sent = hooks.stats()["bytes_control"]
         norm = float(hooks.clip_grad_norm_(1e30))
         sent = hooks.stats()["bytes_control"] - sent
-        size = fa.sketch_size
+        size = hooks._clip.size
         if step >= freeze:
             mine = torch.cat(blocks).double()
             both = mine.clone()
