@@ -35,16 +35,18 @@ def _ints(x):
 
 class ClipSketch:
     """One iteration's sketch: off until the clip is first asked for (:meth:`start`); then each compressed
-    parameter's gradient adds into ``sums`` (the signed buckets' sums, ``2 * size`` float32) with its own
-    hash, drawn from ``rounds`` (the iterations sketched so far) and its name (alike on every rank and after
-    a resume: the sketch does not depend on how parameters fall into buckets); ``covered`` holds the ids of
-    the parameters sketched, whose gradients the hook handed over compressed."""
+    parameter's gradient is sketched with its own hash, drawn from ``rounds`` (the iterations sketched so
+    far) and its name, alike on every rank and after a resume; the parameters' signed buckets' sums
+    (``2 * size`` float32 each, kept until the clip) are added in the order of their names (:meth:`sums`),
+    so that neither the hash nor the rounding depends on how the parameters fall into buckets (a fresh
+    DDP's first buckets after a resume are not the run's). ``covered`` holds the ids of the parameters
+    sketched, whose gradients the hook handed over compressed."""
 
     def __init__(self) -> None:
         self.clips = False
         self.size = CLIP_SKETCH
         self.rounds = 0
-        self.sums: torch.Tensor | None = None
+        self.parts: dict = {}  # name -> its signed buckets' sums, this iteration
         self.covered: set[int] = set()
 
     def start(self, numel: int) -> None:
@@ -54,22 +56,29 @@ class ClipSketch:
 
     def begin(self) -> None:
         """A new iteration: nothing sketched yet."""
-        self.sums, self.covered = None, set()
+        self.parts, self.covered = {}, set()
         if self.clips:
             self.rounds += 1
+
+    def sums(self) -> torch.Tensor | None:
+        """This iteration's signed buckets' sums over every parameter sketched, added in the order of
+        their names; None where none was."""
+        if not self.parts:
+            return None
+        return torch.stack([self.parts[name] for name in sorted(self.parts)]).sum(0)
 
     def add(self, buffer: torch.Tensor, pieces, params=()) -> None:
         """Sketch ``pieces`` of ``buffer`` (``(name, lo, n)``: a parameter's ``n`` elements from ``lo``,
         ``name`` ints nested in tuples) before any pass writes it; ``params``: those parameters (covered)."""
         if not self.clips:
             return
-        if self.sums is None:
-            self.sums = torch.zeros(2 * self.size, dtype=torch.float32, device=buffer.device)
         for name, lo, n in pieces:
             seed = self.rounds
             for v in _ints(name):  # FNV-1a over the words
                 seed = ((seed ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-            add_sums_(self.sums, buffer.detach()[lo:lo + n], SketchHash(n, self.size, seed), "clip")
+            sums = torch.zeros(2 * self.size, dtype=torch.float32, device=buffer.device)
+            self.parts[tuple(_ints(name))] = add_sums_(sums, buffer.detach()[lo:lo + n],
+                                                       SketchHash(n, self.size, seed), "clip")
         self.covered.update(id(p) for p in params)
 
     def state(self) -> dict[str, Any]:
@@ -81,4 +90,4 @@ class ClipSketch:
         self.clips = bool(state.get("clips", False))
         self.size = int(state.get("size", CLIP_SKETCH))
         self.rounds = int(state.get("rounds", 0))
-        self.sums, self.covered = None, set()
+        self.parts, self.covered = {}, set()

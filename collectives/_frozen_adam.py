@@ -524,8 +524,9 @@ def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_no
     if sketch is not None:
         sketch.start(sum(p.numel() for g in opt.param_groups for p in g["params"]))
     group = group if group is not None else dist.group.WORLD
-    if sketch is not None and sketch.sums is not None and replicas > 1:
-        sums = signed(sketch.sums)
+    summed = None if sketch is None or replicas == 1 else sketch.sums()
+    if summed is not None:
+        sums = signed(summed)
         dist.all_reduce(sums, group=group)
         sq = sums.double().square().sum() / replicas**2
         exact = [p.grad for p in params if id(p) not in sketch.covered]  # averaged in full precision

@@ -254,10 +254,11 @@ class OnebitCompressHookState:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients between backward and step by a norm every rank agrees
         on; returns it. Full-precision iterations: the averaged gradient's norm (the same on
-        every rank). ``freeze_step``'s compressed iterations: an estimate of that norm from count
-        sketches of each rank's own gradient (made by the hook once the clip has been asked for;
-        one all-reduce of 256-4096 floats, counted in ``bytes_control``), because the gradient handed
-        over carries the momentum's 1-bit noise (docs/ALGORITHMS.md 8.2; ``_frozen_adam.clip_agreed``)."""
+        every rank). Compressed iterations (with ``freeze_step`` or without): an estimate of that
+        norm from count sketches of each rank's own compressed gradients (made by the hook once the
+        clip has been asked for; one all-reduce of 256-4096 floats, counted in ``bytes_control``), the
+        parameters averaged in full precision counted exactly, because the gradient handed over
+        carries 1-bit noise (docs/ALGORITHMS.md 8.2; ``_frozen_adam.clip_agreed``)."""
         return clip_agreed(self.optimizer, self._frozen_adam, max_norm, norm_type, self.process_group,
                            self.world_size, "the state has", self._count_control, self._clip)
 
