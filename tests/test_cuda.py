@@ -449,3 +449,25 @@ def test_the_warm_up_and_phase_one_agreed_on_the_device_synchronise_nothing(name
     for a, b in zip(out[True][0], out[False][0], strict=True):
         assert torch.equal(a, b)
     assert out[True][1:] == out[False][1:] == (9, 1)
+
+
+@pytest.mark.parametrize("n", [1, 4097, (1 << 22) + 5])
+def test_the_clip_sketch_on_the_gpu_is_the_plain_one_to_rounding(n):
+    # the hooks' clip sketch (kernels/sketch.py): one Triton launch of atomic adds on a CUDA tensor, the same
+    # index as the plain path, the float32 sums in no fixed order (to rounding), no host synchronisation
+    from onebit.kernels.backends import use_backend
+    from onebit.kernels.sketch import SketchHash, add_sums_
+
+    x = torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n))
+    h = SketchHash(n, 1024, 0xDEADBEEF)
+    got = torch.zeros(2048, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        add_sums_(got, x, h, "clip")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with use_backend("plain"):
+        want = add_sums_(torch.zeros(2048, device="cuda"), x, h, "clip")
+    scale = float(x.abs().max()) * max(1.0, (n / 1024) ** 0.5)
+    assert float((got - want).abs().max()) <= 1e-5 * scale
