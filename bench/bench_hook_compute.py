@@ -53,9 +53,18 @@ def _variant(hooked: bool, args):
     layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
     model = DDP(torch.nn.Sequential(*layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    state = None
     if hooked:
-        state = OnebitCompressHookState(optimizer=opt, freeze_step=2)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=2,
+                                        error_dtype=getattr(torch, args.error_dtype))
         model.register_comm_hook(state, onebit_compress_hook)
+    params = list(model.parameters())
+
+    def clip():  # max_norm far above the norm: the norm's cost alone (the hook: the sketch's all-reduce)
+        if state is None:
+            torch.nn.utils.clip_grad_norm_(params, 1e9)
+        else:
+            state.clip_grad_norm_(1e9)
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(args.batch, args.width, generator=g)
 
@@ -70,10 +79,12 @@ def _variant(hooked: bool, args):
     def step(rows: dict | None) -> None:
         local = _slowest(local_backward)
         synced = _slowest(backward)
+        clipped = _slowest(clip) if args.clip else 0.0
         stepped = _slowest(opt.step)
         opt.zero_grad()
         if rows is not None:
-            for k, v in zip(("local", "synced", "step"), (local, synced, stepped), strict=True):
+            pieces = zip(("local", "synced", "clip", "step"), (local, synced, clipped, stepped), strict=True)
+            for k, v in pieces:
                 rows.setdefault(k, []).append(v)
 
     return step
@@ -115,26 +126,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--sequential", action="store_true",
                    help="all of plain DDP's steps, then the hook's (before 2026-11-27: the only way)")
+    p.add_argument("--clip", action="store_true",
+                   help="each step clips (plain DDP: torch's clip; the hook: its clip, whose count sketches "
+                        "the hook takes in backward); their difference counts as communication's compute")
+    p.add_argument("--error-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the hook's error buffers (default: the library's, bfloat16)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "hook_compute.csv"))
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
     extra = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--steps",
              str(args.steps)] + (["--sequential"] if args.sequential else [])
+    extra += (["--clip"] if args.clip else []) + ["--error-dtype", args.error_dtype]
     res = ranks_json(__file__, args.ranks, extra)
     plain, hook = res["plain"], res["hook"]
     ddp = plain["synced"] - plain["local"]  # the all-reduce's share of the step
-    ours = hook["synced"] - hook["local"] + hook["step"] - plain["step"]
+    ours = hook["synced"] - hook["local"] + hook["step"] - plain["step"] + hook["clip"] - plain["clip"]
     n = args.layers * (args.width * args.width + args.width)
-    table = [[name, *(f"{res[key][k]:.1f}" for k in ("local", "synced", "step")), f"{c:.1f}"]
+    table = [[name, *(f"{res[key][k]:.1f}" for k in ("local", "synced", "clip", "step")), f"{c:.1f}"]
              for name, key, c in (("plain DDP", "plain", ddp), ("hook, freeze_step", "hook", ours))]
     print(f"# {args.ranks} gloo ranks on loopback, {n / 1e6:.1f}M parameters, medians of {args.steps} steps "
           "(ms, the slowest rank)")
-    header = ["", "backward, no_sync", "backward, synced", "AdamW step", "communication's compute"]
+    header = ["", "backward, no_sync", "backward, synced", "clip", "AdamW step", "communication's compute"]
     print(markdown_table(header, table))
     print(f"hook / DDP all-reduce: {ours / ddp:.2f}x")
     meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps,
-                      order="sequential" if args.sequential else "alternating")
+                      order="sequential" if args.sequential else "alternating", clip=args.clip,
+                      error_dtype=args.error_dtype)
     print(write_csv(args.csv, [{**meta, "variant": name, **{k: f"{v:.3f}" for k, v in res[name].items()},
                                 "communication_ms": f"{c:.3f}"}
                                for name, c in (("plain", ddp), ("hook", ours))], append=True))
