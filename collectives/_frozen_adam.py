@@ -530,8 +530,8 @@ def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_no
         dist.all_reduce(sums, group=group)
         sq = sums.double().square().sum() / replicas**2
         exact = [p.grad for p in params if id(p) not in sketch.covered]  # averaged in full precision
-        if exact:
-            sq = sq + torch.stack([torch.linalg.vector_norm(to_local(g), dtype=torch.float64).square()
+        if exact:  # (a sharded one whole: its slices are on other ranks)
+            sq = sq + torch.stack([torch.linalg.vector_norm(_whole(g), dtype=torch.float64).square()
                                    for g in exact]).sum().to(sq.device)
         norm = sq.sqrt()
     elif fa is not None and fa.pending and fa.local_sq is not None:
@@ -547,3 +547,9 @@ def clip_agreed(opt: torch.optim.Optimizer | None, fa: FrozenAdam | None, max_no
     for p in params:
         p.grad.mul_(scale.to(p.grad.dtype))
     return norm
+
+
+def _whole(g: torch.Tensor) -> torch.Tensor:
+    """``g`` itself, or a DTensor's full tensor (gathered)."""
+    full = getattr(g, "full_tensor", None)
+    return g if full is None else full()
