@@ -35,12 +35,12 @@ def _ints(x):
 
 class ClipSketch:
     """One iteration's sketch: off until the clip is first asked for (:meth:`start`); then each compressed
-    parameter's gradient is sketched with its own hash, drawn from ``rounds`` (the iterations sketched so
-    far) and its name, alike on every rank and after a resume; the parameters' signed buckets' sums
-    (``2 * size`` float32 each, kept until the clip) are added in the order of their names (:meth:`sums`),
-    so that neither the hash nor the rounding depends on how the parameters fall into buckets (a fresh
-    DDP's first buckets after a resume are not the run's). ``covered`` holds the ids of the parameters
-    sketched, whose gradients the hook handed over compressed."""
+    parameter's gradient is sketched with its own hash, drawn from ``rounds`` (the iterations begun since
+    the clip was first asked for) and its name, alike on every rank and after a resume; the parameters'
+    signed buckets' sums (``2 * size`` float32 each, kept until the clip) are added in the order of their
+    names (:meth:`sums`), so that neither the hash nor the rounding depends on how the parameters fall into
+    buckets (a fresh DDP's first buckets after a resume are not the run's). ``covered`` holds the ids of
+    the parameters sketched, whose gradients the hook handed over compressed."""
 
     def __init__(self) -> None:
         self.clips = False
