@@ -300,16 +300,32 @@ class FrozenAdam:
         self.local_sq = sq if self.local_sq is None else self.local_sq + sq
 
     def terms(self, opt: torch.optim.Optimizer, p: torch.Tensor, name, group: dict):
-        """``(d, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: the frozen
-        denominator, ``exp_avg`` and the factor of ``c``; None where the parameter has neither."""
+        """``(source, m, b1 / (1 - b1))`` of one parameter in a compressed iteration: where its frozen
+        denominator comes from (:meth:`source`), ``exp_avg`` and the factor of ``c``; None where the
+        parameter has neither."""
         entry = opt.state.get(p)
         if not entry or "exp_avg" not in entry:
             return None
-        d = self.denominator(opt, p, name)
-        if d is None:
+        src = self.source(opt, p, name)
+        if src is None:
             return None
         b1 = group["betas"][0]
-        return d, to_local(entry["exp_avg"]).detach(), b1 / (1.0 - b1)
+        return src, to_local(entry["exp_avg"]).detach(), b1 / (1.0 - b1)
+
+    def source(self, opt: torch.optim.Optimizer, p: torch.Tensor, name):
+        """Where ``p``'s frozen denominator comes from, not made: ``("v", v, (floor, r, eps), name)`` (its
+        ``exp_avg_sq``, v_F: ``d = max(sqrt(v), floor) * r + eps``) or ``("d", d)`` (an old
+        checkpoint's); None where it has none. :meth:`made` makes it."""
+        if name in self.legacy:
+            return ("d", self.legacy[name])
+        entry = opt.state.get(p)
+        if name not in self.scalars or not entry or "exp_avg_sq" not in entry:
+            return None
+        return ("v", to_local(entry["exp_avg_sq"]).detach(), self._c_scalars(name), name)
+
+    def made(self, src) -> torch.Tensor:
+        """The denominator of a :meth:`source` (float32; a new tensor, or the loaded one)."""
+        return src[1] if src[0] == "d" else self._denominator(src[1], src[3])
 
     # -- checkpoint ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -395,13 +411,50 @@ def own_steps(items: list[tuple], group: dict) -> None:
         torch._foreach_addcdiv_(ps, ms, ds, [-s for s in last])
 
 
+class Denominators:
+    """A bucket's frozen denominators (section 8.2), not made: per parameter span ``[lo, hi)`` its
+    :meth:`FrozenAdam.source` (or None: ``d = 1``), 1 elsewhere. The C passes make ``d`` from each
+    span's variance as they read it (:func:`onebit.kernels.fused.hook.native_table`); the other
+    routes take :meth:`flat`, the bucket's float32 denominators, made on their first call and freed
+    with this."""
+
+    def __init__(self, fa: FrozenAdam, numel: int, device, spans: list) -> None:
+        self.fa, self.spans = fa, spans  # (lo, hi, source)
+        self._numel, self.device = numel, torch.device(device)
+        self._flat: torch.Tensor | None = None
+
+    def numel(self) -> int:
+        return self._numel
+
+    def source(self, lo: int):
+        """The source of the span that starts at ``lo`` (None: ``d = 1``)."""
+        for a, _, src in self.spans:
+            if a == lo:
+                return src
+        return None
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            d = torch.ones(self._numel, dtype=torch.float32, device=self.device)
+            for lo, hi, src in self.spans:
+                if src is not None:
+                    d[lo:hi].copy_(self.fa.made(src).reshape(-1))
+            self._flat = d
+        return self._flat
+
+
+def flat_denominators(d) -> torch.Tensor:
+    """``d`` as the bucket's flat float32 denominators (a :class:`Denominators` made, a tensor as it is)."""
+    return d.flat() if isinstance(d, Denominators) else d
+
+
 def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout, share="auto"):
-    """``(d, parts)`` of section 8.2: the bucket's flat frozen denominators (1 where a parameter
-    has none; made for this call from the variances, freed with it) and, per parameter that has
-    them, ``(lo, hi, exp_avg, b1 / (1 - b1))`` (its place in the bucket, the momentum and the factor
-    of ``c``); None, None if none has them. Beside the Adam-type optimizer (``opt`` several: Muon and
-    its AdamW), a parameter of an SGD or a Muon takes its momentum's part with ``d = 1`` (sections 8.1,
-    8.3: ``(lo, hi, momentum_buffer, its factor)``)."""
+    """``(d, parts)`` of section 8.2: the bucket's frozen denominators (a :class:`Denominators`: not
+    made; 1 where a parameter has none) and, per parameter that has them, ``(lo, hi, exp_avg, b1 /
+    (1 - b1))`` (its place in the bucket, the momentum and the factor of ``c``); None, None if none
+    has them. Beside the Adam-type optimizer (``opt`` several: Muon and its AdamW), a parameter of an
+    SGD or a Muon takes its momentum's part with ``d = 1`` (sections 8.1, 8.3: ``(lo, hi,
+    momentum_buffer, its factor)``)."""
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
     grads = bucket.gradients()
     found = []
@@ -418,10 +471,8 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout, sha
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())
-    d = torch.ones_like(buffer, dtype=torch.float32)
-    for i, di, _, _ in found:
-        if di is not None:
-            d[offsets[i]:offsets[i + 1]].view_as(di).copy_(di)
+    spans = [(offsets[i], offsets[i + 1], src) for i, src, _, _ in found]
+    d = Denominators(fa, buffer.numel(), buffer.device, spans)
     return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
 
 
@@ -438,7 +489,7 @@ def _momentum_terms(opt, p: torch.Tensor, group: dict, share="auto"):
     return None if factor == 0.0 else (None, to_local(buf).detach(), factor)
 
 
-def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAdam | None = None):
+def frozen_pre_(buffer: torch.Tensor, d, parts: list, fa: FrozenAdam | None = None):
     """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
     (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
     With ``fa``, the bucket also counts into ``fa``'s local gradient norm: on an x86 CPU inside the
@@ -451,7 +502,8 @@ def frozen_pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa: FrozenAd
     is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
     fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
     if _hook_fused.backend(buffer, d, parts) == "triton":  # one launch each way
-        return _hook_fused.pre_(buffer, d, parts, fa)
+        return _hook_fused.pre_(buffer, flat_denominators(d), parts, fa)
+    d = flat_denominators(d)
     fused, rest = [], []
     simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32
             and buffer.is_contiguous() and d.is_contiguous()

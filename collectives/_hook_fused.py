@@ -22,29 +22,48 @@ from ..kernels.fused import hook
 _CACHE_LIMIT = 256  # Triton tables kept (one per bucket and set of momenta; addresses rarely change)
 
 
-def backend(buffer: torch.Tensor, d: torch.Tensor, parts: list) -> str | None:
-    """``native`` or ``triton``: the backend that takes this bucket's passes fused (``parts`` as
-    ``frozen_terms`` gives them); None: the unfused passes."""
+def backend(buffer: torch.Tensor, d, parts: list) -> str | None:
+    """``native`` or ``triton``: the backend that takes this bucket's passes fused (``d``: its
+    denominators, a flat float32 tensor or :class:`onebit.collectives._frozen_adam.Denominators`;
+    ``parts`` as ``frozen_terms`` gives them); None: the unfused passes."""
     device = buffer.device
 
     def f32(t: torch.Tensor) -> bool:
         return t.dtype == torch.float32 and t.is_contiguous() and t.device == device
 
-    if not (parts and f32(buffer) and f32(d) and d.numel() == buffer.numel()
+    def source_ok(src, n: int) -> bool:  # a span's denominators as the C passes read them
+        if src is None:
+            return True
+        t = src[1]
+        return (t.numel() == n and t.is_contiguous() and t.device == device
+                and (t.dtype == torch.float32 or (src[0] == "v" and t.dtype == torch.bfloat16)))
+
+    if not (parts and f32(buffer) and d.numel() == buffer.numel()
             and all(f32(m) and m.numel() == hi - lo for lo, hi, m, _ in parts)):
         return None
     name = backends.select(device, "hook").name
+    if name == "native":
+        if isinstance(d, torch.Tensor):
+            return name if f32(d) else None
+        return name if all(source_ok(d.source(lo), hi - lo) for lo, hi, _, _ in parts) else None
+    if isinstance(d, torch.Tensor) and not f32(d):
+        return None
     if name == "triton" and buffer.numel() >= 2**31:  # the Triton passes' int32 indices
         return None
     return None if name == "plain" else name
 
 
-def passes(d: torch.Tensor, parts: list, fa=None) -> hook.NativePasses:
-    """The native passes of one bucket's call; the worker counts the bucket into ``fa``'s local norm
-    (None: the caller counted it)."""
-    t = hook.table(parts, d)
-    t.alive = (d, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
-    return hook.NativePasses(t, (lambda flat, sq: None) if fa is None else fa.add_local)
+def passes(d, parts: list, fa=None, block: int | None = None) -> hook.NativePasses:
+    """The native passes of one bucket's call (``d`` as :func:`backend` takes it: a flat tensor's
+    spans are read as given denominators; ``block``: the call's); the worker counts the bucket into
+    ``fa``'s local norm (None: the caller counted it)."""
+    if isinstance(d, torch.Tensor):
+        sources = [("d", d[lo:hi]) for lo, hi, _, _ in parts]
+    else:
+        sources = [d.source(lo) for lo, _, _, _ in parts]
+    t = hook.native_table(parts, [None if s is None else s[:3] for s in sources])
+    t.alive = (d, sources, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
+    return hook.NativePasses(t, (lambda flat, sq: None) if fa is None else fa.add_local, block)
 
 
 def pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa=None):

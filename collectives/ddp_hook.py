@@ -694,7 +694,8 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         covered = state.layouts.get(index) != layout and state._cover(layout) is not None
         if state._mesh is None and not covered and _hook_fused.backend(buffer, d, parts) == "native":
             # CPU: the pre- and post-pass inside the codec's passes (collectives/_hook_fused.py)
-            return _compressed(state, bucket, buffer, layout, index, _hook_fused.passes(d, parts, fa))
+            return _compressed(state, bucket, buffer, layout, index,
+                               _hook_fused.passes(d, parts, fa, state.block))
         post = frozen_pre_(buffer, d, parts, fa)  # buffer <- (g + c) / d; the local norm counted
         return _compressed(state, bucket, buffer, layout, index).then(lambda done: post(done.value()))
     d, c = _optimizer_terms(state, bucket)  # the same on every rank

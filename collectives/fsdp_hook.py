@@ -43,7 +43,7 @@ from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
 from . import _hook_fused
 from ._clip_sketch import ClipSketch
-from ._frozen_adam import FrozenAdam, clip_agreed, frozen_pre_, is_adam_type
+from ._frozen_adam import Denominators, FrozenAdam, clip_agreed, frozen_pre_, is_adam_type
 from ._fsdp_replicas import ReplicaReduction, fsdp_param_groups, is_hsdp
 from ._unwrap import unwrap_optimizer
 from .allreduce import compressed_allreduce, compressed_allreduce_passes, error_buffer_numel
@@ -108,7 +108,7 @@ class OnebitAllReduceHook:
                 self._frozen_mean(reduce_output, *self._terms(reduce_output))
         self.iter += 1
 
-    def _frozen_mean(self, reduce_output: torch.Tensor, d: torch.Tensor, parts: list,
+    def _frozen_mean(self, reduce_output: torch.Tensor, d: Denominators, parts: list,
                      post: float | None) -> None:
         """The compressed mean of this rank's momentum in the frozen space, ``(g + c) / d`` with ``c =
         factor * m`` per parameter (``parts`` as ``frozen_terms`` gives them), then ``out * d - c``: the
@@ -117,7 +117,7 @@ class OnebitAllReduceHook:
         if post is not None:  # FSDP divides after the hook: the momentum terms need the final scale
             reduce_output.div_(post)
         if self._mesh is None and _hook_fused.backend(reduce_output, d, parts) == "native":
-            self._compressed_mean(reduce_output, _hook_fused.passes(d, parts))
+            self._compressed_mean(reduce_output, _hook_fused.passes(d, parts, block=self.block))
         else:
             after = frozen_pre_(reduce_output, d, parts)  # the local norm: counted by the terms
             self._compressed_mean(reduce_output)
@@ -228,8 +228,7 @@ class FSDPHooks(dict):
                 fa.freeze(opt, self._names)
             fa.add_local(block)
             fa.pending = True
-            d = torch.ones_like(block, dtype=torch.float32)
-            parts, pieces, offset = [], [], 0
+            parts, spans, pieces, offset = [], [], [], 0
             for j, fp in enumerate(group.fsdp_params):
                 p = fp.sharded_param
                 S = fp.mesh_info.shard_mesh_size
@@ -239,8 +238,8 @@ class FSDPHooks(dict):
                 found = groups.get(id(p))
                 t = None if found is None else fa.terms(opt, p, self._names.get(id(p)), found)
                 if t is not None and n:
-                    di, mi, factor = t
-                    d[offset:offset + n].copy_(di.reshape(-1))
+                    src, mi, factor = t
+                    spans.append((offset, offset + n, _flat_source(src)))
                     parts.append((offset, offset + n, mi.reshape(-1), factor))
                 offset += chunk
             if offset != block.numel():
@@ -250,7 +249,7 @@ class FSDPHooks(dict):
                     "every step with optimizer= and freeze_step")
             # for the clip's norm: the block as it came, before any pass
             self._clip.add(block, pieces, [fp.sharded_param for fp in group.fsdp_params])
-            return d, parts, _post_division(group, block)
+            return Denominators(fa, block.numel(), block.device, spans), parts, _post_division(group, block)
 
         return terms
 
@@ -298,6 +297,11 @@ class FSDPHooks(dict):
             if self._frozen_adam is None:
                 raise ValueError("state: saved with freeze_step; register the hooks with freeze_step too")
             self._frozen_adam.load(state["frozen_adam"])
+
+
+def _flat_source(src: tuple) -> tuple:
+    """A :meth:`FrozenAdam.source` with its tensor flat (a view where it is contiguous)."""
+    return (src[0], src[1].reshape(-1), *src[2:])
 
 
 def _post_division(group, block: torch.Tensor) -> float | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from onebit.collectives import _hook_fused
-from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
+from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
 from onebit.collectives.allreduce import _LOCAL, _compressed_allreduce, compressed_allreduce_passes
 from onebit.kernels import cpu_simd
 from onebit.kernels.fused import hook
@@ -81,6 +81,88 @@ def test_in_codec_is_bitwise_the_unfused_passes(case, isa, monkeypatch):
         for a, b in zip(got[:3], want[:3], strict=True):
             assert torch.equal(a, b)
         assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
+
+
+def _variances(n, spans, seed, kind):
+    """A FrozenAdam with frozen scalars per span and the bucket's Denominators: each span's frozen
+    variance (float32, or bfloat16 where ``kind`` says; zero and tiny variances under the floor, an
+    always-zero stretch), or none (``d = 1``: an SGD's momentum) for every third span with ``mixed``."""
+    g = torch.Generator().manual_seed(seed + 7)
+    fa, spans_ = FrozenAdam(1, 0.1), []
+    for k, (lo, hi) in enumerate(spans):
+        if kind == "mixed" and k % 3 == 1:
+            spans_.append((lo, hi, None))
+            continue
+        v = torch.rand(hi - lo, generator=g).pow(6) * 1e-2
+        v[: (hi - lo) // 5] = 0.0  # dead units: a zero variance
+        v[(hi - lo) // 5 : (hi - lo) // 4] = 1e-30  # tiny ones
+        if kind == "v16":
+            v = v.bfloat16()
+        name = (0, k)
+        fa.scalars[name] = (float(torch.tensor(1e-4 * (k + 1))), 1.0 - 0.999 ** (k + 3), 1e-8)
+        spans_.append((lo, hi, ("v", v, fa._c_scalars(name), name)))
+    return fa, Denominators(fa, n, "cpu", spans_)
+
+
+def _run_variance(n, spans, block, seed, kind, edtype, fused: bool):
+    buffer, _, parts = _bucket(n, spans, seed, None)
+    fa, den = _variances(n, spans, seed, kind)
+    N = padded_numel(n, 1, block)
+    we = (torch.randn(N, generator=torch.Generator().manual_seed(seed + 1)) * 0.1).to(edtype)
+    se = (torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) * 0.1).to(edtype)
+    if fused:
+        assert _hook_fused.backend(buffer, den, parts) == "native"
+        passes = _hook_fused.passes(den, parts, fa, block)
+        assert passes.BFLOAT16_ERRORS == (block is None or block <= hook.HOOK_RUN)
+        compressed_allreduce_passes(buffer, we, se, None, passes, local=True, block=block)
+    else:
+        post = frozen_pre_(buffer, den.flat(), parts, fa)
+        _compressed_allreduce(buffer, we, se, None, 1, block, _LOCAL)
+        post(buffer)
+    return buffer, we, se, float(fa.local_sq)
+
+
+VARIANCE_CASES = [  # n, spans, block, the variances, the error dtype
+    (70001, [(5, 40000), (40000, 69000)], 64, "v32", torch.bfloat16),
+    (70001, [(5, 40000), (40000, 69000)], 64, "v16", torch.float32),
+    (9000, [(8, 4100), (4200, 6000), (6000, 8999)], 24, "mixed", torch.bfloat16),
+    (300000, [(0, 100000), (100003, 299999)], None, "v32", torch.bfloat16),
+    (20000, [(0, 20000)], 8192, "v32", torch.bfloat16),  # a block over the runs: errors widened for the call
+    (13, [(1, 12)], None, "mixed", torch.bfloat16),  # one tail only
+]
+
+
+@pytest.mark.parametrize("isa", [1, 2])
+@pytest.mark.parametrize("case", range(len(VARIANCE_CASES)))
+def test_denominators_made_from_the_variance_and_bfloat16_errors_are_bitwise_the_unfused(case, isa,
+                                                                                         monkeypatch):
+    # the C passes make d from each parameter's frozen variance run by run (no bucket of d) and read
+    # and store a bfloat16 worker error themselves: bitwise the flat d and the widened error's route
+    if cpu_simd.best_isa() < isa:
+        pytest.skip("this CPU lacks the ISA level")
+    real = cpu_simd.best_isa()
+    monkeypatch.setattr(cpu_simd, "best_isa", lambda: min(real, isa))
+    n, spans, block, kind, edtype = VARIANCE_CASES[case]
+    got = _run_variance(n, spans, block, case, kind, edtype, True)
+    want = _run_variance(n, spans, block, case, kind, edtype, False)
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
+    N = padded_numel(n, 1, block)
+    start = (torch.randn(N, generator=torch.Generator().manual_seed(case + 1)) * 0.1).to(edtype)
+    assert not torch.equal(got[1], start)  # the worker error did move
+
+
+def test_the_passes_decline_a_variance_they_cannot_read():
+    n, spans = 1000, [(0, 640), (700, 990)]
+    buffer, _, parts = _bucket(n, spans, 3, None)
+    fa, den = _variances(n, spans, 3, "v32")
+    assert _hook_fused.backend(buffer, den, parts) == "native"
+    lo, hi, (_, v, scal, name) = den.spans[0]
+    den.spans[0] = (lo, hi, ("v", v.double(), scal, name))  # float64: not what the C reads
+    assert _hook_fused.backend(buffer, den, parts) is None
+    den.spans[0] = (lo, hi, ("v", torch.zeros(2 * (hi - lo))[::2], scal, name))  # strided
+    assert _hook_fused.backend(buffer, den, parts) is None
 
 
 @pytest.mark.parametrize("special", ["nan", "inf"])

@@ -57,10 +57,14 @@ double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_
 
 /* ---- The DDP hook's passes (freeze_step) inside the codec's, as OnebitAdam's above: the table's
    entry k is a parameter with momentum, flat elements [start[k], start[k] + count[k]), its momentum
-   at g[k], its frozen denominators at d[k], its factor at sc[SC k]; elsewhere the bucket holds the
-   gradient as it is. Before the encode, run by run: x = (g + m k) / d (hook_pre above) and the
-   float64 sum of g^2 over every element (the local norm); after the decode: out = out * d - m k
-   (onebit.kernels.cpu_fused.hook_post's order). */
+   at g[k], its factor at sc[SC k]; its denominators d from the address at d[k] (den_at): none (0: an
+   SGD's or a Muon's momentum, d = 1), its frozen variance v (float32, or bfloat16 where bit 0 is set:
+   native.h's var_of), from which each run of DEN_RUN computes d = max(sqrt(v), floor) * r + eps with
+   the scalars at SC_FLOOR (native.h's den_run: bitwise the optimizer's stale_denominator; d is never
+   stored), or, where sc[SC k + 1] is not 0, float32 denominators as they are (a checkpoint of a
+   release that kept d). Elsewhere the bucket holds the gradient as it is. Before the encode, run by
+   run: x = (g + m k) / d (hook_pre above) and the float64 sum of g^2 over every element (the local
+   norm); after the decode: out = out * d - m k (onebit.kernels.cpu_fused.hook_post's order). */
 #define POST_LOOP for (int64_t i = 0; i < n; i++) out[i] = out[i] * d[i] - m[i] * k;
 static void post_c(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 #ifdef ONEBIT_X86
@@ -68,18 +72,42 @@ ONEBIT_AVX512 static void post_512(float* out, const float* m, const float* d, f
 __attribute__((target("avx2,fma"))) static void post_256(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 #endif
 
+static void post_any(int isa, float* out, const float* m, const float* d, float k, int64_t n) {
+#ifdef ONEBIT_X86
+  if (isa >= 2) { post_512(out, m, d, k, n); return; }
+  if (isa == 1) { post_256(out, m, d, k, n); return; }
+#endif
+  post_c(out, m, d, k, n);
+}
+
+/* entry kk's denominators of its elements [o, o + n), n <= DEN_RUN: in buf (made), or where they lie */
+static const float* den_at(int isa, const table_t* t, int kk, int64_t o, int64_t n, float* buf) {
+  const float* sc = t->sc + SC * kk;
+  int64_t a = t->d[kk];
+  if (!a) {
+    for (int64_t i = 0; i < n; i++) buf[i] = 1.0f;
+    return buf;
+  }
+  if (sc[1] != 0.0f) return (const float*)a + o;
+  den_run(isa, buf, var_of(a, o), var_bf(a), sc, n);
+  return buf;
+}
+
 /* flat elements [a, b): the pre-pass inside the table's entries, the sum of squares alone elsewhere */
 static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
   double s = 0.0;
   int64_t pos = a, lo, hi;
+  float buf[DEN_RUN] __attribute__((aligned(64)));
   for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
        kk++) {
     if (hi <= lo) continue;
     if (lo > pos) s += sq_any(isa, flat + pos, lo - pos);
-    int64_t o = lo - t->start[kk];
-    float* g = flat + lo;
-    const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
-    s += pre_any(isa, g, m, d, t->sc[SC * kk], hi - lo);
+    float f = t->sc[SC * kk];
+    for (int64_t r = lo; r < hi; r += DEN_RUN) {
+      int64_t n = hi - r < DEN_RUN ? hi - r : DEN_RUN, o = r - t->start[kk];
+      const float* d = den_at(isa, t, kk, o, n, buf);
+      s += pre_any(isa, flat + r, (const float*)t->g[kk] + o, d, f, n);
+    }
     pos = hi;
   }
   if (b > pos) s += sq_any(isa, flat + pos, b - pos);
@@ -88,17 +116,15 @@ static double pre_range(int isa, float* flat, int64_t a, int64_t b, const table_
 
 static void post_range(int isa, float* flat, int64_t a, int64_t b, const table_t* t, int* k) {
   int64_t lo, hi;
+  float buf[DEN_RUN] __attribute__((aligned(64)));
   for (int kk = table_first(t->start, t->count, t->K, a, k); table_part(t->start, t->count, t->K, a, b, kk, &lo, &hi);
        kk++) {
-    if (hi <= lo) continue;
-    int64_t o = lo - t->start[kk];
-    const float *m = (const float*)t->g[kk] + o, *d = (const float*)t->d[kk] + o;
     float f = t->sc[SC * kk];
-#ifdef ONEBIT_X86
-    if (isa >= 2) { post_512(flat + lo, m, d, f, hi - lo); continue; }
-    if (isa == 1) { post_256(flat + lo, m, d, f, hi - lo); continue; }
-#endif
-    post_c(flat + lo, m, d, f, hi - lo);
+    for (int64_t r = lo; r < hi; r += DEN_RUN) {
+      int64_t n = hi - r < DEN_RUN ? hi - r : DEN_RUN, o = r - t->start[kk];
+      const float* d = den_at(isa, t, kk, o, n, buf);
+      post_any(isa, flat + r, (const float*)t->g[kk] + o, d, f, n);
+    }
   }
 }
 
@@ -107,10 +133,12 @@ static int64_t run_of(int64_t block) { return block ? (block < 4096 ? 4096 / blo
 
 /* The worker's pass of chunk elements [off, off + n) with the pre-pass inside, run by run while in
    cache. block > 0: sums[j] for each block of the range (n a multiple of block), returns 0; block 0:
-   returns the sum of squares, added as onebit_encode_total adds it. *sq: the sum of g^2 over the range. */
+   returns the sum of squares, added as onebit_encode_total adds it. *sq: the sum of g^2 over the range.
+   e bfloat16 (ebf16; block 0 or at most HOOK_RUN): each run widened (exactly) on the stack first. */
+#define HOOK_RUN 4096
 double onebit_hook_encode(float* flat, const float* e, uint8_t* bits, double* sums, int64_t off, int64_t n,
                           int64_t block, const int64_t* start, const int64_t* count, const int64_t* m,
-                          const int64_t* d, const float* sc, int K, double* sq, int isa, int threads) {
+                          const int64_t* d, const float* sc, int K, double* sq, int ebf16, int isa, int threads) {
   enum { MAXT = 256 };
   table_t tab = {start, count, m, d, 0, sc, K};
   double part[MAXT], psq[MAXT];
@@ -123,11 +151,17 @@ double onebit_hook_encode(float* flat, const float* e, uint8_t* bits, double* su
     int t = omp_get_thread_num(), T = omp_get_num_threads(), k = 0;
     int64_t units = n / unit, lo = units * t / T * unit, hi = units * (t + 1) / T * unit;
     double s = 0.0, q = 0.0, r;
+    float eb[HOOK_RUN] __attribute__((aligned(64)));
     for (int64_t i = lo; i < hi; i += run) {
       int64_t len = hi - i < run ? hi - i : run;
+      const float* er = e + off + i;
+      if (ebf16) {
+        widen_run(isa, eb, (const uint16_t*)e + off + i, len);
+        er = eb;
+      }
       q += pre_range(isa, flat, off + i, off + i + len, &tab, &k);
-      if (block) f(flat + off + i, e + off + i, bits + i / 8, sums + i / block, len, block);
-      else { f(flat + off + i, e + off + i, bits + i / 8, &r, len, len); s += r; }
+      if (block) f(flat + off + i, er, bits + i / 8, sums + i / block, len, block);
+      else { f(flat + off + i, er, bits + i / 8, &r, len, len); s += r; }
     }
     part[t] = s;
     psq[t] = q;
@@ -140,23 +174,39 @@ double onebit_hook_encode(float* flat, const float* e, uint8_t* bits, double* su
 }
 
 /* Decompress of chunk elements [off, off + n) (as onebit_decompress: e NULL, the decode only; sstep
-   and wstep 0: one scale) with the post-pass inside, run by run. */
+   and wstep 0: one scale) with the post-pass inside, run by run. e bfloat16 (ebf16; block 0 or at
+   most HOOK_RUN): each run widened on the stack, updated there and stored rounded
+   (onebit.kernels.rounding: element i of the buffer keyed by its block's worker scale, or the range's
+   one, and i). */
 void onebit_hook_decompress(const uint8_t* bits, const float* s, int64_t sstep, float* flat, float* e, const float* ws,
                             int64_t wstep, int64_t off, int64_t n, int64_t block, const int64_t* start,
-                            const int64_t* count, const int64_t* m, const int64_t* d, const float* sc, int K, int isa,
-                            int threads) {
+                            const int64_t* count, const int64_t* m, const int64_t* d, const float* sc, int K,
+                            int ebf16, int isa, int threads) {
   table_t tab = {start, count, m, d, 0, sc, K};
   decompress_fn f = pick_decompress(isa);
+  void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
   int64_t unit = block ? block : 16, run = run_of(block);
+  if (!e) ebf16 = 0;
   #pragma omp parallel num_threads(threads)
   {
     int k = 0;
     int64_t lo, hi;
+    float eb[HOOK_RUN] __attribute__((aligned(64)));
     thread_range(n, unit, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
     for (int64_t i = lo; i < hi; i += run) {
       int64_t len = hi - i < run ? hi - i : run, j = block ? i / block : 0;
-      f(bits + i / 8, s + j * sstep, sstep, flat + off + i, e ? e + off + i : 0, e ? ws + j * wstep : 0, wstep, len,
+      uint16_t* e16 = ebf16 ? (uint16_t*)e + off + i : 0;
+      float* er = e16 ? eb : e ? e + off + i : 0;
+      if (e16) widen_run(isa, eb, e16, len);
+      f(bits + i / 8, s + j * sstep, sstep, flat + off + i, er, e ? ws + j * wstep : 0, wstep, len,
         block ? block : len);
+      if (e16) { /* stored rounded, one key per scale */
+        int64_t per = block ? block : len;
+        for (int64_t q = 0; q < len; q += per) {
+          int64_t jb = block ? (i + q) / block : 0, cnt = len - q < per ? len - q : per;
+          nr(e16 + q, (const uint32_t*)eb + q, round_key(ws[jb * wstep], ROUND_WORKER), (uint32_t)(off + i + q), cnt);
+        }
+      }
       post_range(isa, flat, off + i, off + i + len, &tab, &k);
     }
   }

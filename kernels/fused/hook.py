@@ -17,10 +17,15 @@ errors are bitwise the unfused hook's; the norm's float64 sum of exact squares a
   and the post-pass inside decompress, run by run of about 4096 elements while they are in cache:
   two passes instead of four. :func:`hook_pre` is the pre-pass alone over one tensor.
 
-The table (:mod:`onebit.kernels.fused.table`): one entry per parameter with a momentum (by offset):
-address columns ``ADDRESSES`` (its momentum; its part of the bucket's denominators), scalar columns
-``SCALARS``. Elements of no entry (a parameter without a momentum, a gap) take ``c = 0`` and their
-``d`` (1 there)."""
+The tables (:mod:`onebit.kernels.fused.table`): one entry per parameter with a momentum (by offset).
+Triton's (:func:`table`): address columns ``ADDRESSES`` (its momentum; its part of the bucket's flat
+denominators), scalar columns ``SCALARS``. The C's (:func:`native_table`): ``NATIVE_ADDRESSES`` (its
+momentum; its frozen variance, from which the passes make ``d`` run by run as they read it, as the
+optimizers' C passes do: no bucket of denominators is made; or none, ``d = 1``; or, with the
+``given`` scalar, float32 denominators as they are), ``NATIVE_SCALARS``. Elements of no entry (a
+parameter without a momentum, a gap) take ``c = 0`` and ``d = 1``. The C passes read and store a
+bfloat16 worker error themselves (``BFLOAT16_ERRORS``: each run widened on the stack, stored rounded
+as :mod:`onebit.kernels.rounding` stores it, bitwise) where the block is at most ``HOOK_RUN``."""
 
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from .. import _chunks
 from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, _threads, library
 from ..layout import message_bits, message_scales
-from .table import Table, address, scalar, tiles
+from .table import DENOMINATOR, Table, address, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import Launch
@@ -43,6 +48,9 @@ _MOM, _DENOM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
 _FACTOR = constexpr(SCALARS.index("factor"))
 BLOCK = 1024  # elements per program of the Triton passes
 WARPS = 8
+NATIVE_ADDRESSES = ("momentum", "var")
+NATIVE_SCALARS = ("factor", "given", "unused2", "unused3", "unused4", *DENOMINATOR)
+HOOK_RUN = 4096  # the C passes' runs (kernels/fused/hook.c): a bfloat16 error's buffer on the stack
 
 
 def table(parts: list, d: torch.Tensor) -> Table:
@@ -54,6 +62,30 @@ def table(parts: list, d: torch.Tensor) -> Table:
     t = Table(offsets, numels, ADDRESSES, SCALARS, d.device)
     t.fill({"momentum": [m for _, _, m, _ in parts], "denom": [d[lo:hi] for lo, hi, _, _ in parts]},
            [(float(f),) for _, _, _, f in parts])
+    return t
+
+
+def native_table(parts: list, sources: list) -> Table:
+    """The C passes' table of ``parts`` (``(lo, hi, m, factor)``) whose denominators come from
+    ``sources`` (one per part: None, ``d = 1``; ``("v", v, (floor, r, eps))``, a frozen variance,
+    float32 or bfloat16, contiguous, ``d = max(sqrt(v), floor) * r + eps``; ``("d", d)``, contiguous
+    float32 denominators as they are), on the CPU."""
+    rows, vars_ = [], []
+    for (_, _, _, f), src in zip(parts, sources, strict=True):
+        if src is None:
+            vars_.append(None)
+            rows.append((float(f), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        elif src[0] == "v":
+            vars_.append(src[1])
+            rows.append((float(f), 0.0, 0.0, 0.0, 0.0, *(float(x) for x in src[2])))
+        else:
+            vars_.append(src[1])
+            rows.append((float(f), 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+    order = sorted(range(len(parts)), key=lambda i: parts[i][0])
+    t = Table([parts[i][0] for i in order], [parts[i][1] - parts[i][0] for i in order], NATIVE_ADDRESSES,
+              NATIVE_SCALARS, "cpu")
+    t.fill({"momentum": [parts[i][2] for i in order], "var": [vars_[i] for i in order]},
+           [rows[i] for i in order])
     return t
 
 
@@ -150,26 +182,36 @@ def hook_pre(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float,
 
 
 def _args(t: Table) -> tuple:
-    return (t.start.data_ptr(), t.count.data_ptr(), t.ptr("momentum"), t.ptr("denom"), t.scal.data_ptr(), t.K)
+    return (t.start.data_ptr(), t.count.data_ptr(), t.ptr("momentum"), t.ptr("var"), t.scal.data_ptr(), t.K)
+
+
+def _error(e: torch.Tensor, block: int | None) -> int | None:
+    """1 for a bfloat16 error the C reads and stores itself, 0 for a float32 one, None otherwise."""
+    if _f32(e):
+        return 0
+    ok = e.dtype == torch.bfloat16 and e.is_contiguous() and e.device.type == "cpu"
+    return 1 if ok and (block is None or block <= HOOK_RUN) else None
 
 
 def hook_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n: int, block: int | None,
                 table: Table, isa: int | None = None) -> tuple[torch.Tensor | float, float]:
-    """The pre-pass over ``flat[off : off + n]`` (by the table) and the encode of ``flat + e`` there (n / 8
-    bytes of ``bits``), run by run in one pass. Returns the block sums (float64, as
+    """The pre-pass over ``flat[off : off + n]`` (by :func:`native_table`'s table) and the encode of
+    ``flat + e`` there (n / 8 bytes of ``bits``; ``e`` float32, or bfloat16 with a block of at most
+    ``HOOK_RUN``), run by run in one pass. Returns the block sums (float64, as
     :func:`onebit.kernels.cpu_simd.encode_blocks`) or, ``block`` None, the sum (as
     :func:`onebit.kernels.cpu_simd.encode_total` adds it); and the float64 sum of squares of the gradient
     as it came."""
-    unit = block or 8
-    if not (_f32(flat) and _f32(e) and bits.dtype == torch.uint8 and bits.is_contiguous()
+    unit, ebf16 = block or 8, _error(e, block)
+    if not (_f32(flat) and ebf16 is not None and bits.dtype == torch.uint8 and bits.is_contiguous()
             and bits.numel() >= n // 8 and n % unit == 0 and off >= 0
             and off + n <= min(flat.numel(), e.numel())):
-        raise ValueError("hook.hook_encode: expected contiguous float32 flat and e covering the range, n a "
-                         "multiple of the block (or of 8), and n / 8 uint8 bits")
+        raise ValueError("hook.hook_encode: expected contiguous float32 flat and e (or a bfloat16 e, block "
+                         "at most 4096) covering the range, n a multiple of the block (or of 8), and n / 8 "
+                         "uint8 bits")
     sums = torch.empty(n // block if block else 0, dtype=torch.float64)
     sq = ctypes.c_double(0.0)
     total = library().onebit_hook_encode(flat.data_ptr(), e.data_ptr(), bits.data_ptr(), sums.data_ptr(), off,
-                                         n, block or 0, *_args(table), ctypes.byref(sq), _isa(isa),
+                                         n, block or 0, *_args(table), ctypes.byref(sq), ebf16, _isa(isa),
                                          _threads(n))
     return (sums if block else float(total)), sq.value
 
@@ -178,13 +220,14 @@ def hook_decompress(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor
                     worker_scales: torch.Tensor | None, off: int, n: int, block: int | None, table: Table,
                     isa: int | None = None) -> None:
     """decompress of ``flat[off : off + n]`` (``scales``: one, or one per block of the range; ``e`` the
-    whole worker error buffer, or None: no error update) with the post-pass ``out = out * d - m * factor``
+    whole worker error buffer, float32 or bfloat16 as :func:`hook_encode` takes it, or None: no error
+    update) with the post-pass ``out = out * d - m * factor``
     (by the table) inside, run by run."""
-    nb = n // block if block else 1
+    nb, ebf16 = n // block if block else 1, 0 if e is None else _error(e, block)
     if not (_f32(flat) and _f32(scales) and scales.numel() == nb and bits.dtype == torch.uint8
             and bits.is_contiguous() and bits.numel() >= n // 8 and n % (block or 8) == 0
             and off >= 0 and off + n <= flat.numel()
-            and (e is None or (_f32(e) and off + n <= e.numel() and _f32(worker_scales)
+            and (e is None or (ebf16 is not None and off + n <= e.numel() and _f32(worker_scales)
                                and worker_scales.numel() == nb))):
         raise ValueError("hook.hook_decompress: expected contiguous float32 flat covering the range, n a "
                          "multiple of the block (or of 8), n / 8 uint8 bits, float32 scales per block")
@@ -192,7 +235,7 @@ def hook_decompress(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor
     library().onebit_hook_decompress(
         bits.data_ptr(), scales.data_ptr(), step, flat.data_ptr(), None if e is None else e.data_ptr(),
         None if worker_scales is None else worker_scales.data_ptr(), step, off, n, block or 0, *_args(table),
-        _isa(isa), _threads(n))
+        ebf16, _isa(isa), _threads(n))
 
 
 def hook_pre_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> float:
@@ -210,11 +253,14 @@ def hook_post_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int |
 
 
 class NativePasses:
-    """``compressed_allreduce_passes``' worker and finish for one bucket's call in the C passes; the
-    worker hands the gradient's float64 sum of squares to ``norm(flat, sq)`` (the local norm)."""
+    """``compressed_allreduce_passes``' worker and finish for one bucket's call in the C passes
+    (``table``: :func:`native_table`'s); the worker hands the gradient's float64 sum of squares to
+    ``norm(flat, sq)`` (the local norm). ``block``: the call's; with a block of at most ``HOOK_RUN``
+    (or none) the passes read and store a bfloat16 worker error themselves."""
 
-    def __init__(self, table: Table, norm) -> None:
+    def __init__(self, table: Table, norm, block: int | None = None) -> None:
         self.table, self.norm = table, norm
+        self.BFLOAT16_ERRORS = block is None or block <= HOOK_RUN
 
     def worker(self, flat: torch.Tensor, worker_error: torch.Tensor, layout, msg: torch.Tensor) -> None:
         """The pre-pass and ``worker_compress(update_error=False)``, as the native codec computes it."""
