@@ -413,9 +413,9 @@ def own_steps(items: list[tuple], group: dict) -> None:
 
 class Denominators:
     """A bucket's frozen denominators (section 8.2), not made: per parameter span ``[lo, hi)`` its
-    :meth:`FrozenAdam.source` (or None: ``d = 1``), 1 elsewhere. The C passes make ``d`` from each
-    span's variance as they read it (:func:`onebit.kernels.fused.hook.native_table`); the other
-    routes take :meth:`flat`, the bucket's float32 denominators, made on their first call and freed
+    :meth:`FrozenAdam.source` (or None: ``d = 1``), 1 elsewhere. The fused passes (C and Triton) make
+    ``d`` from each span's variance as they read it (:func:`onebit.kernels.fused.hook.table`); the
+    plain routes take :meth:`flat`, the bucket's float32 denominators, made on their first call and freed
     with this."""
 
     def __init__(self, fa: FrozenAdam, numel: int, device, spans: list) -> None:
@@ -501,8 +501,8 @@ def frozen_pre_(buffer: torch.Tensor, d, parts: list, fa: FrozenAdam | None = No
     (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
     is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
     fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
-    if _hook_fused.backend(buffer, d, parts) == "triton":  # one launch each way
-        return _hook_fused.pre_(buffer, flat_denominators(d), parts, fa)
+    if _hook_fused.backend(buffer, d, parts) == "triton":  # one launch each way, d made as it is read
+        return _hook_fused.pre_(buffer, d, parts, fa)
     d = flat_denominators(d)
     fused, rest = [], []
     simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32

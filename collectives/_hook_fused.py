@@ -53,39 +53,45 @@ def backend(buffer: torch.Tensor, d, parts: list) -> str | None:
     return None if name == "plain" else name
 
 
-def passes(d, parts: list, fa=None, block: int | None = None) -> hook.NativePasses:
-    """The native passes of one bucket's call (``d`` as :func:`backend` takes it: a flat tensor's
-    spans are read as given denominators; ``block``: the call's); the worker counts the bucket into
-    ``fa``'s local norm (None: the caller counted it)."""
+def sources(d, parts: list) -> list:
+    """Each part's denominator source for :func:`onebit.kernels.fused.hook.table` (``d`` as
+    :func:`backend` takes it: a flat tensor's spans are given denominators)."""
     if isinstance(d, torch.Tensor):
-        sources = [("d", d[lo:hi]) for lo, hi, _, _ in parts]
-    else:
-        sources = [d.source(lo) for lo, _, _, _ in parts]
-    t = hook.native_table(parts, [None if s is None else s[:3] for s in sources])
-    t.alive = (d, sources, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
+        return [("d", d[lo:hi]) for lo, hi, _, _ in parts]
+    return [None if s is None else s[:3] for s in (d.source(lo) for lo, _, _, _ in parts)]
+
+
+def passes(d, parts: list, fa=None, block: int | None = None) -> hook.NativePasses:
+    """The native passes of one bucket's call (``d`` as :func:`backend` takes it; ``block``: the
+    call's); the worker counts the bucket into ``fa``'s local norm (None: the caller counted it)."""
+    found = sources(d, parts)
+    t = hook.table(parts, found)
+    t.alive = (d, found, [m for _, _, m, _ in parts])  # the addresses in the table, until the call ends
     return hook.NativePasses(t, (lambda flat, sq: None) if fa is None else fa.add_local, block)
 
 
-def pre_(buffer: torch.Tensor, d: torch.Tensor, parts: list, fa=None):
+def pre_(buffer: torch.Tensor, d, parts: list, fa=None):
     """``frozen_pre_``'s contract in the Triton passes: ``buffer <- (g + c) / d`` (the bucket counted
-    into ``fa``'s local norm), returning ``post(out)``: ``out <- out * d - c``."""
+    into ``fa``'s local norm; ``d`` made as the pass reads it), returning ``post(out)``: ``out <- out *
+    d - c``."""
     tables = fa.tables if fa is not None else {}
-    key = (buffer.device, d.data_ptr(), buffer.numel(),
-           tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts))
-    t = tables.get(key)
+    found = sources(d, parts)
+    key = (buffer.device, buffer.numel(), tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts),
+           tuple(None if s is None else (s[0], s[1].data_ptr(), s[1].dtype, *s[2:]) for s in found))
+    t = tables.get(key)  # (the addresses and scalars the table holds: after the freeze, every step's)
     if t is None:
         if len(tables) >= _CACHE_LIMIT:
             tables.clear()
-        t = tables[key] = hook.table(parts, d)
-    alive = [d] + [m for _, _, m, _ in parts]  # the table's addresses, until the post-pass ran
-    sq = hook.pre(buffer, d, t)
+        t = tables[key] = hook.table(parts, found, buffer.device)
+    alive = [d, found] + [m for _, _, m, _ in parts]  # the table's addresses, until the post-pass ran
+    sq = hook.pre(buffer, t)
     if fa is not None:
         fa.add_local(buffer, sq)
 
     def post(out: torch.Tensor) -> torch.Tensor:
         if out.data_ptr() != buffer.data_ptr() or out.numel() != buffer.numel():
             raise AssertionError("the post-pass expects the bucket the pre-pass wrote")
-        hook.post(out, d, t)
+        hook.post(out, t)
         del alive[:]
         return out
 

@@ -198,7 +198,7 @@ def hook_launches(N: int):
     T, f32, f64 = MockTensor, torch.float32, torch.float64
     for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):
         t = mock_table(2, -(-n // 8) * 8, th.BLOCK)
-        made = [*th.pre_launches(T(f32), T(f32), T(f64), t, n), *th.post_launches(T(f32), T(f32), t, n)]
+        made = [*th.pre_launches(T(f32), T(f64), t, n), *th.post_launches(T(f32), t, n)]
         for launch in made:
             yield f"hook{align}", launch
 

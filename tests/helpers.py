@@ -369,3 +369,27 @@ class ValueReads:
     def of(self, tensors) -> int:
         mine = {id(t) for t in tensors}
         return sum(i in mine for i in self.ids)
+
+
+def hook_denominators(n, spans, seed, kind, device="cpu"):
+    """A FrozenAdam with frozen scalars per span and the hook bucket's Denominators (on ``device``):
+    each span's frozen variance (float32, or bfloat16 where ``kind`` says; zero and tiny variances under
+    the floor), or none (``d = 1``: an SGD's momentum) for every third span with ``mixed``."""
+    from onebit.collectives._frozen_adam import Denominators, FrozenAdam
+
+    g = torch.Generator().manual_seed(seed + 7)
+    fa, spans_ = FrozenAdam(1, 0.1), []
+    for k, (lo, hi) in enumerate(spans):
+        if kind == "mixed" and k % 3 == 1:
+            spans_.append((lo, hi, None))
+            continue
+        v = torch.rand(hi - lo, generator=g).pow(6) * 1e-2
+        v[: (hi - lo) // 5] = 0.0  # dead units: a zero variance
+        v[(hi - lo) // 5 : (hi - lo) // 4] = 1e-30  # tiny ones
+        if kind == "v16":
+            v = v.bfloat16()
+        v = v.to(device)
+        name = (0, k)
+        fa.scalars[name] = (float(torch.tensor(1e-4 * (k + 1))), 1.0 - 0.999 ** (k + 3), 1e-8)
+        spans_.append((lo, hi, ("v", v, fa._c_scalars(name), name)))
+    return fa, Denominators(fa, n, device, spans_)

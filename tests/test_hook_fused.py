@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hook_denominators
 
 from onebit.collectives import _hook_fused
-from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
+from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
 from onebit.collectives.allreduce import _LOCAL, _compressed_allreduce, compressed_allreduce_passes
 from onebit.kernels import cpu_simd
 from onebit.kernels.fused import hook
@@ -83,30 +84,9 @@ def test_in_codec_is_bitwise_the_unfused_passes(case, isa, monkeypatch):
         assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
 
 
-def _variances(n, spans, seed, kind):
-    """A FrozenAdam with frozen scalars per span and the bucket's Denominators: each span's frozen
-    variance (float32, or bfloat16 where ``kind`` says; zero and tiny variances under the floor, an
-    always-zero stretch), or none (``d = 1``: an SGD's momentum) for every third span with ``mixed``."""
-    g = torch.Generator().manual_seed(seed + 7)
-    fa, spans_ = FrozenAdam(1, 0.1), []
-    for k, (lo, hi) in enumerate(spans):
-        if kind == "mixed" and k % 3 == 1:
-            spans_.append((lo, hi, None))
-            continue
-        v = torch.rand(hi - lo, generator=g).pow(6) * 1e-2
-        v[: (hi - lo) // 5] = 0.0  # dead units: a zero variance
-        v[(hi - lo) // 5 : (hi - lo) // 4] = 1e-30  # tiny ones
-        if kind == "v16":
-            v = v.bfloat16()
-        name = (0, k)
-        fa.scalars[name] = (float(torch.tensor(1e-4 * (k + 1))), 1.0 - 0.999 ** (k + 3), 1e-8)
-        spans_.append((lo, hi, ("v", v, fa._c_scalars(name), name)))
-    return fa, Denominators(fa, n, "cpu", spans_)
-
-
 def _run_variance(n, spans, block, seed, kind, edtype, fused: bool):
     buffer, _, parts = _bucket(n, spans, seed, None)
-    fa, den = _variances(n, spans, seed, kind)
+    fa, den = hook_denominators(n, spans, seed, kind)
     N = padded_numel(n, 1, block)
     we = (torch.randn(N, generator=torch.Generator().manual_seed(seed + 1)) * 0.1).to(edtype)
     se = (torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) * 0.1).to(edtype)
@@ -156,7 +136,7 @@ def test_denominators_made_from_the_variance_and_bfloat16_errors_are_bitwise_the
 def test_the_passes_decline_a_variance_they_cannot_read():
     n, spans = 1000, [(0, 640), (700, 990)]
     buffer, _, parts = _bucket(n, spans, 3, None)
-    fa, den = _variances(n, spans, 3, "v32")
+    fa, den = hook_denominators(n, spans, 3, "v32")
     assert _hook_fused.backend(buffer, den, parts) == "native"
     lo, hi, (_, v, scal, name) = den.spans[0]
     den.spans[0] = (lo, hi, ("v", v.double(), scal, name))  # float64: not what the C reads

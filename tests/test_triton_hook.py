@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hook_denominators
 
 from onebit.collectives import _hook_fused
 from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
@@ -83,6 +84,28 @@ def test_the_triton_passes_are_bitwise_the_plain_passes(case, special):
         assert want[2] != want[2] or want[2] == float("inf")
     else:
         assert got[2] == pytest.approx(want[2], rel=1e-12) and got[2] > 0
+
+
+@pytest.mark.parametrize("kind", ["v32", "v16", "mixed"])
+@pytest.mark.parametrize("case", [0, 1])
+def test_denominators_made_from_the_variance_are_bitwise_the_flat_ones(case, kind):
+    # the Triton passes read each parameter's frozen variance (float32 or bfloat16; none: d = 1) and make
+    # d as they read it: bitwise the plain passes over the bucket of d made from the same variances
+    n, spans = CASES[case]
+    results = []
+    for triton in (True, False):
+        buffer, _, parts, out = _bucket(n, spans, case, "zero")
+        fa, den = hook_denominators(n, spans, case, kind)
+        with _route(triton):
+            assert (_hook_fused.backend(buffer, den, parts) == "triton") == triton
+            post = frozen_pre_(buffer, den if triton else den.flat(), parts, fa)
+            x = buffer.clone()
+            buffer.copy_(out)
+            post(buffer)
+        results.append((x, buffer, float(fa.local_sq)))
+    (x1, y1, q1), (x2, y2, q2) = results
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and torch.equal(x1.signbit(), x2.signbit())
+    assert q1 == pytest.approx(q2, rel=1e-12) and q1 > 0
 
 
 def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):

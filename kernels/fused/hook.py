@@ -11,21 +11,21 @@ correctly rounded division; ``out * d``, ``- c``; contraction off): the bucket, 
 errors are bitwise the unfused hook's; the norm's float64 sum of exact squares adds in another order.
 
 - Triton (:func:`pre`, :func:`post`): one launch each way around the codec's own kernels (any block
-  size, a mesh): ``_hook_pre_kernel`` reads g, d and the momenta, writes x over g and one float64
-  partial of ``sum g^2`` per program; ``_hook_post_kernel`` reads the average, d and the momenta.
+  size, a mesh): ``_hook_pre_kernel`` reads g, the variances and the momenta, writes x over g and one
+  float64 partial of ``sum g^2`` per program; ``_hook_post_kernel`` reads the average, the variances
+  and the momenta.
 - native C (:class:`NativePasses`, ``kernels/fused/hook.c``): the pre-pass inside the worker's encode
   and the post-pass inside decompress, run by run of about 4096 elements while they are in cache:
   two passes instead of four. :func:`hook_pre` is the pre-pass alone over one tensor.
 
-The tables (:mod:`onebit.kernels.fused.table`): one entry per parameter with a momentum (by offset).
-Triton's (:func:`table`): address columns ``ADDRESSES`` (its momentum; its part of the bucket's flat
-denominators), scalar columns ``SCALARS``. The C's (:func:`native_table`): ``NATIVE_ADDRESSES`` (its
-momentum; its frozen variance, from which the passes make ``d`` run by run as they read it, as the
-optimizers' C passes do: no bucket of denominators is made; or none, ``d = 1``; or, with the
-``given`` scalar, float32 denominators as they are), ``NATIVE_SCALARS``. Elements of no entry (a
-parameter without a momentum, a gap) take ``c = 0`` and ``d = 1``. The C passes read and store a
-bfloat16 worker error themselves (``BFLOAT16_ERRORS``: each run widened on the stack, stored rounded
-as :mod:`onebit.kernels.rounding` stores it, bitwise) where the block is at most ``HOOK_RUN``."""
+The table (:mod:`onebit.kernels.fused.table`, :func:`table`, one for both backends): one entry per
+parameter with a momentum (by offset), address columns ``ADDRESSES`` (its momentum; its frozen
+variance, from which the passes make ``d`` as they read it, as the optimizers' passes do: no bucket of
+denominators is made; or none, ``d = 1``; or, with the ``given`` scalar, float32 denominators as they
+are), scalar columns ``SCALARS``. Elements of no entry (a parameter without a momentum, a gap) take
+``c = 0`` and ``d = 1``. The C passes read and store a bfloat16 worker error themselves
+(``BFLOAT16_ERRORS``: each run widened on the stack, stored rounded as :mod:`onebit.kernels.rounding`
+stores it, bitwise) where the block is at most ``HOOK_RUN``."""
 
 from __future__ import annotations
 
@@ -37,53 +37,36 @@ from .. import _chunks
 from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, _threads, library
 from ..layout import message_bits, message_scales
-from .table import DENOMINATOR, Table, address, scalar, tiles
+from .table import DENOMINATOR, Table, address, denominator, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import Launch
 
-ADDRESSES = ("momentum", "denom")
-SCALARS = ("factor",)
-_MOM, _DENOM = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
-_FACTOR = constexpr(SCALARS.index("factor"))
+ADDRESSES = ("momentum", "var")
+SCALARS = ("factor", "given", "unused2", "unused3", "unused4", *DENOMINATOR)
+_MOM, _VAR = (constexpr(ADDRESSES.index(c)) for c in ADDRESSES)
+_FACTOR, _GIVEN = constexpr(SCALARS.index("factor")), constexpr(SCALARS.index("given"))
 BLOCK = 1024  # elements per program of the Triton passes
 WARPS = 8
-NATIVE_ADDRESSES = ("momentum", "var")
-NATIVE_SCALARS = ("factor", "given", "unused2", "unused3", "unused4", *DENOMINATOR)
 HOOK_RUN = 4096  # the C passes' runs (kernels/fused/hook.c): a bfloat16 error's buffer on the stack
 
 
-def table(parts: list, d: torch.Tensor) -> Table:
-    """The table of ``parts`` (``(lo, hi, m, factor)`` as ``frozen_terms`` gives them) in a bucket whose
-    denominators are ``d`` (contiguous float32, the bucket's size; the factors rounded to float32 as the
-    plain ``torch.mul(m, factor)`` rounds them)."""
-    parts = sorted(parts, key=lambda part: part[0])
-    offsets, numels = [lo for lo, _, _, _ in parts], [hi - lo for lo, hi, _, _ in parts]
-    t = Table(offsets, numels, ADDRESSES, SCALARS, d.device)
-    t.fill({"momentum": [m for _, _, m, _ in parts], "denom": [d[lo:hi] for lo, hi, _, _ in parts]},
-           [(float(f),) for _, _, _, f in parts])
-    return t
-
-
-def native_table(parts: list, sources: list) -> Table:
-    """The C passes' table of ``parts`` (``(lo, hi, m, factor)``) whose denominators come from
-    ``sources`` (one per part: None, ``d = 1``; ``("v", v, (floor, r, eps))``, a frozen variance,
-    float32 or bfloat16, contiguous, ``d = max(sqrt(v), floor) * r + eps``; ``("d", d)``, contiguous
-    float32 denominators as they are), on the CPU."""
+def table(parts: list, sources: list, device="cpu") -> Table:
+    """The table of ``parts`` (``(lo, hi, m, factor)`` as ``frozen_terms`` gives them) whose
+    denominators come from ``sources`` (one per part: None, ``d = 1``; ``("v", v, (floor, r, eps))``,
+    a frozen variance, float32 or bfloat16, contiguous: ``d = max(sqrt(v), floor) * r + eps``;
+    ``("d", d)``, contiguous float32 denominators as they are), on ``device``; the factors rounded to
+    float32 as the plain ``torch.mul(m, factor)`` rounds them."""
     rows, vars_ = [], []
     for (_, _, _, f), src in zip(parts, sources, strict=True):
-        if src is None:
-            vars_.append(None)
-            rows.append((float(f), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
-        elif src[0] == "v":
-            vars_.append(src[1])
+        vars_.append(None if src is None else src[1])
+        if src is not None and src[0] == "v":
             rows.append((float(f), 0.0, 0.0, 0.0, 0.0, *(float(x) for x in src[2])))
         else:
-            vars_.append(src[1])
-            rows.append((float(f), 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+            rows.append((float(f), 0.0 if src is None else 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
     order = sorted(range(len(parts)), key=lambda i: parts[i][0])
-    t = Table([parts[i][0] for i in order], [parts[i][1] - parts[i][0] for i in order], NATIVE_ADDRESSES,
-              NATIVE_SCALARS, "cpu")
+    t = Table([parts[i][0] for i in order], [parts[i][1] - parts[i][0] for i in order], ADDRESSES,
+              SCALARS, device)
     t.fill({"momentum": [parts[i][2] for i in order], "var": [vars_[i] for i in order]},
            [rows[i] for i in order])
     return t
@@ -92,20 +75,29 @@ def native_table(parts: list, sources: list) -> Table:
 # ---- Triton ------------------------------------------------------------------------------------
 
 @jit
-def _c_terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
-             BLOCK: tl.constexpr):
-    # c = m * factor for the elements of each table entry the program meets (0 elsewhere)
+def _terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr,
+           BLOCK: tl.constexpr):
+    # c = m * factor and d for the elements of each table entry the program meets (c 0 and d 1
+    # elsewhere): d from the entry's variance (table.denominator), its given float32 denominators,
+    # or 1 where it has neither (address 0)
     c = tl.zeros([BLOCK], dtype=tl.float32)
+    d = tl.full([BLOCK], 1.0, tl.float32)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
         off = idx - tl.load(start_ptr + k).to(tl.int32)
         mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
         mp = address(addr_ptr, _MOM, K, k)
         c = tl.where(mine, tl.load(mp + off, mask=mine, other=0.0) * scalar(scal_ptr, k, _FACTOR), c)
-    return c
+        va = tl.load(addr_ptr + _VAR * K + k)
+        has = (off * 0 + va) != 0  # (as a tensor of off's shape: the interpreter's masks are)
+        given = (off * 0 + (scalar(scal_ptr, k, _GIVEN) != 0.0).to(tl.int32)) != 0
+        made = denominator(addr_ptr, scal_ptr, _VAR, K, k, off, mine & has & (given == 0))
+        kept = tl.load(va.to(tl.pointer_type(tl.float32)) + off, mask=mine & has & given, other=1.0)
+        d = tl.where(mine & has, tl.where(given, kept, made), d)
+    return c, d
 
 
 @jit
-def _hook_pre_kernel(buf_ptr, d_ptr, sq_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n,
+def _hook_pre_kernel(buf_ptr, sq_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n,
                      BLOCK: tl.constexpr):
     # sq[pid] = sum g^2 (float64) of the program's elements; then g <- (g + c) / d in place
     pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
@@ -114,21 +106,19 @@ def _hook_pre_kernel(buf_ptr, d_ptr, sq_ptr, lo_ptr, hi_ptr, start_ptr, count_pt
     g = tl.load(buf_ptr + idx, mask=in_x, other=0.0)
     gd = g.to(tl.float64)
     tl.store(sq_ptr + pid, tl.sum(gd * gd, axis=0))
-    c = _c_terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK)
-    d = tl.load(d_ptr + idx, mask=in_x, other=1.0)
+    c, d = _terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK)
     tl.store(buf_ptr + idx, tl.div_rn(g + c, d), mask=in_x)
 
 
 @jit
-def _hook_post_kernel(buf_ptr, d_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n,
+def _hook_post_kernel(buf_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n,
                       BLOCK: tl.constexpr):
     # out <- out * d - c in place
     pid = tl.program_id(0)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     in_x = idx < n
     out = tl.load(buf_ptr + idx, mask=in_x, other=0.0)
-    d = tl.load(d_ptr + idx, mask=in_x, other=1.0)
-    c = _c_terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK)
+    c, d = _terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, BLOCK)
     tl.store(buf_ptr + idx, out * d - c, mask=in_x)
 
 
@@ -136,33 +126,33 @@ def programs(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def pre_launches(buf, d, sq, t: Table, n: int) -> list:
+def pre_launches(buf, sq, t: Table, n: int) -> list:
     tl_ = tiles(t, -(-n // 8) * 8, BLOCK)
     return [Launch(_hook_pre_kernel, programs(n),
-                   (buf, d, sq, tl_.lo, tl_.hi, t.start, t.count, t.addr, t.K, t.scal, n), dict(BLOCK=BLOCK),
+                   (buf, sq, tl_.lo, tl_.hi, t.start, t.count, t.addr, t.K, t.scal, n), dict(BLOCK=BLOCK),
                    WARPS)]
 
 
-def post_launches(buf, d, t: Table, n: int) -> list:
+def post_launches(buf, t: Table, n: int) -> list:
     tl_ = tiles(t, -(-n // 8) * 8, BLOCK)
     return [Launch(_hook_post_kernel, programs(n),
-                   (buf, d, tl_.lo, tl_.hi, t.start, t.count, t.addr, t.K, t.scal, n), dict(BLOCK=BLOCK),
+                   (buf, tl_.lo, tl_.hi, t.start, t.count, t.addr, t.K, t.scal, n), dict(BLOCK=BLOCK),
                    WARPS)]
 
 
-def pre(buf: torch.Tensor, d: torch.Tensor, t: Table) -> torch.Tensor:
+def pre(buf: torch.Tensor, t: Table) -> torch.Tensor:
     """``buf <- (buf + c) / d`` in one Triton launch; returns the float64 sum of squares of ``buf`` as it
     came (a 0-dimensional tensor on its device: no host synchronisation)."""
     n = buf.numel()
     sq = torch.empty(programs(n), dtype=torch.float64, device=buf.device)
-    for launch in pre_launches(buf, d, sq, t, n):
+    for launch in pre_launches(buf, sq, t, n):
         launch()
     return sq.sum()
 
 
-def post(buf: torch.Tensor, d: torch.Tensor, t: Table) -> None:
+def post(buf: torch.Tensor, t: Table) -> None:
     """``buf <- buf * d - c`` in one Triton launch."""
-    for launch in post_launches(buf, d, t, buf.numel()):
+    for launch in post_launches(buf, t, buf.numel()):
         launch()
 
 
@@ -195,7 +185,7 @@ def _error(e: torch.Tensor, block: int | None) -> int | None:
 
 def hook_encode(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, off: int, n: int, block: int | None,
                 table: Table, isa: int | None = None) -> tuple[torch.Tensor | float, float]:
-    """The pre-pass over ``flat[off : off + n]`` (by :func:`native_table`'s table) and the encode of
+    """The pre-pass over ``flat[off : off + n]`` (by :func:`table`'s) and the encode of
     ``flat + e`` there (n / 8 bytes of ``bits``; ``e`` float32, or bfloat16 with a block of at most
     ``HOOK_RUN``), run by run in one pass. Returns the block sums (float64, as
     :func:`onebit.kernels.cpu_simd.encode_blocks`) or, ``block`` None, the sum (as
@@ -254,7 +244,7 @@ def hook_post_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int |
 
 class NativePasses:
     """``compressed_allreduce_passes``' worker and finish for one bucket's call in the C passes
-    (``table``: :func:`native_table`'s); the worker hands the gradient's float64 sum of squares to
+    (``table``: :func:`table`'s); the worker hands the gradient's float64 sum of squares to
     ``norm(flat, sq)`` (the local norm). ``block``: the call's; with a block of at most ``HOOK_RUN``
     (or none) the passes read and store a bfloat16 worker error themselves."""
 
