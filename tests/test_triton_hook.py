@@ -126,6 +126,64 @@ def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):
     assert calls == [1, 1] and len(fa.tables) == 1  # the table built once
 
 
+class _Bucket:
+    """What ``frozen_terms`` reads of a DDP bucket."""
+
+    def __init__(self, params) -> None:
+        self.params = params
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def parameters(self):
+        return self.params
+
+    def gradients(self):
+        return [p.grad for p in self.params]
+
+    def buffer(self):
+        return self._buffer
+
+
+def _ops_of_a_compressed_bucket(count: int) -> int:
+    """The torch ops but views (each a kernel launch on a GPU; under the interpreter a launch's own
+    copies too) of one bucket's terms and Triton passes, a bucket of ``count`` AdamW parameters after
+    the freeze (the table already made: a steady step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from onebit.collectives._frozen_adam import frozen_terms
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += not func.is_view  # (a view, detach: no kernel)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(count)
+    params = [torch.nn.Parameter(torch.randn(37 + k, generator=g)) for k in range(count)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    names = [(0, k) for k in range(count)]
+    fa = FrozenAdam(1, 0.1)
+    fa.freeze(opt, {id(p): n for p, n in zip(params, names, strict=True)})
+    bucket = _Bucket(params)
+    with _route(True):
+        for _ in range(2):
+            Count.ops = 0
+            with Count():
+                d, parts = frozen_terms(opt, fa, bucket, names)
+                frozen_pre_(bucket.buffer(), d, parts, fa)(bucket.buffer())
+    return Count.ops
+
+
+def test_the_hooks_terms_and_triton_passes_make_no_op_per_parameter():
+    # issue 57: a GPU step's launches do not grow with the parameters (before: 5 per parameter, the
+    # bucket of d made from each variance)
+    few, many = _ops_of_a_compressed_bucket(3), _ops_of_a_compressed_bucket(12)
+    assert few == many, (few, many)
+
+
 def _ddp_body(steps: int, triton: bool, block):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
