@@ -56,9 +56,10 @@ def child(args) -> None:
         n = 1 << k
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         N = padded_numel(n, W)
-        we, se = torch.zeros(N), torch.zeros(N // W)
+        edt = getattr(torch, args.error_dtype)
+        we, se = torch.zeros(N, dtype=edt), torch.zeros(N // W, dtype=edt)
         Nb = padded_numel(n, W, block)
-        web, seb = torch.zeros(Nb), torch.zeros(Nb // W)
+        web, seb = torch.zeros(Nb, dtype=edt), torch.zeros(Nb // W, dtype=edt)
         ops = {
             "onebit": lambda t, we=we, se=se: compressed_allreduce(t, we, se),
             "onebit_block": lambda t, we=web, se=seb: compressed_allreduce(t, we, se, block=block),
@@ -158,13 +159,15 @@ def main() -> None:
                    "MAX_SLICES; 1: unsliced; default: the library's)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "allreduce.csv"))
     p.add_argument("--plot", default=None, help="PNG path (default: next to the CSV)")
+    p.add_argument("--error-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compressed_allreduce's error buffers (the hooks' and DiLoCo's default: bfloat16)")
     p.add_argument("--link", default="none", help=argparse.SUPPRESS)
     child_arguments(p)
     args = p.parse_args()
     run_child(args, child)
 
     links = shapeable(args.links)
-    meta = provenance(None, backend="gloo")
+    meta = {**provenance(None, backend="gloo"), "error_dtype": args.error_dtype}
     rows = []
     for link in links:
         for W in args.worlds:
@@ -175,7 +178,8 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                        str(W), os.path.abspath(__file__), "--child", "--link", link, "--out", out,
                        "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
-                       "--block", args.block, *(["--slices", str(args.slices)] if args.slices else []),
+                       "--block", args.block, "--error-dtype", args.error_dtype,
+                       *(["--slices", str(args.slices)] if args.slices else []),
                        "--log2", *map(str, args.log2)]
                 env_cmd = (ns.prefix() if ns else []) + ["env", "OMP_NUM_THREADS=1", *cmd]
                 t0 = time.perf_counter()

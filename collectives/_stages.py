@@ -14,8 +14,9 @@ kernels' pieces. A fused client's ``passes`` replace encode's and decode's compu
 
 A bfloat16 worker error is widened to float32 once for the call (encode reads it, decode updates it)
 and stored back after decode, rounded stochastically with the worker's scales
-(:mod:`onebit.kernels.rounding`), except for fused passes that say ``BFLOAT16_ERRORS`` (they read and
-store it run by run, bitwise the same); the server's, inside ``server_reduce``.
+(:mod:`onebit.kernels.rounding`), except where the native codec takes it (one scale per chunk or
+blocks of at most 4096) and for fused passes that say ``BFLOAT16_ERRORS``: they read and store it run
+by run, bitwise the same; the server's, inside ``server_reduce``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import decompress, server_reduce, worker_compress
+from ..kernels.api import takes_bfloat16_worker_error
 from ..kernels.layout import Layout, empty_message, message_scales
 from ..kernels.rounding import WORKER, narrow_, widen
 
@@ -44,7 +46,12 @@ class Stages:
         self.tensor, self.server_error = tensor, server_error
         self.stored = worker_error  # the caller's buffer; self.worker_error: it in float32 for the call
         # (as it is where the fused passes read and store bfloat16 themselves)
-        own = passes is not None and getattr(passes, "BFLOAT16_ERRORS", False)
+        if worker_error.dtype == torch.float32:
+            own = True
+        elif passes is not None:
+            own = getattr(passes, "BFLOAT16_ERRORS", False)
+        else:  # the native codec's passes read and store it run by run
+            own = takes_bfloat16_worker_error(tensor.device, backend, layout)
         self.worker_error = worker_error if own else widen(worker_error)
         self.layout, self.passes, self.backend = layout, passes, backend
         self.flat = flat_target(tensor) if flat is None else flat

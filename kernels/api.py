@@ -120,11 +120,25 @@ def worker_compress(
     impl = _backend(x.device, backend, block, layout)
     msg = _message_out("out", out, layout, W, x.device)
     if layout.N:
-        e = widen(worker_error)
+        # the native codec reads a bfloat16 error as it is (it stores none here: update_error off)
+        e = worker_error if not update_error and _own_worker_error(impl, layout) else widen(worker_error)
         impl.worker_compress(x.view(-1), e, layout, msg, update_error)
         if update_error:
             narrow_(worker_error, e, message_scales(msg, layout), layout.block_len, WORKER)
     return msg
+
+
+def _own_worker_error(impl: ModuleType, layout: Layout) -> bool:
+    """Whether the codec ``impl`` reads and stores a bfloat16 worker error itself for ``layout``."""
+    own = getattr(impl, "bfloat16_worker_error", None)
+    return own is not None and own(layout)
+
+
+def takes_bfloat16_worker_error(device: torch.device, backend: str | None, layout: Layout) -> bool:
+    """Whether a collective's encode (``update_error`` off) and decompress take a bfloat16 worker error
+    as it is on ``device`` with ``backend`` (the native codec, blocks of at most 4096): else the caller
+    widens it for the call (:mod:`onebit.collectives._stages`)."""
+    return _own_worker_error(_backend(device, backend, layout.block, layout), layout)
 
 
 def server_reduce(
@@ -202,9 +216,10 @@ def decompress(
         check_buffer("worker_message", worker_message, out.device, torch.uint8, length=size,
                      what=f"{size} bytes")
     if N:
-        e = None if worker_error is None else widen(worker_error)
         impl = _backend(out.device, backend, block, layout)
+        own = worker_error is None or _own_worker_error(impl, layout)  # (stored rounded run by run)
+        e = worker_error if own else widen(worker_error)
         impl.decompress(gathered, layout, out.view(-1), e, worker_message)
-        if e is not None:
+        if e is not worker_error:
             narrow_(worker_error, e, message_scales(worker_message, layout), layout.block_len, WORKER)
     return out

@@ -75,46 +75,60 @@ def _threads(n: int) -> int:
     return 1 if n < (1 << 16) else torch.get_num_threads()
 
 
-def _ok(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, n: int) -> None:
-    if not (x.dtype == e.dtype == torch.float32 and bits.dtype == torch.uint8 and x.is_contiguous()
+BF16_RUN = 4096  # the C's runs on a bfloat16 error (rounding.c's ENC16_RUN): a block at most this
+
+
+def _bf16(e: torch.Tensor, block: int | None) -> bool:
+    """Whether ``e`` is a bfloat16 error the C reads (and stores) run by run, ``block`` allowing it."""
+    return (e.dtype == torch.bfloat16 and e.is_contiguous() and e.device.type == "cpu"
+            and (block is None or block <= BF16_RUN))
+
+
+def _ok(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, n: int, block: int | None = None) -> None:
+    if not (x.dtype == torch.float32 and (e.dtype == torch.float32 or _bf16(e, block))
+            and bits.dtype == torch.uint8 and x.is_contiguous()
             and e.is_contiguous() and bits.is_contiguous() and x.numel() == e.numel() == n
             and bits.numel() == n // 8 and n % 8 == 0 and x.device.type == "cpu"):
-        raise ValueError("cpu_simd: expected contiguous float32 x and e of n elements (a multiple of 8) and "
-                         "n / 8 contiguous uint8 bits on the CPU")
+        raise ValueError("cpu_simd: expected contiguous float32 x and e (or a bfloat16 e, block at most "
+                         "4096) of n elements (a multiple of 8) and n / 8 contiguous uint8 bits on the CPU")
 
 
 def encode_total(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, isa: int | None = None) -> float:
     """Writes the packed bits of ``sgn(x + e)`` into ``bits`` and returns the float64 sum of
-    ``(x + e)^2``."""
+    ``(x + e)^2`` (``e`` bfloat16: widened run by run, the same bits and sum)."""
     n = x.numel()
     _ok(x, e, bits, n)
-    return float(library().onebit_encode_total(x.data_ptr(), e.data_ptr(), bits.data_ptr(), n, _isa(isa),
-                                                _threads(n)))
+    fn = library().onebit_encode_total16 if e.dtype == torch.bfloat16 else library().onebit_encode_total
+    return float(fn(x.data_ptr(), e.data_ptr(), bits.data_ptr(), n, _isa(isa), _threads(n)))
 
 
 def encode_blocks(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, block: int,
                   isa: int | None = None) -> torch.Tensor:
     """Writes the packed bits of ``sgn(x + e)`` into ``bits``; returns each ``block``'s float64
-    sum of squares (``block`` a multiple of 8 dividing ``x.numel()``)."""
+    sum of squares (``block`` a multiple of 8 dividing ``x.numel()``; ``e`` bfloat16 with a block of at
+    most ``BF16_RUN``)."""
     n = x.numel()
-    _ok(x, e, bits, n)
+    _ok(x, e, bits, n, block)
     if block % 8 or n % block:
         raise ValueError(f"block: expected a multiple of 8 dividing {n}, got {block}")
     sums = torch.empty(n // block, dtype=torch.float64)
-    library().onebit_encode_blocks(x.data_ptr(), e.data_ptr(), bits.data_ptr(), sums.data_ptr(), n, block,
-                                   _isa(isa), _threads(n))
+    fn = library().onebit_encode_blocks16 if e.dtype == torch.bfloat16 else library().onebit_encode_blocks
+    fn(x.data_ptr(), e.data_ptr(), bits.data_ptr(), sums.data_ptr(), n, block, _isa(isa), _threads(n))
     return sums
 
 
-def _server_ok(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor, blocks: int) -> None:
+def _server_ok(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor, blocks: int,
+               block: int | None = None) -> None:
     W, n = bits.shape[0], e.numel()
-    if not (bits.dtype == out.dtype == torch.uint8 and w.dtype == e.dtype == torch.float32
+    bf16 = block is not None and _bf16(e, block)  # with block scales only (one scale: server_reduce_one)
+    if not (bits.dtype == out.dtype == torch.uint8 and w.dtype == torch.float32
+            and (e.dtype == torch.float32 or bf16)
             and bits.dim() == 2 and bits.stride(1) == 1 and bits.shape[1] == n // 8 and w.is_contiguous()
             and w.numel() == W * blocks and e.is_contiguous() and out.is_contiguous()
             and out.numel() == n // 8 and n % 8 == 0 and bits.device.type == "cpu"):
         raise ValueError("cpu_simd: expected bits uint8 [W, n/8] with contiguous rows, weights float32 "
-                         "[W, blocks], e float32 [n] (a multiple of 8) and out uint8 [n/8], contiguous, "
-                         "on the CPU")
+                         "[W, blocks], e float32 [n] (a multiple of 8; bfloat16 with blocks of at most 4096) "
+                         "and out uint8 [n/8], contiguous, on the CPU")
 
 
 def server_total(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: torch.Tensor,
@@ -156,10 +170,11 @@ def server_blocks(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, out: tor
     n = e.numel()
     if block % 8 or n % block:
         raise ValueError(f"block: expected a multiple of 8 dividing {n}, got {block}")
-    _server_ok(bits, w, e, out, n // block)
+    _server_ok(bits, w, e, out, n // block, block)
     sums = torch.empty(n // block, dtype=torch.float64)
-    library().onebit_server_blocks(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), e.data_ptr(),
-                                   out.data_ptr(), sums.data_ptr(), n, block, _isa(isa), _threads(n))
+    fn = library().onebit_server_blocks16 if e.dtype == torch.bfloat16 else library().onebit_server_blocks
+    fn(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), e.data_ptr(), out.data_ptr(),
+       sums.data_ptr(), n, block, _isa(isa), _threads(n))
     return sums
 
 
@@ -169,24 +184,34 @@ def _f32(t: torch.Tensor) -> bool:
 
 def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int | None,
                worker_error: torch.Tensor | None = None, worker_scales: torch.Tensor | None = None,
-               isa: int | None = None) -> None:
+               isa: int | None = None, index: int = 0) -> None:
     """One pass over ``out`` (n elements): with ``worker_error``, first the deferred worker error
     ``e = z - copysign(ws, z + 0)``, ``z = out + e``; then the decode ``out = sgn * s`` of
-    ``bits``. ``scales`` and ``worker_scales``: one scale (``block`` None) or one per ``block``."""
+    ``bits``. ``scales`` and ``worker_scales``: one scale (``block`` None) or one per ``block``. A
+    bfloat16 ``worker_error`` (block at most ``BF16_RUN``) is widened and stored run by run, rounded as
+    :func:`onebit.kernels.rounding.narrow_` rounds element ``index + i`` of its buffer (``index``: where
+    this piece starts in it)."""
     n = out.numel()
     per = 1 if block is None else n // block
     if not (_f32(out) and _f32(scales) and scales.numel() == per and bits.dtype == torch.uint8
             and bits.is_contiguous() and bits.numel() == n // 8 and n % 8 == 0
             and (block is None or (block % 8 == 0 and n % block == 0))
-            and (worker_error is None or (_f32(worker_error) and worker_error.numel() == n
+            and (worker_error is None or ((_f32(worker_error) or _bf16(worker_error, block))
+                                          and worker_error.numel() == n
                                           and _f32(worker_scales) and worker_scales.numel() == per))):
         raise ValueError("cpu_simd.decompress: expected contiguous float32 out (n, a multiple of 8 and of "
-                         "block), n / 8 uint8 bits, and float32 scales, one or one per block")
+                         "block), n / 8 uint8 bits, float32 scales, one or one per block, and a float32 "
+                         "worker error (or bfloat16, block at most 4096)")
     step = 0 if block is None else 1
     e = None if worker_error is None else worker_error.data_ptr()
     ws = None if worker_scales is None else worker_scales.data_ptr()
+    size = n if block is None else block
+    if worker_error is not None and worker_error.dtype == torch.bfloat16:
+        library().onebit_decompress16(bits.data_ptr(), scales.data_ptr(), step, out.data_ptr(), e, ws, step,
+                                      n, size, index, _isa(isa), _threads(n))
+        return
     library().onebit_decompress(bits.data_ptr(), scales.data_ptr(), step, out.data_ptr(), e, ws, step, n,
-                                n if block is None else block, _isa(isa), _threads(n))
+                                size, _isa(isa), _threads(n))
 
 
 def error_update(x: torch.Tensor, e: torch.Tensor, scales: torch.Tensor, block: int | None,
@@ -207,14 +232,19 @@ def error_update(x: torch.Tensor, e: torch.Tensor, scales: torch.Tensor, block: 
 def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: torch.Tensor,
                   block: int | None, isa: int | None = None) -> None:
     """The server's error pass: ``m`` again as :func:`server_total` / :func:`server_blocks` sum
-    it, then ``e = m - copysign(s, m + 0)`` (every ISA level: AVX-512 16 elements, AVX2 8 at a time)."""
+    it, then ``e = m - copysign(s, m + 0)`` (every ISA level: AVX-512 16 elements, AVX2 8 at a time).
+    ``e`` bfloat16 (block scales of at most ``BF16_RUN``): widened and stored rounded run by run."""
     n = e.numel()
     blocks = 1 if block is None else n // block
     if block is not None and (block % 8 or n % block):
         raise ValueError(f"block: expected a multiple of 8 dividing {n}, got {block}")
-    _server_ok(bits, w, e, torch.empty(n // 8, dtype=torch.uint8), blocks)
+    _server_ok(bits, w, e, torch.empty(n // 8, dtype=torch.uint8), blocks, block)
     if not (_f32(scales) and scales.numel() == blocks):
         raise ValueError("cpu_simd.server_update: expected float32 scales, one or one per block")
+    if e.dtype == torch.bfloat16:  # stored rounded run by run (onebit.kernels.rounding, the server's role)
+        library().onebit_server_update16(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(),
+                                         e.data_ptr(), scales.data_ptr(), n, block, _isa(isa), _threads(n))
+        return
     step = 0 if block is None else 1
     library().onebit_server_update(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), step,
                                    e.data_ptr(), scales.data_ptr(), step, n, n if block is None else block,

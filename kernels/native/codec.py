@@ -75,10 +75,17 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
             cpu_simd.error_update(xs, es, piece_scales(scales, layout, j, lo, a, b), B)
 
 
+def bfloat16_worker_error(layout: Layout) -> bool:
+    """Whether :func:`worker_compress` (``update_error`` off) and :func:`decompress` take a bfloat16
+    worker error as it is (widened run by run, stored rounded: the same bits as the widened buffer's,
+    :mod:`onebit.kernels.rounding`): one scale per chunk or blocks of at most 4096."""
+    return layout.block is None or layout.block <= cpu_simd.BF16_RUN
+
+
 def bfloat16_server_error(layout: Layout) -> bool:
-    """Whether :func:`server_reduce` takes a bfloat16 ``e`` as it is (read and stored run by run):
-    with one scale per chunk; with block scales the caller widens it."""
-    return layout.block is None
+    """Whether :func:`server_reduce` takes a bfloat16 ``e`` as it is (read and stored run by run): with
+    one scale per chunk or blocks of at most 4096; else the caller widens it."""
+    return layout.block is None or layout.block <= cpu_simd.BF16_RUN
 
 
 @torch.no_grad()
@@ -123,6 +130,6 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                 values = out[a:b].to(torch.float32) if b <= end else padded(out, a, end, b)
             ws = piece_scales(s_w, layout, j, lo, a, b) if update else None
             cpu_simd.decompress(row, piece_scales(scales, layout, j, lo, a, b), values, B,
-                                worker_error[a:b] if update else None, ws)
+                                worker_error[a:b] if update else None, ws, index=a)
             if not in_place and min(b, n) > a:
                 out[a:min(b, n)] = values[: min(b, n) - a].to(out.dtype)

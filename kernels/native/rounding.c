@@ -153,3 +153,114 @@ int onebit_server_reduce_one16(const uint8_t* bits, int64_t stride, int W, const
   ONEBIT_PARALLEL(n, threads, server_update_range16(isa, f, nr, bits, stride, W, w, e, scale, a, a + len))
   return 1;
 }
+
+/* ---- The worker's side on a bfloat16 error (the collective's encode, update_error off, and decompress
+   with the deferred error), bitwise the widened buffer's: each run of at most ENC16_RUN elements
+   widened on the stack as the codec's passes read it, and in decompress the run's new error stored
+   rounded with its scale's key (onebit.kernels.rounding: element i keyed by the worker scale of its
+   block, or of its chunk, and its index i0 + i in the whole buffer). Blocks of at most ENC16_RUN
+   elements (the caller widens the buffer otherwise). */
+#define ENC16_RUN 4096
+
+/* onebit_encode_total's sum: the same runs of 4096, so the same float64 total */
+double onebit_encode_total16(const float* x, const uint16_t* e, uint8_t* bits, int64_t n, int isa, int threads) {
+  blocks_fn f = pick(isa);
+  double total;
+  ONEBIT_THREAD_SUM(total, n, 8, threads, {
+    double r;
+    float eb[ENC16_RUN] __attribute__((aligned(64)));
+    for (int64_t i = a; i < b; i += ENC16_RUN) {
+      int64_t len = b - i < ENC16_RUN ? b - i : ENC16_RUN;
+      widen_run(isa, eb, e + i, len);
+      f(x + i, eb, bits + i / 8, &r, len, len);
+      s += r;
+    }
+  });
+  return total;
+}
+
+/* onebit_encode_blocks' sums: each block summed whole, in runs of whole blocks */
+void onebit_encode_blocks16(const float* x, const uint16_t* e, uint8_t* bits, double* sums, int64_t n,
+                            int64_t block, int isa, int threads) {
+  blocks_fn f = pick(isa);
+  int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
+    float eb[ENC16_RUN] __attribute__((aligned(64)));
+    for (int64_t j = lo; j < hi; j += per) {
+      int64_t k = hi - j < per ? hi - j : per, len = k * block;
+      widen_run(isa, eb, e + j * block, len);
+      f(x + j * block, eb, bits + j * block / 8, sums + j, len, block);
+    }
+  }
+}
+
+/* onebit_decompress with a bfloat16 error (not NULL): per thread as there, run by run */
+void onebit_decompress16(const uint8_t* bits, const float* s, int64_t sstep, float* out, uint16_t* e, const float* ws,
+                         int64_t wstep, int64_t n, int64_t block, int64_t i0, int isa, int threads) {
+  decompress_fn f = pick_decompress(isa);
+  void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
+  int per_block = sstep != 0 || wstep != 0;
+  int64_t unit = per_block ? block : 16, run = per_block ? (block < ENC16_RUN ? ENC16_RUN / block * block : block)
+                                                         : ENC16_RUN;
+  #pragma omp parallel num_threads(threads)
+  {
+    int64_t a, b;
+    float eb[ENC16_RUN] __attribute__((aligned(64)));
+    thread_range(n, unit, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
+    for (int64_t i = a; i < b; i += run) {
+      int64_t len = b - i < run ? b - i : run, j = per_block ? i / block : 0;
+      widen_run(isa, eb, e + i, len);
+      f(bits + i / 8, s + j * sstep, sstep, out + i, eb, ws + j * wstep, wstep, len, per_block ? block : len);
+      int64_t one = per_block ? block : len; /* a run of one scale */
+      for (int64_t q = 0; q < len; q += one) {
+        int64_t jb = per_block ? (i + q) / block : 0, cnt = len - q < one ? len - q : one;
+        nr(e + i + q, (const uint32_t*)eb + q, round_key(ws[jb * wstep], ROUND_WORKER), (uint32_t)(i0 + i + q), cnt);
+      }
+    }
+  }
+}
+
+/* ---- The server's two passes with block scales on a bfloat16 error (onebit_server_blocks and
+   onebit_server_update with w [W, n / block] and one scale per block), bitwise the widened buffer's: runs
+   of whole blocks (at most ENC16_RUN elements, block at most that) widened on the stack; the error pass's
+   runs stored rounded, each block with its new scale's key and the element's index in the buffer. */
+void onebit_server_blocks16(const uint8_t* bits, int64_t stride, int W, const float* w, const uint16_t* e,
+                            uint8_t* out, double* sums, int64_t n, int64_t block, int isa, int threads) {
+  server_fn f = pick_server(isa);
+  int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
+    float eb[ENC16_RUN] __attribute__((aligned(64)));
+    for (int64_t j = lo; j < hi; j += per) {
+      int64_t k = hi - j < per ? hi - j : per, len = k * block;
+      widen_run(isa, eb, e + j * block, len);
+      f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, out + j * block / 8, sums + j, len, block);
+    }
+  }
+}
+
+void onebit_server_update16(const uint8_t* bits, int64_t stride, int W, const float* w, uint16_t* e,
+                            const float* s, int64_t n, int64_t block, int isa, int threads) {
+  server_update_fn f = pick_server_update(isa);
+  void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
+  int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
+    float eb[ENC16_RUN] __attribute__((aligned(64)));
+    for (int64_t j = lo; j < hi; j += per) {
+      int64_t k = hi - j < per ? hi - j : per, len = k * block;
+      widen_run(isa, eb, e + j * block, len);
+      f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, s + j, 1, len, block);
+      for (int64_t q = 0; q < k; q++)
+        nr(e + (j + q) * block, (const uint32_t*)eb + q * block, round_key(s[j + q], ROUND_SERVER),
+           (uint32_t)((j + q) * block), block);
+    }
+  }
+}
