@@ -56,6 +56,17 @@ def piece_length(layout: Layout, K: int) -> int:
     return -(-layout.C // K // unit) * unit
 
 
+def takes(worker_error: torch.Tensor, server_error: torch.Tensor, layout: Layout) -> bool:
+    """Whether the sliced call takes these error buffers as they are: float32, or bfloat16 where the
+    codec reads and stores it itself (the native C, blocks of at most 4096: each slice's rounding keyed
+    by its elements' places in the whole buffers, so the bits are the unsliced call's)."""
+    if worker_error.dtype == server_error.dtype == torch.float32:
+        return True
+    impl = implementation(worker_error.device, layout.block, layout)
+    return all(getattr(impl, name, lambda _: False)(layout)
+               for name in ("bfloat16_worker_error", "bfloat16_server_error"))
+
+
 def allreduce(flat: torch.Tensor, worker_error: torch.Tensor,
               server_error: torch.Tensor, group, layout: Layout, K: int) -> torch.Tensor:
     """The sliced call on validated arguments (``flat``: the contiguous values, written back to
@@ -65,6 +76,8 @@ def allreduce(flat: torch.Tensor, worker_error: torch.Tensor,
     spans = [(k * c, min(C, (k + 1) * c)) for k in range(K) if k * c < C]
     subs = [Layout(W * (hi - lo), W, block) for lo, hi in spans]  # slice k's message layout
     impl = implementation(flat.device, block, layout)
+    # a bfloat16 error's rounding reads each slice's place in its buffer (the native codec's offset)
+    narrow_w, narrow_s = (e.dtype != torch.float32 for e in (worker_error, server_error))
     timer = CallTimer(flat.device)
     msgs, recvs, a2a = [], [], []
     for (lo, hi), sub in zip(spans, subs, strict=True):  # 1. compress; all-to-all while the next compresses
@@ -99,13 +112,15 @@ def allreduce(flat: torch.Tensor, worker_error: torch.Tensor,
             segs, mine = gathered[k].view(W, -1), msgs[k].view(W, -1)
             for j in range(W):
                 a, b = j * C + lo, j * C + hi
-                impl.decompress(segs[j], one, flat[min(a, n):min(b, n)], worker_error[a:b], mine[j])
+                at = {"offset": a} if narrow_w else {}
+                impl.decompress(segs[j], one, flat[min(a, n):min(b, n)], worker_error[a:b], mine[j], **at)
 
     for k, ((lo, hi), sub) in enumerate(zip(spans, subs, strict=True)):  # 2. serve; all-gather while the
         with timer.stage("codec"):                                            # previous slice decompresses
             seg = empty_message(sub, 1, flat.device)
             if finite:
-                impl.server_reduce(recvs[k], server_error[lo:hi], sub, seg)
+                at = {"offset": lo} if narrow_s else {}
+                impl.server_reduce(recvs[k], server_error[lo:hi], sub, seg, **at)
             else:  # some rank's input was not finite: NaN for every slice, no error changes
                 message_scales(seg, sub).fill_(float("nan"))
             out = torch.empty_like(msgs[k])

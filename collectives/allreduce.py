@@ -307,10 +307,10 @@ def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, blo
     object with ``all_to_all(recv, msg)`` and ``all_gather(out, seg)`` that complete before
     returning (a process group torch.distributed does not know: onebit.collectives.torchft)."""
     layout = layout_of(worker_error.numel(), W, block)
-    staged = worker_error.dtype != torch.float32 or server_error.dtype != torch.float32
-    if transport is None and passes is None and not tensor.is_cuda and not staged:
+    if transport is None and passes is None and not tensor.is_cuda \
+            and _pipeline.takes(worker_error, server_error, layout):
         K = _pipeline.slices(layout)  # block scales on CPU: in slices whose compute overlaps the wire
-        # (float32 errors: the slices' passes take them as they are)
+        # (float32 errors, or bfloat16 ones the native codec stores itself: taken as they are)
         if K > 1:
             flat = flat_target(tensor)
             scales = _pipeline.allreduce(flat, worker_error, server_error, group, layout, K)

@@ -230,10 +230,11 @@ def error_update(x: torch.Tensor, e: torch.Tensor, scales: torch.Tensor, block: 
 
 
 def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: torch.Tensor,
-                  block: int | None, isa: int | None = None) -> None:
+                  block: int | None, isa: int | None = None, index: int = 0) -> None:
     """The server's error pass: ``m`` again as :func:`server_total` / :func:`server_blocks` sum
     it, then ``e = m - copysign(s, m + 0)`` (every ISA level: AVX-512 16 elements, AVX2 8 at a time).
-    ``e`` bfloat16 (block scales of at most ``BF16_RUN``): widened and stored rounded run by run."""
+    ``e`` bfloat16 (block scales of at most ``BF16_RUN``): widened and stored rounded run by run, element
+    ``i`` as element ``index + i`` of its buffer."""
     n = e.numel()
     blocks = 1 if block is None else n // block
     if block is not None and (block % 8 or n % block):
@@ -243,7 +244,8 @@ def server_update(bits: torch.Tensor, w: torch.Tensor, e: torch.Tensor, scales: 
         raise ValueError("cpu_simd.server_update: expected float32 scales, one or one per block")
     if e.dtype == torch.bfloat16:  # stored rounded run by run (onebit.kernels.rounding, the server's role)
         library().onebit_server_update16(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(),
-                                         e.data_ptr(), scales.data_ptr(), n, block, _isa(isa), _threads(n))
+                                         e.data_ptr(), scales.data_ptr(), n, block, index, _isa(isa),
+                                         _threads(n))
         return
     step = 0 if block is None else 1
     library().onebit_server_update(bits.data_ptr(), bits.stride(0), bits.shape[0], w.data_ptr(), step,

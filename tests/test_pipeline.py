@@ -25,11 +25,12 @@ def _inputs(n: int, call: int, rank: int, kind: str) -> torch.Tensor:
     return x
 
 
-def _body_sliced(n, block, kind, calls, min_piece, native):
+def _body_sliced(n, block, kind, calls, min_piece, native, dtype=torch.float32):
     saved = _pipeline.MIN_PIECE, _pipeline.MAX_SLICES
     r, W = dist.get_rank(), dist.get_world_size()
     N = padded_numel(n, W, block)
-    bufs = {K: (torch.zeros(N), torch.zeros(N // W)) for K in ("sliced", "whole")}
+    bufs = {K: (torch.zeros(N, dtype=dtype), torch.zeros(N // W, dtype=dtype))
+            for K in ("sliced", "whole")}
     outs, sent = {"sliced": [], "whole": []}, {}
     try:
         codec = use_backend("native" if native else "plain", steps=["codec"])
@@ -48,15 +49,19 @@ def _body_sliced(n, block, kind, calls, min_piece, native):
     return K, outs, bufs, sent
 
 
-@pytest.mark.parametrize(("W", "block", "n", "kind", "native"), [
-    (3, 64, 3 * 64 * 40 + 17, "normal", False),
-    (5, 24, 5 * 96 * 13 - 1, "heavy", False),
-    (2, 8, 2 * 32 * 31 + 5, "sparse", False),
-    (3, 64, 200, "normal", False),  # 2 slices; the last chunk all padding, the one before half
-    (3, 64, 3 * 64 * 64 + 1, "heavy", True),  # the native codec on every piece
+@pytest.mark.parametrize(("W", "block", "n", "kind", "native", "dtype"), [
+    (3, 64, 3 * 64 * 40 + 17, "normal", False, torch.float32),
+    (5, 24, 5 * 96 * 13 - 1, "heavy", False, torch.float32),
+    (2, 8, 2 * 32 * 31 + 5, "sparse", False, torch.float32),
+    (3, 64, 200, "normal", False, torch.float32),  # 2 slices; the last chunk all padding, the one
+    # before half
+    (3, 64, 3 * 64 * 64 + 1, "heavy", True, torch.float32),  # the native codec on every piece
+    # bfloat16 errors, stored rounded by the native codec slice by slice at their places in the buffers
+    (3, 64, 3 * 64 * 64 + 1, "heavy", True, torch.bfloat16),
+    (5, 24, 5 * 96 * 13 - 1, "sparse", True, torch.bfloat16),
 ])
-def test_sliced_call_is_bitwise_the_unsliced_one(ranks, W, block, n, kind, native):
-    got = ranks(W).run(_body_sliced, n, block, kind, 3, 64, native)
+def test_sliced_call_is_bitwise_the_unsliced_one(ranks, W, block, n, kind, native, dtype):
+    got = ranks(W).run(_body_sliced, n, block, kind, 3, 64, native, dtype)
     assert all(K > 1 for K, *_ in got), "the call was not sliced"
     for _, outs, bufs, sent in got:
         for c in range(3):
@@ -64,7 +69,8 @@ def test_sliced_call_is_bitwise_the_unsliced_one(ranks, W, block, n, kind, nativ
             assert torch.equal(outs["sliced"][c], got[0][1]["sliced"][c])  # every rank the same
             assert bool(torch.isfinite(outs["sliced"][c]).all())
         for a, b in zip(bufs["sliced"], bufs["whole"], strict=True):
-            assert torch.equal(a, b)
+            word = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert a.dtype == dtype and torch.equal(a.view(word), b.view(word))  # bitwise
         assert sent["sliced"] == sent["whole"]
     assert any(bufs["sliced"][1].abs().sum() > 0 for _, _, bufs, _ in got)  # the server errors moved
 

@@ -99,7 +99,7 @@ SIGNATURES = {
     "onebit_decompress": "-: p p i64 p p p i64 i64 i64 i32 i32",
     "onebit_encode_total16": "f64: p p p i64 i32 i32",
     "onebit_server_blocks16": "-: p i64 i32 p p p p i64 i64 i32 i32",
-    "onebit_server_update16": "-: p i64 i32 p p p i64 i64 i32 i32",
+    "onebit_server_update16": "-: p i64 i32 p p p i64 i64 i64 i32 i32",
     "onebit_encode_blocks16": "-: p p p p i64 i64 i32 i32",
     "onebit_decompress16": "-: p p i64 p p p i64 i64 i64 i64 i32 i32",
     "onebit_server_update": "-: p i64 i32 p i64 p p i64 i64 i64 i32 i32",

@@ -89,12 +89,16 @@ def bfloat16_server_error(layout: Layout) -> bool:
 
 
 @torch.no_grad()
-def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
+def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch.Tensor,
+                  offset: int = 0) -> None:
     """:func:`onebit.kernels.torch_kernels.server_reduce` in C: the sum over the ranks' bits with its
-    bits and sums of squares, the scale, then the error pass (m again from the bits and e)."""
+    bits and sums of squares, the scale, then the error pass (m again from the bits and e). ``offset``:
+    where ``e`` starts in its buffer (a slice's; a bfloat16 error's rounding reads it)."""
     bits, received_scales = message_bits(received, layout), message_scales(received, layout)
     seg_bits, seg_scales = message_bits(out, layout)[0], message_scales(out, layout)
     if layout.block is None:
+        if offset and e.dtype != torch.float32:
+            raise ValueError("offset: a bfloat16 server error with one scale is rounded whole (offset 0)")
         cpu_simd.server_reduce_one(bits, received_scales, e, seg_bits, seg_scales[:1])
         return
     B, scales = layout.block, seg_scales[0]
@@ -104,14 +108,15 @@ def server_reduce(received: torch.Tensor, e: torch.Tensor, layout: Layout, out: 
     if not (bool(torch.isfinite(received_scales).all()) and bool(torch.isfinite(scales).all())):
         scales.fill_(float("nan"))  # any non-finite block: every scale NaN, e unchanged
         return
-    cpu_simd.server_update(bits, weights, e, scales, B)
+    cpu_simd.server_update(bits, weights, e, scales, B, index=offset)
 
 
 @torch.no_grad()
-def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
-               worker_error: torch.Tensor | None, worker_message: torch.Tensor | None) -> None:
+def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor, worker_error: torch.Tensor | None,
+               worker_message: torch.Tensor | None, offset: int = 0) -> None:
     """:func:`onebit.kernels.torch_kernels.decompress` in C: per element, the deferred worker error
-    (where every scale is finite) then the decode, in one pass."""
+    (where every scale is finite) then the decode, in one pass. ``offset``: where ``worker_error``
+    starts in its buffer (a slice's; a bfloat16 error's rounding reads it)."""
     scales, bits = message_scales(gathered, layout), message_bits(gathered, layout)
     n, B = out.numel(), layout.block
     update = worker_error is not None and bool(torch.isfinite(scales).all())
@@ -130,6 +135,6 @@ def decompress(gathered: torch.Tensor, layout: Layout, out: torch.Tensor,
                 values = out[a:b].to(torch.float32) if b <= end else padded(out, a, end, b)
             ws = piece_scales(s_w, layout, j, lo, a, b) if update else None
             cpu_simd.decompress(row, piece_scales(scales, layout, j, lo, a, b), values, B,
-                                worker_error[a:b] if update else None, ws, index=a)
+                                worker_error[a:b] if update else None, ws, index=offset + a)
             if not in_place and min(b, n) > a:
                 out[a:min(b, n)] = values[: min(b, n) - a].to(out.dtype)

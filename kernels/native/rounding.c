@@ -226,7 +226,8 @@ void onebit_decompress16(const uint8_t* bits, const float* s, int64_t sstep, flo
 /* ---- The server's two passes with block scales on a bfloat16 error (onebit_server_blocks and
    onebit_server_update with w [W, n / block] and one scale per block), bitwise the widened buffer's: runs
    of whole blocks (at most ENC16_RUN elements, block at most that) widened on the stack; the error pass's
-   runs stored rounded, each block with its new scale's key and the element's index in the buffer. */
+   runs stored rounded, each block with its new scale's key and the element's index in the buffer (i0: where
+   e starts in it, a slice's offset). */
 void onebit_server_blocks16(const uint8_t* bits, int64_t stride, int W, const float* w, const uint16_t* e,
                             uint8_t* out, double* sums, int64_t n, int64_t block, int isa, int threads) {
   server_fn f = pick_server(isa);
@@ -245,7 +246,7 @@ void onebit_server_blocks16(const uint8_t* bits, int64_t stride, int W, const fl
 }
 
 void onebit_server_update16(const uint8_t* bits, int64_t stride, int W, const float* w, uint16_t* e,
-                            const float* s, int64_t n, int64_t block, int isa, int threads) {
+                            const float* s, int64_t n, int64_t block, int64_t i0, int isa, int threads) {
   server_update_fn f = pick_server_update(isa);
   void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
   int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
@@ -260,7 +261,7 @@ void onebit_server_update16(const uint8_t* bits, int64_t stride, int W, const fl
       f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, s + j, 1, len, block);
       for (int64_t q = 0; q < k; q++)
         nr(e + (j + q) * block, (const uint32_t*)eb + q * block, round_key(s[j + q], ROUND_SERVER),
-           (uint32_t)((j + q) * block), block);
+           (uint32_t)(i0 + (j + q) * block), block);
     }
   }
 }
