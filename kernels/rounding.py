@@ -158,3 +158,18 @@ def store_error(addr, idx, value, scale, role, mask, BF16: tl.constexpr):
         tl.store(addr.to(tl.pointer_type(tl.uint16)) + idx, top.to(tl.uint16), mask=mask)
     else:
         tl.store(addr.to(tl.pointer_type(tl.float32)) + idx, value, mask=mask)
+
+
+@jit
+def store_typed_error(e_ptr, idx, value, scale, role, mask):
+    # float32 ``value`` into the error buffer ``e_ptr`` (a float32 or a bfloat16 tensor), elements ``idx``
+    # where ``mask`` (None: every one): a bfloat16 buffer's rounded stochastically as ``narrow_`` rounds
+    # element ``idx`` with ``scale`` (float32, broadcast to ``value``) and ``role``: bitwise its bits
+    if e_ptr.dtype.element_ty == tl.bfloat16:
+        key = _fmix_tl((scale + tl.zeros(value.shape, tl.float32)).to(tl.uint32, bitcast=True) ^ role)
+        r = (key + idx.to(tl.uint32) * 0x9E3779B9) >> 16
+        x = value.to(tl.uint32, bitcast=True)
+        top = tl.where((x & 0x7FFFFFFF) > 0x7F800000, (x >> 16) | 0x40, (x + r) >> 16)
+        tl.store(e_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + idx, top.to(tl.uint16), mask=mask)
+    else:
+        tl.store(e_ptr + idx, value, mask=mask)

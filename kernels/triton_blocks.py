@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .layout import Layout, inverse_world
+from .rounding import SERVER, WORKER, store_typed_error
 from .triton_kernels import (
     _INF,
     BOTH_PATHS,
@@ -35,6 +36,8 @@ from .triton_kernels import (
     _store_packed,
     ticket,
 )
+
+_WORKER, _SERVER = tl.constexpr(WORKER), tl.constexpr(SERVER)  # the error buffers' rounding roles
 
 _FULL_PATH, _MASKED_PATH = tl.constexpr(1), tl.constexpr(2)
 
@@ -149,9 +152,9 @@ def _worker_error_kernel(
     idx = g[:, None] * 8 + i[None, :]
     live = (g < total_bytes)[:, None]
     z = tl.load(x_ptr + idx, mask=live & (idx < n), other=0.0).to(tl.float32)
-    z += tl.load(e_ptr + idx, mask=live, other=0.0)
+    z += tl.load(e_ptr + idx, mask=live, other=0.0).to(tl.float32)
     s = _byte_scale(words_ptr, g, g < total_bytes, chunk_bytes, seg_words, scale_word, B)[:, None]
-    tl.store(e_ptr + idx, tl.where(z < 0, z + s, z - s), mask=live & (tl.abs(s) < _INF))
+    store_typed_error(e_ptr, idx, tl.where(z < 0, z + s, z - s), s, _WORKER, live & (tl.abs(s) < _INF))
 
 
 @triton.jit
@@ -176,9 +179,9 @@ def _server_sum(
         m += tl.where(bit == 1, s[:, None], -s[:, None])
     idx = g[:, None] * 8 + i[None, :]
     if FULL:
-        m += tl.load(e_ptr + idx)
+        m += tl.load(e_ptr + idx).to(tl.float32)
     else:
-        m += tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
+        m += tl.load(e_ptr + idx, mask=live[:, None], other=0.0).to(tl.float32)
     return m
 
 
@@ -197,7 +200,8 @@ def _server_tile(
     idx = g[:, None] * 8 + i[None, :]
     if UPDATE:  # e <- m - s_b * sgn(m) where the block's output scale is finite
         s = tl.load(out_words_ptr + scale_word + g * 8 // B, mask=live, other=0.0)[:, None]
-        tl.store(e_ptr + idx, tl.where(m < 0, m + s, m - s), mask=live[:, None] & (tl.abs(s) < _INF))
+        store_typed_error(e_ptr, idx, tl.where(m < 0, m + s, m - s), s, _SERVER,
+                          live[:, None] & (tl.abs(s) < _INF))
     else:
         s = _block_scales(tl.where(live[:, None], m, 0.0), NB, B)
         row = pid * (NB * 8 // B) + tl.arange(0, NB * 8 // B)
@@ -384,6 +388,18 @@ def flag(device: torch.device) -> torch.Tensor:
     if key not in _FLAGS:
         _FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return _FLAGS[key]
+
+
+
+def bfloat16_worker_error(layout: Layout) -> bool:
+    """Whether the kernels take a bfloat16 worker error as it is (read widened, stored rounded as
+    :func:`onebit.kernels.rounding.narrow_` rounds it: ``store_typed_error``, bitwise): always."""
+    return True
+
+
+def bfloat16_server_error(layout: Layout) -> bool:
+    """As :func:`bfloat16_worker_error`, the server's: always."""
+    return True
 
 
 def worker_compress(x, e, layout: Layout, out, update_error: bool) -> None:

@@ -26,12 +26,15 @@ import triton
 import triton.language as tl
 
 from .layout import Layout, inverse_world
+from .rounding import SERVER, WORKER, store_typed_error
 
 # constexpr so the compiler (and the interpreter) see plain constants
 _INF = tl.constexpr(float("inf"))
 # No NaN global: Triton (3.6, seen on an H100) re-checks each global a kernel read at every
 # launch with ==, and a NaN never equals itself ("Global variable ... has changed since we
 # compiled this kernel"). Kernels write NaN as `_INF - _INF`, a constant folded at compile time.
+
+_WORKER, _SERVER = tl.constexpr(WORKER), tl.constexpr(SERVER)  # the error buffers' rounding roles
 
 # Which block paths a kernel contains (constexpr PATHS). Launches use BOTH_PATHS: full blocks
 # unmasked, the last block masked. FULL_PATH / MASKED_PATH compile one path alone, so that
@@ -104,11 +107,11 @@ def _worker_block(
     i = tl.arange(0, 8)
     idx = g[:, None] * 8 + i[None, :]
     if FULL:  # every element of the block is < n: no masks, so loads stay 128-bit wide
-        e = tl.load(e_ptr + idx)
+        e = tl.load(e_ptr + idx).to(tl.float32)
         x = tl.load(x_ptr + idx).to(tl.float32)
     else:
         live = (g < total_bytes)[:, None]
-        e = tl.load(e_ptr + idx, mask=live, other=0.0)
+        e = tl.load(e_ptr + idx, mask=live, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + idx, mask=live & (idx < n), other=0.0).to(tl.float32)
     z = x + e
     zd = z.to(tl.float64)
@@ -144,13 +147,13 @@ def _worker_pack_kernel(
 @triton.jit
 def _error_block(x_ptr, e_ptr, idx, s, n, N, FULL: tl.constexpr, BLOCK: tl.constexpr):
     if FULL:
-        z = tl.load(x_ptr + idx).to(tl.float32) + tl.load(e_ptr + idx)
-        tl.store(e_ptr + idx, tl.where(z < 0, z + s, z - s))
+        z = tl.load(x_ptr + idx).to(tl.float32) + tl.load(e_ptr + idx).to(tl.float32)
+        store_typed_error(e_ptr, idx, tl.where(z < 0, z + s, z - s), s, _WORKER, None)
     else:
         live = idx < N
         x = tl.load(x_ptr + idx, mask=live & (idx < n), other=0.0).to(tl.float32)
-        z = x + tl.load(e_ptr + idx, mask=live, other=0.0)
-        tl.store(e_ptr + idx, tl.where(z < 0, z + s, z - s), mask=live)
+        z = x + tl.load(e_ptr + idx, mask=live, other=0.0).to(tl.float32)
+        store_typed_error(e_ptr, idx, tl.where(z < 0, z + s, z - s), s, _WORKER, live)
 
 
 @triton.jit
@@ -189,16 +192,16 @@ def _server_block(
         bit = (byte[:, None] >> (7 - i)[None, :]) & 1
         m += tl.where(bit == 1, s, -s)
     if FULL:
-        m += tl.load(e_ptr + idx)
+        m += tl.load(e_ptr + idx).to(tl.float32)
     else:
-        m += tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
+        m += tl.load(e_ptr + idx, mask=live[:, None], other=0.0).to(tl.float32)
     if UPDATE:
         s = tl.load(out_words_ptr + scale_word)
         if tl.abs(s) < _INF:
             if FULL:
-                tl.store(e_ptr + idx, tl.where(m < 0, m + s, m - s))
+                store_typed_error(e_ptr, idx, tl.where(m < 0, m + s, m - s), s, _SERVER, None)
             else:
-                tl.store(e_ptr + idx, tl.where(m < 0, m + s, m - s), mask=live[:, None])
+                store_typed_error(e_ptr, idx, tl.where(m < 0, m + s, m - s), s, _SERVER, live[:, None])
     else:
         if FULL:
             md = m.to(tl.float64)
@@ -280,15 +283,15 @@ def _store_decompressed(out_ptr, e_ptr, idx, live, in_x, val, sw, ok, HAS_ERROR:
     # worker scale, one or one per byte row), if ok; then out <- val
     if HAS_ERROR:
         if FULL:
-            z = tl.load(out_ptr + idx).to(tl.float32) + tl.load(e_ptr + idx)
+            z = tl.load(out_ptr + idx).to(tl.float32) + tl.load(e_ptr + idx).to(tl.float32)
         else:
             z = tl.load(out_ptr + idx, mask=in_x, other=0.0).to(tl.float32)
-            z += tl.load(e_ptr + idx, mask=live[:, None], other=0.0)
+            z += tl.load(e_ptr + idx, mask=live[:, None], other=0.0).to(tl.float32)
         if ok:
             if FULL:
-                tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw))
+                store_typed_error(e_ptr, idx, tl.where(z < 0, z + sw, z - sw), sw, _WORKER, None)
             else:
-                tl.store(e_ptr + idx, tl.where(z < 0, z + sw, z - sw), mask=live[:, None])
+                store_typed_error(e_ptr, idx, tl.where(z < 0, z + sw, z - sw), sw, _WORKER, live[:, None])
     if FULL:
         tl.store(out_ptr + idx, val)
     else:
@@ -474,6 +477,18 @@ def ticket(device: torch.device) -> torch.Tensor:
 
 def _partials(count: int, device: torch.device) -> torch.Tensor:
     return torch.empty(count, dtype=torch.float64, device=device)
+
+
+
+def bfloat16_worker_error(layout: Layout) -> bool:
+    """Whether the kernels take a bfloat16 worker error as it is (read widened, stored rounded as
+    :func:`onebit.kernels.rounding.narrow_` rounds it: ``store_typed_error``, bitwise): always."""
+    return True
+
+
+def bfloat16_server_error(layout: Layout) -> bool:
+    """As :func:`bfloat16_worker_error`, the server's: always."""
+    return True
 
 
 def worker_compress(

@@ -90,10 +90,18 @@ def launches(N: int = 2**26, W: int = 4, paths: bool = False):
                     *tk.decompress_launches(T(u8), words, out, out, words, n, layout, False)]
             for launch in made:
                 yield from _with_paths(tag, launch, split=paths and bool(align))
+    for n, align in ((N, ""), (N - 3, ", n % 16 != 0")):  # bfloat16 errors (read widened, stored rounded)
+        bf = torch.bfloat16
+        made = [*tk.worker_compress_launches(T(f32), T(bf), T(u8), T(f32), T(f64), T(i32), n, layout, True),
+                *tk.decompress_launches(T(u8), T(f32), T(f32), T(bf), T(f32), n, layout, True)]
+        for launch in made:
+            yield f"x fp32, bf16 errors{align}", launch
     for size, align in ((N, ""), (N + 8 * W, "chunk % 16 != 0")):
-        for launch in tk.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(f64), T(i32),
-                                                Layout(size, W)):
-            yield from _with_paths(align, launch, split=paths and bool(align))
+        for e in (f32, torch.bfloat16):
+            for launch in tk.server_reduce_launches(T(u8), T(f32), T(e), T(u8), T(f32), T(f64), T(i32),
+                                                    Layout(size, W)):
+                tag = align + (", bf16 errors" if e == torch.bfloat16 else "")
+                yield from _with_paths(tag, launch, split=paths and bool(align) and e == f32)
     yield from block_launches(N, W, paths)
     yield from fused_launches(N, W)
     yield from hook_launches(N)
@@ -223,6 +231,14 @@ def block_launches(N: int, W: int, paths: bool = False):
                                            and "PATHS" in launch.constexprs)
         for launch in tb.server_reduce_launches(T(u8), T(f32), T(f32), T(u8), T(f32), T(i32), T(i32), layout):
             yield f"block {block}", launch
+        if block in (64, 4096):  # bfloat16 errors (read widened, stored rounded)
+            bf, m = torch.bfloat16, N - 8 * 3
+            made = [*tb.worker_compress_launches(T(f32), T(bf), T(u8), T(f32), T(i32), T(i32), m, layout,
+                                                 True),
+                    *tb.decompress_launches(T(u8), T(f32), T(f32), T(bf), T(f32), m, layout, True),
+                    *tb.server_reduce_launches(T(u8), T(f32), T(bf), T(u8), T(f32), T(i32), T(i32), layout)]
+            for launch in made:
+                yield f"block {block}, bf16 errors", launch
 
 
 def _with_paths(tag: str, launch, split: bool):

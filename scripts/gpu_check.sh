@@ -33,7 +33,7 @@ if has tests; then
   # (issue 57); tests/test_ranks_on_one_gpu.py: 2-3 gloo ranks sharing the GPU
   timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py tests/test_multi.py \
     tests/test_triton_fused.py tests/test_triton_fused_zoa.py tests/test_triton_hook.py tests/test_momentum_message.py \
-    tests/test_rounding.py tests/test_ranks_on_one_gpu.py tests/test_own_steps.py tests/test_warmup_fused.py \
+    tests/test_rounding.py tests/test_bf16_codec.py tests/test_ranks_on_one_gpu.py tests/test_own_steps.py tests/test_warmup_fused.py \
     --junitxml="$OUT/cuda-tests.xml" 2>&1 | tail -n 40 | tee "$OUT/cuda-tests.log"
 fi
 if has memory; then

@@ -15,7 +15,7 @@ from onebit.kernels import cpu_simd
 from onebit.kernels.layout import padded_numel
 from onebit.kernels.native import codec
 
-pytestmark = pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
+needs_c = pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
 
 
 def _inputs(W: int, n: int, block, seed: int, special: str | None):
@@ -43,6 +43,7 @@ def _call(W, n, block, seed, special, own: bool, monkeypatch):
     return out, we, se
 
 
+@needs_c
 @pytest.mark.parametrize("W,n,block", [(3, 70001, None), (3, 70001, 64), (2, 9000, 24), (5, 4104, 8),
                                        (3, 30000, 4096), (2, 20000, 8192), (3, 13, None)])
 @pytest.mark.parametrize("special", [None, "nan"])
@@ -58,6 +59,7 @@ def test_the_c_passes_on_bfloat16_errors_are_bitwise_the_widened_call(W, n, bloc
             assert torch.equal(a, c) == (special == "nan")  # moved, or left as it was on a NaN
 
 
+@needs_c
 def test_the_codec_says_which_blocks_it_takes_as_they_are():
     from onebit.kernels.layout import Layout
 
@@ -68,3 +70,46 @@ def test_the_codec_says_which_blocks_it_takes_as_they_are():
     bits = torch.zeros(1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match="bfloat16 e, block at most"):
         cpu_simd.encode_blocks(x, e, bits, 8192)
+
+
+def _triton_bitwise_the_widened_call(W, n, block, special, monkeypatch, device="cpu"):
+    # the Triton codec reads a bfloat16 error widened and stores it rounded in its own kernels
+    # (rounding.store_typed_error): bitwise the call on widened buffers
+    pytest.importorskip("triton")
+    from onebit.kernels import triton_blocks, triton_kernels
+
+    def call(own: bool):
+        xs, we, se = (list(t.to(device) for t in ts) for ts in _inputs(W, n, block, W * n + 1, special))
+        with monkeypatch.context() as m:
+            if not own:
+                for mod in (triton_kernels, triton_blocks):
+                    m.setattr(mod, "bfloat16_worker_error", lambda layout: False)
+                    m.setattr(mod, "bfloat16_server_error", lambda layout: False)
+            out = local_compressed_allreduce(xs, we, se, backend="triton", block=block)
+        return out, we, se
+
+    got, want = call(True), call(False)
+    start = _inputs(W, n, block, W * n + 1, special)
+    got, want = ([[t.cpu() for t in ts] for ts in res] for res in (got, want))
+    for r in range(W):
+        assert torch.equal(got[0][r].nan_to_num(), want[0][r].nan_to_num())
+        for a, b, c in ((got[1][r], want[1][r], start[1][r]), (got[2][r], want[2][r], start[2][r])):
+            assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+            assert torch.equal(a, c) == (special == "nan")
+
+
+TRITON_CASES = [(3, 7001, None), (3, 7001, 64), (2, 3000, 32), (5, 1304, 8)]
+
+
+@pytest.mark.parametrize("W,n,block", TRITON_CASES)
+@pytest.mark.parametrize("special", [None, "nan"])
+def test_the_triton_kernels_on_bfloat16_errors_are_bitwise_the_widened_call(W, n, block, special,
+                                                                           monkeypatch):
+    _triton_bitwise_the_widened_call(W, n, block, special, monkeypatch)  # (the interpreter, this CPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("W,n,block", TRITON_CASES + [(4, 1 << 20, 64), (4, (1 << 20) + 3, None)])
+def test_on_cuda_the_triton_kernels_on_bfloat16_errors_are_bitwise_the_widened_call(W, n, block,
+                                                                                   monkeypatch):
+    _triton_bitwise_the_widened_call(W, n, block, None, monkeypatch, "cuda")
