@@ -31,7 +31,7 @@ def backend(buffer: torch.Tensor, d, parts: list) -> str | None:
     def f32(t: torch.Tensor) -> bool:
         return t.dtype == torch.float32 and t.is_contiguous() and t.device == device
 
-    def source_ok(src, n: int) -> bool:  # a span's denominators as the C passes read them
+    def source_ok(src, n: int) -> bool:  # a span's denominators as the fused passes read them
         if src is None:
             return True
         t = src[1]
@@ -41,13 +41,10 @@ def backend(buffer: torch.Tensor, d, parts: list) -> str | None:
     if not (parts and f32(buffer) and d.numel() == buffer.numel()
             and all(f32(m) and m.numel() == hi - lo for lo, hi, m, _ in parts)):
         return None
-    name = backends.select(device, "hook").name
-    if name == "native":
-        if isinstance(d, torch.Tensor):
-            return name if f32(d) else None
-        return name if all(source_ok(d.source(lo), hi - lo) for lo, hi, _, _ in parts) else None
-    if isinstance(d, torch.Tensor) and not f32(d):
+    if not (f32(d) if isinstance(d, torch.Tensor)  # (both backends read each span's as laid out)
+            else all(source_ok(d.source(lo), hi - lo) for lo, hi, _, _ in parts)):
         return None
+    name = backends.select(device, "hook").name
     if name == "triton" and buffer.numel() >= 2**31:  # the Triton passes' int32 indices
         return None
     return None if name == "plain" else name

@@ -108,6 +108,17 @@ def test_denominators_made_from_the_variance_are_bitwise_the_flat_ones(case, kin
     assert q1 == pytest.approx(q2, rel=1e-12) and q1 > 0
 
 
+def test_the_triton_path_declines_a_variance_it_cannot_read():
+    n, spans = CASES[0]
+    buffer, _, parts, _ = _bucket(n, spans, 0)
+    _, den = hook_denominators(n, spans, 0, "v32")
+    with _route(True):
+        assert _hook_fused.backend(buffer, den, parts) == "triton"
+        lo, hi, (_, v, scal, name) = den.spans[1]
+        den.spans[1] = (lo, hi, ("v", torch.zeros(2 * (hi - lo))[::2], scal, name))  # strided
+        assert _hook_fused.backend(buffer, den, parts) is None
+
+
 def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):
     buffer, d, parts, _ = _bucket(1000, [(0, 640), (700, 990)], 0)
     with _route(True):
