@@ -420,6 +420,7 @@ class Denominators:
 
     def __init__(self, fa: FrozenAdam, numel: int, device, spans: list) -> None:
         self.fa, self.spans = fa, spans  # (lo, hi, source)
+        self._by_lo = {lo: src for lo, _, src in spans}
         self._numel, self.device = numel, torch.device(device)
         self._flat: torch.Tensor | None = None
 
@@ -428,10 +429,7 @@ class Denominators:
 
     def source(self, lo: int):
         """The source of the span that starts at ``lo`` (None: ``d = 1``)."""
-        for a, _, src in self.spans:
-            if a == lo:
-                return src
-        return None
+        return self._by_lo.get(lo)
 
     def flat(self) -> torch.Tensor:
         if self._flat is None:

@@ -12,7 +12,7 @@ import torch
 from helpers import hook_denominators
 
 from onebit.collectives import _hook_fused
-from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
+from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
 from onebit.collectives.allreduce import _LOCAL, _compressed_allreduce, compressed_allreduce_passes
 from onebit.kernels import cpu_simd
 from onebit.kernels.fused import hook
@@ -139,10 +139,9 @@ def test_the_passes_decline_a_variance_they_cannot_read():
     fa, den = hook_denominators(n, spans, 3, "v32")
     assert _hook_fused.backend(buffer, den, parts) == "native"
     lo, hi, (_, v, scal, name) = den.spans[0]
-    den.spans[0] = (lo, hi, ("v", v.double(), scal, name))  # float64: not what the C reads
-    assert _hook_fused.backend(buffer, den, parts) is None
-    den.spans[0] = (lo, hi, ("v", torch.zeros(2 * (hi - lo))[::2], scal, name))  # strided
-    assert _hook_fused.backend(buffer, den, parts) is None
+    for bad in (v.double(), torch.zeros(2 * (hi - lo))[::2]):  # float64, strided: not what the C reads
+        spans = [(lo, hi, ("v", bad, scal, name)), *den.spans[1:]]
+        assert _hook_fused.backend(buffer, Denominators(fa, n, "cpu", spans), parts) is None
 
 
 @pytest.mark.parametrize("special", ["nan", "inf"])

@@ -14,7 +14,7 @@ import torch
 from helpers import hook_denominators
 
 from onebit.collectives import _hook_fused
-from onebit.collectives._frozen_adam import FrozenAdam, frozen_pre_
+from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
 from onebit.kernels.backends import use_backend
 
 pytest.importorskip("triton")
@@ -111,12 +111,12 @@ def test_denominators_made_from_the_variance_are_bitwise_the_flat_ones(case, kin
 def test_the_triton_path_declines_a_variance_it_cannot_read():
     n, spans = CASES[0]
     buffer, _, parts, _ = _bucket(n, spans, 0)
-    _, den = hook_denominators(n, spans, 0, "v32")
+    fa, den = hook_denominators(n, spans, 0, "v32")
     with _route(True):
         assert _hook_fused.backend(buffer, den, parts) == "triton"
         lo, hi, (_, v, scal, name) = den.spans[1]
-        den.spans[1] = (lo, hi, ("v", torch.zeros(2 * (hi - lo))[::2], scal, name))  # strided
-        assert _hook_fused.backend(buffer, den, parts) is None
+        strided = [den.spans[0], (lo, hi, ("v", torch.zeros(2 * (hi - lo))[::2], scal, name))]
+        assert _hook_fused.backend(buffer, Denominators(fa, n, "cpu", strided), parts) is None
 
 
 def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):

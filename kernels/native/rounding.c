@@ -162,6 +162,24 @@ int onebit_server_reduce_one16(const uint8_t* bits, int64_t stride, int W, const
    elements (the caller widens the buffer otherwise). */
 #define ENC16_RUN 4096
 
+/* BODY over each thread's runs of whole blocks of e (bfloat16, n elements, blocks of at most ENC16_RUN): j the
+   run's first block, k its blocks, len = k block elements, nb the blocks in all; the run widened into eb first */
+#define ONEBIT_BLOCK_RUNS16(n, block, threads, e, BODY) \
+  do { \
+    int64_t nb = (n) / (block), per_ = (block) < ENC16_RUN ? ENC16_RUN / (block) : 1; \
+    _Pragma("omp parallel num_threads(threads)") \
+    { \
+      int t_ = omp_get_thread_num(), T_ = omp_get_num_threads(); \
+      int64_t lo_ = nb * t_ / T_, hi_ = nb * (t_ + 1) / T_; \
+      float eb[ENC16_RUN] __attribute__((aligned(64))); \
+      for (int64_t j = lo_; j < hi_; j += per_) { \
+        int64_t k = hi_ - j < per_ ? hi_ - j : per_, len = k * (block); \
+        widen_run(isa, eb, (e) + j * (block), len); \
+        BODY; \
+      } \
+    } \
+  } while (0)
+
 /* onebit_encode_total's sum: the same runs of 4096, so the same float64 total */
 double onebit_encode_total16(const float* x, const uint16_t* e, uint8_t* bits, int64_t n, int isa, int threads) {
   blocks_fn f = pick(isa);
@@ -183,18 +201,7 @@ double onebit_encode_total16(const float* x, const uint16_t* e, uint8_t* bits, i
 void onebit_encode_blocks16(const float* x, const uint16_t* e, uint8_t* bits, double* sums, int64_t n,
                             int64_t block, int isa, int threads) {
   blocks_fn f = pick(isa);
-  int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
-    float eb[ENC16_RUN] __attribute__((aligned(64)));
-    for (int64_t j = lo; j < hi; j += per) {
-      int64_t k = hi - j < per ? hi - j : per, len = k * block;
-      widen_run(isa, eb, e + j * block, len);
-      f(x + j * block, eb, bits + j * block / 8, sums + j, len, block);
-    }
-  }
+  ONEBIT_BLOCK_RUNS16(n, block, threads, e, f(x + j * block, eb, bits + j * block / 8, sums + j, len, block));
 }
 
 /* onebit_decompress with a bfloat16 error (not NULL): per thread as there, run by run */
@@ -231,37 +238,18 @@ void onebit_decompress16(const uint8_t* bits, const float* s, int64_t sstep, flo
 void onebit_server_blocks16(const uint8_t* bits, int64_t stride, int W, const float* w, const uint16_t* e,
                             uint8_t* out, double* sums, int64_t n, int64_t block, int isa, int threads) {
   server_fn f = pick_server(isa);
-  int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
-    float eb[ENC16_RUN] __attribute__((aligned(64)));
-    for (int64_t j = lo; j < hi; j += per) {
-      int64_t k = hi - j < per ? hi - j : per, len = k * block;
-      widen_run(isa, eb, e + j * block, len);
-      f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, out + j * block / 8, sums + j, len, block);
-    }
-  }
+  ONEBIT_BLOCK_RUNS16(n, block, threads, e,
+                      f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, out + j * block / 8, sums + j, len, block));
 }
 
 void onebit_server_update16(const uint8_t* bits, int64_t stride, int W, const float* w, uint16_t* e,
                             const float* s, int64_t n, int64_t block, int64_t i0, int isa, int threads) {
   server_update_fn f = pick_server_update(isa);
   void (*nr) NARROW_ARGS = ONEBIT_PICK(narrow, isa);
-  int64_t nb = n / block, per = block < ENC16_RUN ? ENC16_RUN / block : 1;
-  #pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t lo = nb * t / T, hi = nb * (t + 1) / T;
-    float eb[ENC16_RUN] __attribute__((aligned(64)));
-    for (int64_t j = lo; j < hi; j += per) {
-      int64_t k = hi - j < per ? hi - j : per, len = k * block;
-      widen_run(isa, eb, e + j * block, len);
-      f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, s + j, 1, len, block);
-      for (int64_t q = 0; q < k; q++)
-        nr(e + (j + q) * block, (const uint32_t*)eb + q * block, round_key(s[j + q], ROUND_SERVER),
-           (uint32_t)(i0 + (j + q) * block), block);
-    }
-  }
+  ONEBIT_BLOCK_RUNS16(n, block, threads, e, {
+    f(bits + j * block / 8, stride, W, w + j, nb, 1, eb, s + j, 1, len, block);
+    for (int64_t q = 0; q < k; q++)
+      nr(e + (j + q) * block, (const uint32_t*)eb + q * block, round_key(s[j + q], ROUND_SERVER),
+         (uint32_t)(i0 + (j + q) * block), block);
+  });
 }
