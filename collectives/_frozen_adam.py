@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from ..kernels import backends, cpu_fused, cpu_simd
 from ..kernels._checks import check_number
-from ..kernels.fused import hook
 from ..kernels.preconditioning import inverse_sqrt_bc2, sqrt_rn, sqrt_v_floors, stale_denominator
 from ..kernels.sketch import signed
 from . import _hook_fused, _momentum, _several
@@ -490,65 +489,25 @@ def _momentum_terms(opt, p: torch.Tensor, group: dict, share="auto"):
 def frozen_pre_(buffer: torch.Tensor, d, parts: list, fa: FrozenAdam | None = None):
     """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
     (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
-    With ``fa``, the bucket also counts into ``fa``'s local gradient norm: on an x86 CPU inside the
-    pass (:func:`onebit.kernels.fused.hook.hook_pre`: the pass and the norm in one read of the
-    gradient, the same float32 operations; the elements outside those parameters read once more),
-    else by ``fa.add_local`` first.
+    With ``fa``, the bucket also counts into ``fa``'s local gradient norm.
 
-    On CPU each parameter of 2^16 elements or more takes one fused pass each way
-    (:func:`onebit.kernels.cpu_fused.hook_pre_`: the same float32 operations, bitwise) and ``c``
-    is never stored; the others take the plain ops, with ``c`` kept for the post-pass: beside
-    fused ones each its own, else (every parameter on a GPU) in one bucket-sized buffer."""
-    if _hook_fused.backend(buffer, d, parts) == "triton":  # one launch each way, d made as it is read
-        return _hook_fused.pre_(buffer, d, parts, fa)
+    Where a backend has the passes fused (:func:`onebit.collectives._hook_fused.backend`: the native C on
+    CPU, Triton on a GPU), one pass each way over the whole bucket, ``d`` made as it is read, the norm
+    inside the pre-pass (the same float32 operations, bitwise); else the plain ops, ``c`` kept for the
+    post-pass in one bucket-sized buffer and ``d`` made flat."""
+    name = _hook_fused.backend(buffer, d, parts)
+    if name is not None:
+        return _hook_fused.pre_(buffer, d, parts, fa, name)
     d = flat_denominators(d)
-    fused, rest = [], []
-    simd = (fa is not None and buffer.device.type == "cpu" and buffer.dtype == torch.float32
-            and buffer.is_contiguous() and d.is_contiguous()
-            and backends.select("cpu", "hook").name == "native")
-    if simd:
-        done = [part for part in parts if part[2].dtype == torch.float32 and part[2].is_contiguous()
-                and part[2].device.type == "cpu"]
-        sq, pos = 0.0, 0
-        for lo, hi, _, _ in sorted(done, key=lambda part: part[0]):  # first what they leave out
-            sq += cpu_simd.sumsq(buffer[pos:lo]) if lo > pos else 0.0
-            pos = hi
-        sq += cpu_simd.sumsq(buffer[pos:]) if pos < buffer.numel() else 0.0
-        for part in done:
-            lo, hi, m, factor = part
-            sq += hook.hook_pre(buffer[lo:hi], m.view(-1), d[lo:hi], factor)
-            fused.append(part)
-        fa.add_local(buffer, sq)
-        parts = [part for part in parts if not any(part is f for f in done)]
-    elif fa is not None:
+    if fa is not None:
         fa.add_local(buffer)
-    for part in parts:
-        lo, hi, m, factor = part
-        piece, d_piece = buffer[lo:hi].view_as(m), d[lo:hi].view_as(m)
-        if buffer.device.type == "cpu" and cpu_fused.hook_pre_(piece, m, d_piece, factor):
-            fused.append(part)
-        else:
-            rest.append(part)
-    c, small = None, {}
-    if rest and not fused:  # the whole bucket at once (a GPU: two launches, not two per parameter)
-        c = torch.zeros_like(buffer)
-        for lo, hi, m, factor in rest:  # written in place: no per-parameter temporaries
-            torch.mul(m, factor, out=c[lo:hi].view_as(m))
-        buffer.add_(c).div_(d)
-    for lo, hi, m, factor in rest if fused else ():  # CPU: the small ones beside fused parameters,
-        small[lo] = torch.mul(m, factor).view(-1)   # each its own c (not a bucket of zeros a step)
-        buffer[lo:hi].add_(small[lo]).div_(d[lo:hi])
+    c = torch.zeros_like(buffer)
+    for lo, hi, m, factor in parts:  # written in place: no per-parameter temporaries
+        torch.mul(m, factor, out=c[lo:hi].view_as(m))
+    buffer.add_(c).div_(d)
 
     def post(out: torch.Tensor) -> torch.Tensor:
-        for lo, hi, m, factor in fused:
-            piece, d_piece = out[lo:hi].view_as(m), d[lo:hi].view_as(m)
-            if not cpu_fused.hook_post_(piece, m, d_piece, factor):  # (out is the buffer: it applies)
-                piece.mul_(d_piece).sub_(torch.mul(m, factor))
-        if rest and not fused:
-            out.mul_(d).sub_(c)
-        for lo, hi, _, _ in rest if fused else ():
-            out[lo:hi].mul_(d[lo:hi]).sub_(small[lo])
-        return out
+        return out.mul_(d).sub_(c)
 
     return post
 

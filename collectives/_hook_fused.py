@@ -2,7 +2,9 @@
 when a bucket takes them, and their call.
 
 - native (CPU): the pre-pass inside the worker's encode and the post-pass inside decompress
-  (:func:`passes`, for ``compressed_allreduce_passes``): two passes over the bucket instead of four.
+  (:func:`passes`, for ``compressed_allreduce_passes``): two passes over the bucket instead of four;
+  where the codec's passes cannot take them (a mesh, a covered bucket), one threaded pass each way
+  around the collective (:func:`pre_`).
 - triton (CUDA; a CPU bucket when forced, for the tests under ``TRITON_INTERPRET=1``): one launch each
   way around the codec's own kernels (:func:`pre_`, ``frozen_pre_``'s contract), so any block size and
   a mesh keep them.
@@ -67,10 +69,12 @@ def passes(d, parts: list, fa=None, block: int | None = None) -> hook.NativePass
     return hook.NativePasses(t, (lambda flat, sq: None) if fa is None else fa.add_local, block)
 
 
-def pre_(buffer: torch.Tensor, d, parts: list, fa=None):
-    """``frozen_pre_``'s contract in the Triton passes: ``buffer <- (g + c) / d`` (the bucket counted
-    into ``fa``'s local norm; ``d`` made as the pass reads it), returning ``post(out)``: ``out <- out *
-    d - c``."""
+def pre_(buffer: torch.Tensor, d, parts: list, fa=None, name: str = "triton"):
+    """``frozen_pre_``'s contract in backend ``name``'s passes (as :func:`backend` chose it) over the
+    whole bucket: ``buffer <- (g + c) / d`` (the bucket counted into ``fa``'s local norm; ``d`` made as
+    the pass reads it), returning ``post(out)``: ``out <- out * d - c``. Triton: one launch each way;
+    native: one threaded pass each way (where the codec's passes cannot take them: a mesh, a covered
+    bucket)."""
     tables = fa.tables if fa is not None else {}
     found = sources(d, parts)
     key = (buffer.device, buffer.numel(), tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts),
@@ -81,14 +85,18 @@ def pre_(buffer: torch.Tensor, d, parts: list, fa=None):
             tables.clear()
         t = tables[key] = hook.table(parts, found, buffer.device)
     alive = [d, found] + [m for _, _, m, _ in parts]  # the table's addresses, until the post-pass ran
-    sq = hook.pre(buffer, t)
+    n = buffer.numel()
+    sq = hook.pre(buffer, t) if name == "triton" else hook.hook_pre_range(buffer, 0, n, t)
     if fa is not None:
         fa.add_local(buffer, sq)
 
     def post(out: torch.Tensor) -> torch.Tensor:
-        if out.data_ptr() != buffer.data_ptr() or out.numel() != buffer.numel():
+        if out.data_ptr() != buffer.data_ptr() or out.numel() != n:
             raise AssertionError("the post-pass expects the bucket the pre-pass wrote")
-        hook.post(out, t)
+        if name == "triton":
+            hook.post(out, t)
+        else:
+            hook.hook_post_range(out, 0, n, t)
         del alive[:]
         return out
 

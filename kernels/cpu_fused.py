@@ -17,8 +17,8 @@ are not contiguous float32 CPU tensors of the same size, fewer than ``MIN_NUMEL`
 ``ONEBIT_CPU_CODEC=torch``, or no C library (:func:`onebit.kernels.cpu_simd.library` warns once);
 the caller then runs the plain ops. Used by OnebitAdam's compression stage and ZeroOneAdam's steps
 on a stale variance (phase 1's, and phase 2's local steps with their fold), and the DDP hook with
-``freeze_step`` (its passes before and after the collective, per parameter: ``hook_pre_``,
-``hook_post_``; its AdamW step on the frozen denominator: ``frozen_adam_``).
+``freeze_step`` (its AdamW step on the frozen denominator: ``frozen_adam_``; its passes around the
+collective are :mod:`onebit.kernels.fused.hook`'s).
 """
 
 from __future__ import annotations
@@ -141,27 +141,6 @@ def zoa_momentum_(m: torch.Tensor, u: torch.Tensor, var: torch.Tensor,
     if not _applies(m, u, var=var):
         return False
     _run_var("onebit_zoa_momentum", (m, u), var, *denominator, nl)
-    return True
-
-
-@torch.no_grad()
-def hook_pre_(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float) -> bool:
-    """The DDP hook's pre-pass on one parameter's piece of a bucket, ``g = (g + m * factor) / d``,
-    in one pass (the plain ops: ``c = m * factor`` into a bucket-sized buffer, ``add_``, ``div_``:
-    36 B per element against 16); False (nothing done) where it does not apply."""
-    if not _applies(g, m, d):
-        return False
-    _run("onebit_hook_pre_only", (g, m, d), factor)
-    return True
-
-
-@torch.no_grad()
-def hook_post_(out: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float) -> bool:
-    """Its post-pass, ``out = out * d - m * factor``, in one pass (plain: ``mul_``, ``sub_``, 24 B
-    against 16); False (nothing done) where it does not apply."""
-    if not _applies(out, m, d):
-        return False
-    _run("onebit_hook_post", (out, m, d), factor)
     return True
 
 

@@ -205,59 +205,43 @@ def test_a_step_with_a_closure_needs_prepare_step_and_then_matches(ranks):
     assert failed[0][0] == F and "state.prepare_step()" in failed[0][1], failed[0]
 
 
-def _wide_body(steps, fused, c_pass=False, in_codec=False):
-    """A layer of 2^16 weights (the fused CPU passes' size) behind the hook with freeze_step; with
-    ``fused=False`` the per-parameter passes are out of reach (the "tensor" step plain); the C
-    pre-pass (onebit.kernels.fused.hook.hook_pre, the local norm inside) only with ``c_pass``; the
-    pre- and post-pass inside the codec's C passes (collectives/_hook_fused.py) only with
-    ``in_codec`` (and ``c_pass``)."""
-    from onebit.collectives import _hook_fused
+def _wide_body(steps, route):
+    """A layer of 2^16 weights behind the hook with freeze_step, its passes around the collective by
+    ``route``: ``codec`` inside the codec's C passes (collectives/_hook_fused.py), ``plain`` the plain
+    ops; on a 2 x 1 mesh (where the codec's passes cannot take them) ``mesh`` one C pass each way over
+    the bucket (onebit.kernels.fused.hook.hook_pre_range, the local norm inside), ``mesh-plain`` the
+    plain ops. The C calls counted (``range``: the passes over a whole bucket)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from onebit.kernels import cpu_fused
     from onebit.kernels.backends import use_backend
     from onebit.kernels.fused import hook
 
-    saved = cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_
-    saved_c = (None, hook.hook_pre, hook.hook_encode, _hook_fused.backend)
-    cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in both runs
-    if not in_codec:  # the native route beside the codec's passes
-        _hook_fused.backend = lambda *a: None
-    calls = {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 0}
-    for name in ("pre", "post"):
-        fn = getattr(cpu_fused, f"hook_{name}_")
+    saved = cpu_fused.frozen_adam_, hook.hook_pre_range, hook.hook_encode
+    cpu_fused.frozen_adam_ = lambda *a, **k: False  # the optimizer's own step: its plain ops in every run
+    calls = {"range": 0, "in_codec": 0}
 
-        def counted(*a, _fn=fn, _name=name):
-            done = _fn(*a)
-            calls[_name] += int(done)
-            return done
+    def counted(name, fn):
+        def run(*a):
+            calls[name] += name != "range" or a[1] == 0  # (not the codec's own padded chunk tails)
+            return fn(*a)
+        return run
 
-        setattr(cpu_fused, f"hook_{name}_", counted)
-
-    def c_counted(*a):
-        calls["c_pre"] += 1
-        return saved_c[1](*a)
-
-    def encode_counted(*a):
-        calls["in_codec"] += 1
-        return saved_c[2](*a)
-
-    # the hook's native passes (its C pre-pass with the norm inside, or inside the codec) only
-    # with c_pass; the per-parameter passes of cpu_fused (the "tensor" step) only with fused
-    plain = [step for step, on in (("hook", c_pass), ("tensor", fused)) if not on]
-    hook.hook_pre, hook.hook_encode = c_counted, encode_counted
+    hook.hook_pre_range, hook.hook_encode = counted("range", saved[1]), counted("in_codec", saved[2])
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("node", "local")) if "mesh" in route else None
     try:  # the rank processes serve later tests: the modules are put back as they were
-        with use_backend("plain", steps=plain) if plain else contextlib.nullcontext():
-            return _wide_run(steps), calls
+        with use_backend("plain", steps=["hook"]) if "plain" in route else contextlib.nullcontext():
+            return _wide_run(steps, mesh), calls
     finally:
-        cpu_fused.hook_pre_, cpu_fused.hook_post_, cpu_fused.frozen_adam_ = saved
-        hook.hook_pre, hook.hook_encode, _hook_fused.backend = saved_c[1:]
+        cpu_fused.frozen_adam_, hook.hook_pre_range, hook.hook_encode = saved
 
 
-def _wide_run(steps):
+def _wide_run(steps, mesh=None):
     r = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64)
+    state = OnebitCompressHookState(mesh, optimizer=opt, freeze_step=F, block=64)
     model.register_comm_hook(state, onebit_compress_hook)
     for t in range(steps):
         g = torch.Generator().manual_seed(100 * t + r)
@@ -271,34 +255,25 @@ def _wide_run(steps):
 
 def test_the_hooks_fused_passes_are_bitwise_the_plain_ops(ranks):
     """On CPU the hook's passes around the collective (``(g + c) / d`` before, ``out * d - c``
-    after) run as one compiled pass each for parameters of 2^16 elements or more: the same
-    float32 operations, so the run is bitwise the one with the plain ops; the fused passes ran
-    (4 compressed iterations, one large weight) and the replicas agree."""
+    after) run inside the codec's C passes, or, on a mesh, as one C pass each way over the bucket:
+    the same float32 operations, so each run is bitwise the one with the plain ops; the C ran
+    (4 compressed iterations, one bucket) and the replicas agree."""
     from onebit.kernels import cpu_simd
 
-    fused = ranks(2).run(_wide_body, F + 4, True)
-    plain = ranks(2).run(_wide_body, F + 4, False)
-    for r in range(2):
-        assert fused[r][1] == {"pre": 4, "post": 4, "c_pre": 0, "in_codec": 0}, fused[r][1]
-        assert plain[r][1] == {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 0}
-        for a, b in zip(fused[r][0], plain[r][0], strict=True):
-            assert torch.equal(a, b)
-        for a, b in zip(fused[r][0], fused[0][0], strict=True):
-            assert torch.equal(a, b)
     if not cpu_simd.available():
-        return
-    # the C pre-pass (with the local norm inside), the plain post-pass: bitwise the plain run too
-    c_run = ranks(2).run(_wide_body, F + 4, False, True)
-    for r in range(2):
-        assert c_run[r][1]["pre"] == 0 and c_run[r][1]["c_pre"] == 4 * 4, c_run[r][1]  # 4 steps, 4 tensors
-        for a, b in zip(c_run[r][0], plain[r][0], strict=True):
-            assert torch.equal(a, b)
-    # both passes inside the codec's (one bucket: 4 steps x 2 chunks of hook_encode): bitwise too
-    in_codec = ranks(2).run(_wide_body, F + 4, False, True, True)
-    for r in range(2):
-        assert in_codec[r][1] == {"pre": 0, "post": 0, "c_pre": 0, "in_codec": 4 * 2}, in_codec[r][1]
-        for a, b in zip(in_codec[r][0], plain[r][0], strict=True):
-            assert torch.equal(a, b)
+        pytest.skip("no C passes on this CPU")
+    routes = ("codec", "plain", "mesh", "mesh-plain")
+    runs = {route: ranks(2).run(_wide_body, F + 4, route) for route in routes}
+    want = {"codec": {"range": 0, "in_codec": 4 * 2}, "plain": {"range": 0, "in_codec": 0},  # 2 chunks
+            "mesh": {"range": 4, "in_codec": 0}, "mesh-plain": {"range": 0, "in_codec": 0}}
+    for route, same_as in (("codec", "plain"), ("mesh", "mesh-plain")):
+        for r in range(2):
+            assert runs[route][r][1] == want[route], (route, runs[route][r][1])
+            assert runs[same_as][r][1] == want[same_as], (same_as, runs[same_as][r][1])
+            for a, b in zip(runs[route][r][0], runs[same_as][r][0], strict=True):
+                assert torch.equal(a, b), route
+            for a, b in zip(runs[route][r][0], runs[route][0][0], strict=True):
+                assert torch.equal(a, b)  # replicas agree
 
 
 def _own_step_body(steps, own, kind):

@@ -7,6 +7,8 @@ DDP on 3 gloo ranks (odd W, sizes not a multiple of 8)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import hook_denominators
@@ -15,6 +17,7 @@ from onebit.collectives import _hook_fused
 from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
 from onebit.collectives.allreduce import _LOCAL, _compressed_allreduce, compressed_allreduce_passes
 from onebit.kernels import cpu_simd
+from onebit.kernels.backends import use_backend
 from onebit.kernels.fused import hook
 from onebit.kernels.layout import padded_numel
 
@@ -41,19 +44,27 @@ def _bucket(n: int, spans: list[tuple[int, int]], seed: int, special: str | None
     return buffer, d, parts
 
 
-def _run(n, spans, block, seed, special, fused: bool):
+def _around(buffer, d, parts, fa, we, se, block, route: str):
+    """The compressed call with the hook's passes: inside the codec's (``codec``), beside it in one C
+    pass each way (``range``: what a mesh or a covered bucket takes), or the plain ops (``plain``)."""
+    if route == "codec":
+        passes = _hook_fused.passes(d, parts, fa, block)
+        compressed_allreduce_passes(buffer, we, se, None, passes, local=True, block=block)
+        return
+    with use_backend("plain", steps=["hook"]) if route == "plain" else contextlib.nullcontext():
+        assert _hook_fused.backend(buffer, d, parts) == (None if route == "plain" else "native")
+        post = frozen_pre_(buffer, d, parts, fa)
+    _compressed_allreduce(buffer, we, se, None, 1, block, _LOCAL)
+    post(buffer)
+
+
+def _run(n, spans, block, seed, special, route: str):
     buffer, d, parts = _bucket(n, spans, seed, special)
     N = padded_numel(n, 1, block)
     we = torch.randn(N, generator=torch.Generator().manual_seed(seed + 1)) * 0.1
     se = torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) * 0.1
     fa = FrozenAdam(1, 0.1)
-    if fused:
-        passes = _hook_fused.passes(d, parts, fa)
-        compressed_allreduce_passes(buffer, we, se, None, passes, local=True, block=block)
-    else:
-        post = frozen_pre_(buffer, d, parts, fa)
-        _compressed_allreduce(buffer, we, se, None, 1, block, _LOCAL)
-        post(buffer)
+    _around(buffer, d, parts, fa, we, se, block, route)
     return buffer, we, se, float(fa.local_sq)
 
 
@@ -77,28 +88,24 @@ def test_in_codec_is_bitwise_the_unfused_passes(case, isa, monkeypatch):
     monkeypatch.setattr(cpu_simd, "best_isa", lambda: min(real, isa))
     n, spans, block = CASES[case]
     for seed, special in ((case, None), (case + 50, "zero")):
-        got = _run(n, spans, block, seed, special, True)
-        want = _run(n, spans, block, seed, special, False)
-        for a, b in zip(got[:3], want[:3], strict=True):
-            assert torch.equal(a, b)
-        assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
+        want = _run(n, spans, block, seed, special, "plain")
+        for route in ("codec", "range"):
+            got = _run(n, spans, block, seed, special, route)
+            for a, b in zip(got[:3], want[:3], strict=True):
+                assert torch.equal(a, b), route
+            assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
 
 
-def _run_variance(n, spans, block, seed, kind, edtype, fused: bool):
+def _run_variance(n, spans, block, seed, kind, edtype, route: str):
     buffer, _, parts = _bucket(n, spans, seed, None)
     fa, den = hook_denominators(n, spans, seed, kind)
     N = padded_numel(n, 1, block)
     we = (torch.randn(N, generator=torch.Generator().manual_seed(seed + 1)) * 0.1).to(edtype)
     se = (torch.randn(N, generator=torch.Generator().manual_seed(seed + 2)) * 0.1).to(edtype)
-    if fused:
-        assert _hook_fused.backend(buffer, den, parts) == "native"
-        passes = _hook_fused.passes(den, parts, fa, block)
-        assert passes.BFLOAT16_ERRORS == (block is None or block <= hook.HOOK_RUN)
-        compressed_allreduce_passes(buffer, we, se, None, passes, local=True, block=block)
-    else:
-        post = frozen_pre_(buffer, den.flat(), parts, fa)
-        _compressed_allreduce(buffer, we, se, None, 1, block, _LOCAL)
-        post(buffer)
+    if route == "codec":
+        assert _hook_fused.passes(den, parts, fa, block).BFLOAT16_ERRORS == (block is None
+                                                                            or block <= hook.HOOK_RUN)
+    _around(buffer, den.flat() if route == "plain" else den, parts, fa, we, se, block, route)
     return buffer, we, se, float(fa.local_sq)
 
 
@@ -123,11 +130,12 @@ def test_denominators_made_from_the_variance_and_bfloat16_errors_are_bitwise_the
     real = cpu_simd.best_isa()
     monkeypatch.setattr(cpu_simd, "best_isa", lambda: min(real, isa))
     n, spans, block, kind, edtype = VARIANCE_CASES[case]
-    got = _run_variance(n, spans, block, case, kind, edtype, True)
-    want = _run_variance(n, spans, block, case, kind, edtype, False)
-    for a, b in zip(got[:3], want[:3], strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
+    want = _run_variance(n, spans, block, case, kind, edtype, "plain")
+    for route in ("codec", "range"):
+        got = _run_variance(n, spans, block, case, kind, edtype, route)
+        for a, b in zip(got[:3], want[:3], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), route
+        assert got[3] == pytest.approx(want[3], rel=1e-12) and got[3] > 0
     N = padded_numel(n, 1, block)
     start = (torch.randn(N, generator=torch.Generator().manual_seed(case + 1)) * 0.1).to(edtype)
     assert not torch.equal(got[1], start)  # the worker error did move
@@ -147,13 +155,15 @@ def test_the_passes_decline_a_variance_they_cannot_read():
 @pytest.mark.parametrize("special", ["nan", "inf"])
 def test_a_non_finite_gradient_gives_nan_and_leaves_the_errors(special):
     n, spans, block = CASES[1]
-    got = _run(n, spans, block, 7, special, True)
-    want = _run(n, spans, block, 7, special, False)
-    assert got[0].isnan().all() and want[0].isnan().all()
-    for a, b in zip(got[1:3], want[1:3], strict=True):
-        assert torch.equal(a, b)
-    N = padded_numel(n, 1, block)  # the worker error as it came: not updated
-    assert torch.equal(got[1], torch.randn(N, generator=torch.Generator().manual_seed(8)) * 0.1)
+    want = _run(n, spans, block, 7, special, "plain")
+    assert want[0].isnan().all()
+    for route in ("codec", "range"):
+        got = _run(n, spans, block, 7, special, route)
+        assert got[0].isnan().all()
+        for a, b in zip(got[1:3], want[1:3], strict=True):
+            assert torch.equal(a, b)
+        N = padded_numel(n, 1, block)  # the worker error as it came: not updated
+        assert torch.equal(got[1], torch.randn(N, generator=torch.Generator().manual_seed(8)) * 0.1)
 
 
 def _ddp_body(steps: int, in_codec: bool, block):
@@ -173,7 +183,7 @@ def _ddp_body(steps: int, in_codec: bool, block):
     model.register_comm_hook(state, onebit_compress_hook)
     calls = [0]
     saved = _hook_fused.backend, hook.NativePasses.worker
-    if not in_codec:  # the native route beside the codec (frozen_pre_'s C passes per parameter)
+    if not in_codec:  # the plain ops
         _hook_fused.backend = lambda *a: None
 
     def counted(self, *a):

@@ -1,7 +1,7 @@
 #include "../native/native.h"
 
 /* ---- The DDP hook's pre-pass with the local gradient norm inside: returns the float64 sum of g^2
-   (g as it came), and writes g = (g + m * k) / d (onebit.kernels.cpu_fused.hook_pre's order). */
+   (g as it came), and writes g = (g + m * k) / d (the plain ops' order: c = m * k, g + c, a division). */
 static double hook_pre_c(float* g, const float* m, const float* d, float k, int64_t n) {
   double s = 0.0;
   for (int64_t i = 0; i < n; i++) {
@@ -49,12 +49,6 @@ static double pre_any(int isa, float* g, const float* m, const float* d, float k
   return hook_pre_c(g, m, d, k, n);
 }
 
-double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
-  double total;
-  ONEBIT_THREAD_SUM(total, n, 16, threads, { if (b > a) s = pre_any(isa, g + a, m + a, d + a, k, b - a); });
-  return total;
-}
-
 /* ---- The DDP hook's passes (freeze_step) inside the codec's, as OnebitAdam's above: the table's
    entry k is a parameter with momentum, flat elements [start[k], start[k] + count[k]), its momentum
    at g[k], its factor at sc[SC k]; its denominators d from the address at d[k] (den_at): none (0: an
@@ -64,7 +58,7 @@ double onebit_hook_pre(float* g, const float* m, const float* d, float k, int64_
    stored), or, where sc[SC k + 1] is not 0, float32 denominators as they are (a checkpoint of a
    release that kept d). Elsewhere the bucket holds the gradient as it is. Before the encode, run by
    run: x = (g + m k) / d (hook_pre above) and the float64 sum of g^2 over every element (the local
-   norm); after the decode: out = out * d - m k (onebit.kernels.cpu_fused.hook_post's order). */
+   norm); after the decode: out = out * d - m k (the plain ops' order). */
 #define POST_LOOP for (int64_t i = 0; i < n; i++) out[i] = out[i] * d[i] - m[i] * k;
 static void post_c(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
 #ifdef ONEBIT_X86
@@ -212,30 +206,34 @@ void onebit_hook_decompress(const uint8_t* bits, const float* s, int64_t sstep, 
   }
 }
 
-/* The two passes alone over flat elements [a, b) (a chunk's padded tail, encoded or decoded by the caller). */
-double onebit_hook_pre_range(float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
-                             const int64_t* m, const int64_t* d, const float* sc, int K, int isa) {
+/* The two passes alone over flat elements [a, b), threaded (a chunk's padded tail, encoded or decoded by
+   the caller; a whole bucket where the passes inside the codec decline: a mesh, a covered bucket). The
+   sum of squares: each thread's in thread order. */
+double onebit_hook_pre_range(float* flat, int64_t lo, int64_t hi, const int64_t* start, const int64_t* count,
+                             const int64_t* m, const int64_t* d, const float* sc, int K, int isa, int threads) {
   table_t tab = {start, count, m, d, 0, sc, K};
-  int k = 0;
-  return pre_range(isa, flat, a, b, &tab, &k);
+  double total;
+  ONEBIT_THREAD_SUM(total, hi - lo, 16, threads, {
+    int k = 0;
+    if (b > a) s = pre_range(isa, flat, lo + a, lo + b, &tab, &k);
+  });
+  return total;
 }
 
-void onebit_hook_post_range(float* flat, int64_t a, int64_t b, const int64_t* start, const int64_t* count,
-                            const int64_t* m, const int64_t* d, const float* sc, int K, int isa) {
+void onebit_hook_post_range(float* flat, int64_t lo, int64_t hi, const int64_t* start, const int64_t* count,
+                            const int64_t* m, const int64_t* d, const float* sc, int K, int isa, int threads) {
   table_t tab = {start, count, m, d, 0, sc, K};
-  int k = 0;
-  post_range(isa, flat, a, b, &tab, &k);
+  ONEBIT_PARALLEL(hi - lo, threads, {
+    int k = 0;
+    post_range(isa, flat, lo + a, lo + a + len, &tab, &k);
+  })
 }
 
-/* ---- The hook's per-parameter passes where its passes inside the codec decline (a mesh, a bucket
-   covered by remembered ones; onebit.kernels.cpu_fused binds them): g = (g + m k) / d before the
-   collective, out = out d - m k after it (post_c's loop); and the AdamW step on the frozen
-   denominator: m = m b1 + w g, p = p decay + (-step m) / d, d from the frozen variance v as den_fill
-   computes it (d = max(sqrt(v), floor) * r + eps: v is read, never written). */
+/* ---- The hook's AdamW step on the frozen denominator (onebit.kernels.cpu_fused binds it):
+   m = m b1 + w g, p = p decay + (-step m) / d, d from the frozen variance v as den_fill computes it
+   (d = max(sqrt(v), floor) * r + eps: v is read, never written). */
 #define FROZEN_ARGS (float* restrict p, float* restrict m, const float* restrict g, const float* restrict v, \
                      float b1, float w, float decay, float nstep, float floor, float r, float eps, int64_t n)
-ONEBIT_VARIANTS(pre_only, (float* restrict g, const float* restrict m, const float* restrict d, float k, int64_t n),
-                for (int64_t i = 0; i < n; i++) g[i] = (g[i] + m[i] * k) / d[i];)
 ONEBIT_VARIANTS(frozen, FROZEN_ARGS, for (int64_t i = 0; i < n; i++) {
   float s = sqrtf(v[i]);
   s = s < floor ? floor : s;
@@ -243,20 +241,6 @@ ONEBIT_VARIANTS(frozen, FROZEN_ARGS, for (int64_t i = 0; i < n; i++) {
   m[i] = mn;
   p[i] = p[i] * decay + (nstep * mn) / (s * r + eps);
 })
-
-void onebit_hook_pre_only(float* g, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
-  void (*f)(float* restrict, const float* restrict, const float* restrict, float, int64_t) = ONEBIT_PICK(pre_only, isa);
-  ONEBIT_PARALLEL(n, threads, f(g + a, m + a, d + a, k, len))
-}
-
-void onebit_hook_post(float* out, const float* m, const float* d, float k, int64_t n, int isa, int threads) {
-  void (*f)(float*, const float*, const float*, float, int64_t) = post_c;
-#ifdef ONEBIT_X86
-  if (isa >= 2) f = post_512;
-  else if (isa == 1) f = post_256;
-#endif
-  ONEBIT_PARALLEL(n, threads, f(out + a, m + a, d + a, k, len))
-}
 
 void onebit_frozen_adam(float* p, float* m, const float* g, const float* v, float b1, float w, float decay,
                         float nstep, float floor, float r, float eps, int64_t n, int isa, int threads) {

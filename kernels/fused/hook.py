@@ -16,7 +16,8 @@ errors are bitwise the unfused hook's; the norm's float64 sum of exact squares a
   and the momenta.
 - native C (:class:`NativePasses`, ``kernels/fused/hook.c``): the pre-pass inside the worker's encode
   and the post-pass inside decompress, run by run of about 4096 elements while they are in cache:
-  two passes instead of four. :func:`hook_pre` is the pre-pass alone over one tensor.
+  two passes instead of four. :func:`hook_pre_range` and :func:`hook_post_range` are the passes alone
+  over a range (a whole bucket where the codec's passes cannot take them: a mesh, a covered bucket).
 
 The table (:mod:`onebit.kernels.fused.table`, :func:`table`, one for both backends): one entry per
 parameter with a momentum (by offset), address columns ``ADDRESSES`` (its momentum; its frozen
@@ -158,19 +159,6 @@ def post(buf: torch.Tensor, t: Table) -> None:
 
 # ---- native C (kernels/fused/hook.c) -----------------------------------------------------------
 
-def hook_pre(g: torch.Tensor, m: torch.Tensor, d: torch.Tensor, factor: float,
-             isa: int | None = None) -> float:
-    """The pre-pass ``g = (g + m * factor) / d`` over one tensor in place (float32, cpu_fused.hook_pre_'s
-    order: bitwise the same), returning the float64 sum of squares of ``g`` as it came: the local
-    gradient norm and the pass in one read."""
-    n = g.numel()
-    if not (_f32(g) and _f32(m) and _f32(d) and m.numel() == n and d.numel() == n):
-        raise ValueError("hook.hook_pre: expected contiguous float32 CPU g, m and d of one size")
-    k = float(torch.tensor(factor, dtype=torch.float32))  # rounded as cpu_fused rounds its scalars
-    return float(library().onebit_hook_pre(g.data_ptr(), m.data_ptr(), d.data_ptr(), k, n, _isa(isa),
-                                           _threads(n)))
-
-
 def _args(t: Table) -> tuple:
     return (t.start.data_ptr(), t.count.data_ptr(), t.ptr("momentum"), t.ptr("var"), t.scal.data_ptr(), t.K)
 
@@ -229,17 +217,19 @@ def hook_decompress(bits: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor
 
 
 def hook_pre_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> float:
-    """The pre-pass alone over flat elements ``[a, b)``; the sum of squares of the gradient."""
+    """The pre-pass alone over flat elements ``[a, b)`` (threaded); the float64 sum of squares of the
+    gradient as it came (each thread's, added in thread order)."""
     if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
         raise ValueError("hook.hook_pre_range: expected contiguous float32 flat covering [a, b)")
-    return float(library().onebit_hook_pre_range(flat.data_ptr(), a, b, *_args(table), _isa(isa)))
+    return float(library().onebit_hook_pre_range(flat.data_ptr(), a, b, *_args(table), _isa(isa),
+                                                 _threads(b - a)))
 
 
 def hook_post_range(flat: torch.Tensor, a: int, b: int, table: Table, isa: int | None = None) -> None:
-    """The post-pass alone over flat elements ``[a, b)``."""
+    """The post-pass alone over flat elements ``[a, b)`` (threaded)."""
     if not (_f32(flat) and 0 <= a <= b <= flat.numel()):
         raise ValueError("hook.hook_post_range: expected contiguous float32 flat covering [a, b)")
-    library().onebit_hook_post_range(flat.data_ptr(), a, b, *_args(table), _isa(isa))
+    library().onebit_hook_post_range(flat.data_ptr(), a, b, *_args(table), _isa(isa), _threads(b - a))
 
 
 class NativePasses:
