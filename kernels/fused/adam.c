@@ -11,15 +11,9 @@
                   else { for (int64_t i = 0; i < n; i++) u[i] = u[i] * b1; } /* no gradient: u.mul_(b1) only */
 #define UPDATE_LOOP for (int64_t i = 0; i < n; i++) { float v = u[i] / bc1; v = v < lo ? lo : v; v = v > hi ? hi : v; p[i] = p[i] * decay + nlr * v; }
 
-static void fold_c(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
-static void update_c(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
-#ifdef ONEBIT_X86
-ONEBIT_AVX512 static void fold_512(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
-ONEBIT_AVX512 static void update_512(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
-__attribute__((target("avx2,fma"))) static void fold_256(float* u, const float* g, const float* d, float b1, float w, int64_t n) { FOLD_LOOP }
-__attribute__((target("avx2,fma"))) static void update_256(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n) { UPDATE_LOOP }
-#endif
-
+ONEBIT_VARIANTS(fold, (float* u, const float* g, const float* d, float b1, float w, int64_t n), FOLD_LOOP)
+ONEBIT_VARIANTS(update, (float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n),
+                UPDATE_LOOP)
 
 /* the fold over flat elements [a, b), u pointing at element a's momentum */
 static void fold_range(int isa, float* u, int64_t a, int64_t b, const table_t* t, int* k) {
@@ -33,11 +27,7 @@ static void fold_range(int isa, float* u, int64_t a, int64_t b, const table_t* t
       int64_t n = hi - r < DEN_RUN ? hi - r : DEN_RUN, o = r - t->start[kk];
       const float* g = t->g[kk] ? (const float*)t->g[kk] + o : 0;
       den_run(isa, d, var_of(t->d[kk], o), var_bf(t->d[kk]), sc, n);
-#ifdef ONEBIT_X86
-      if (isa >= 2) { fold_512(u + (r - a), g, d, b1, w, n); continue; }
-      if (isa == 1) { fold_256(u + (r - a), g, d, b1, w, n); continue; }
-#endif
-      fold_c(u + (r - a), g, d, b1, w, n);
+      ONEBIT_PICK(fold, isa)(u + (r - a), g, d, b1, w, n);
     }
   }
 }
@@ -51,11 +41,7 @@ static void update_range(int isa, const float* u, int64_t a, int64_t b, const ta
     if (hi <= lo) continue;
     float* p = (float*)t->p[kk] + (lo - t->start[kk]);
     const float* sc = t->sc + SC * kk;
-#ifdef ONEBIT_X86
-    if (isa >= 2) { update_512(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
-    if (isa == 1) { update_256(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo); continue; }
-#endif
-    update_c(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo);
+    ONEBIT_PICK(update, isa)(p, u + (lo - a), sc[2], sc[3], sc[4], lo_c, hi_c, hi - lo);
   }
 }
 
@@ -453,21 +439,13 @@ static void fold_v(int isa, fold_fn f, float* u, const float* g, const void* v, 
 
 void onebit_fold(float* u, const float* g, const void* v, float floor, float r, float eps, float b1, float w,
                  int64_t n, int isa, int threads, int vbf) {
-  fold_fn f = fold_c;
-#ifdef ONEBIT_X86
-  if (isa >= 2) f = fold_512;
-  else if (isa == 1) f = fold_256;
-#endif
+  fold_fn f = ONEBIT_PICK(fold, isa);
   const float dsc[3] = {floor, r, eps};
   ONEBIT_PARALLEL(n, threads, fold_v(isa, f, u + a, g + a, var_at(v, vbf, a), vbf, dsc, b1, w, len))
 }
 
 void onebit_stale_update(float* p, const float* u, float decay, float nlr, float bc1, float lo, float hi, int64_t n,
                          int isa, int threads) {
-  void (*f)(float*, const float*, float, float, float, float, float, int64_t) = update_c;
-#ifdef ONEBIT_X86
-  if (isa >= 2) f = update_512;
-  else if (isa == 1) f = update_256;
-#endif
+  void (*f)(float*, const float*, float, float, float, float, float, int64_t) = ONEBIT_PICK(update, isa);
   ONEBIT_PARALLEL(n, threads, f(p + a, u + a, decay, nlr, bc1, lo, hi, len))
 }

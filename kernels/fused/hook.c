@@ -59,20 +59,8 @@ static double pre_any(int isa, float* g, const float* m, const float* d, float k
    release that kept d). Elsewhere the bucket holds the gradient as it is. Before the encode, run by
    run: x = (g + m k) / d (hook_pre above) and the float64 sum of g^2 over every element (the local
    norm); after the decode: out = out * d - m k (the plain ops' order). */
-#define POST_LOOP for (int64_t i = 0; i < n; i++) out[i] = out[i] * d[i] - m[i] * k;
-static void post_c(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
-#ifdef ONEBIT_X86
-ONEBIT_AVX512 static void post_512(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
-__attribute__((target("avx2,fma"))) static void post_256(float* out, const float* m, const float* d, float k, int64_t n) { POST_LOOP }
-#endif
-
-static void post_any(int isa, float* out, const float* m, const float* d, float k, int64_t n) {
-#ifdef ONEBIT_X86
-  if (isa >= 2) { post_512(out, m, d, k, n); return; }
-  if (isa == 1) { post_256(out, m, d, k, n); return; }
-#endif
-  post_c(out, m, d, k, n);
-}
+ONEBIT_VARIANTS(post, (float* out, const float* m, const float* d, float k, int64_t n),
+                for (int64_t i = 0; i < n; i++) out[i] = out[i] * d[i] - m[i] * k;)
 
 /* entry kk's denominators of its elements [o, o + n), n <= DEN_RUN: in buf (made), or where they lie */
 static const float* den_at(int isa, const table_t* t, int kk, int64_t o, int64_t n, float* buf) {
@@ -117,7 +105,7 @@ static void post_range(int isa, float* flat, int64_t a, int64_t b, const table_t
     for (int64_t r = lo; r < hi; r += DEN_RUN) {
       int64_t n = hi - r < DEN_RUN ? hi - r : DEN_RUN, o = r - t->start[kk];
       const float* d = den_at(isa, t, kk, o, n, buf);
-      post_any(isa, flat + r, (const float*)t->g[kk] + o, d, f, n);
+      ONEBIT_PICK(post, isa)(flat + r, (const float*)t->g[kk] + o, d, f, n);
     }
   }
 }

@@ -28,8 +28,8 @@
 #define ZOA_DIV_ARGS float* restrict x, const float* restrict g, const float* restrict d, int64_t n
 #define ZOA_STEP_ARGS const float* restrict mean, const float* restrict g, const float* restrict d, float* restrict e, \
   float ws, float* restrict m, float* restrict p, float b1, float w, float wd, float nlr, float lo, float hi, int64_t n
-static void zoa_div_c(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
-static void zoa_step_c(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
+ONEBIT_VARIANTS(zoa_div, (ZOA_DIV_ARGS), ZOA_DIV_LOOP)
+ONEBIT_VARIANTS(zoa_step, (ZOA_STEP_ARGS), ZOA_STEP_LOOP)
 /* Phase 2's synchronisation (ZeroOneAdam._sync, preconditioned): x = p - s (s: the parameters of the
    last synchronisation) is what the ranks average; then e from z = x + e, m = (mean * d) / nl (nl:
    minus the group's learning rates summed since), s = s + mean and p = s. */
@@ -46,21 +46,8 @@ static void zoa_step_c(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
     p[i] = sn; \
   }
 #define ZOS_SYNC_LOOP if (e) ZOS_SYNC_BODY(ZOA_ERR(p[i] - s[i])) else ZOS_SYNC_BODY()
-static void zos_diff_c(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
-static void zos_sync_c(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
-#ifdef ONEBIT_X86
-ONEBIT_AVX512 static void zos_diff_512(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
-ONEBIT_AVX512 static void zos_sync_512(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
-__attribute__((target("avx2,fma"))) static void zos_diff_256(ZOS_DIFF_ARGS) { ZOS_DIFF_LOOP }
-__attribute__((target("avx2,fma"))) static void zos_sync_256(ZOS_SYNC_ARGS) { ZOS_SYNC_LOOP }
-#endif
-
-#ifdef ONEBIT_X86
-ONEBIT_AVX512 static void zoa_div_512(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
-ONEBIT_AVX512 static void zoa_step_512(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
-__attribute__((target("avx2,fma"))) static void zoa_div_256(ZOA_DIV_ARGS) { ZOA_DIV_LOOP }
-__attribute__((target("avx2,fma"))) static void zoa_step_256(ZOA_STEP_ARGS) { ZOA_STEP_LOOP }
-#endif
+ONEBIT_VARIANTS(zos_diff, (ZOS_DIFF_ARGS), ZOS_DIFF_LOOP)
+ONEBIT_VARIANTS(zos_sync, (ZOS_SYNC_ARGS), ZOS_SYNC_LOOP)
 
 /* sync: phase 2's synchronisation, g[k] then the address of tensor k's sync_params (sc[SC k + 4]: nl);
    d[k]: tensor k's frozen variance */
@@ -88,23 +75,14 @@ static void zoa_div_range(int isa, float* x, int64_t a, int64_t b, const zoa_t* 
   for (int kk = zoa_first(t, a, k); zoa_seg(t, a, b, kk, &s); kk++) {
     if (s.hi <= s.lo) continue;
     if (t->sync) { /* x = p - sync_params */
-      const float* p = (const float*)t->p[kk] + s.o;
-#ifdef ONEBIT_X86
-      if (isa >= 2) { zos_diff_512(x + (s.lo - a), p, s.g, s.hi - s.lo); continue; }
-      if (isa == 1) { zos_diff_256(x + (s.lo - a), p, s.g, s.hi - s.lo); continue; }
-#endif
-      zos_diff_c(x + (s.lo - a), p, s.g, s.hi - s.lo);
+      ONEBIT_PICK(zos_diff, isa)(x + (s.lo - a), (const float*)t->p[kk] + s.o, s.g, s.hi - s.lo);
       continue;
     }
     for (int64_t r = 0; r < s.hi - s.lo; r += DEN_RUN) { /* run by run: the run's d from v */
       int64_t n = s.hi - s.lo - r < DEN_RUN ? s.hi - s.lo - r : DEN_RUN;
       const float* g = s.g ? s.g + r : 0;
       if (g) den_run(isa, d, var_at(s.d, s.vbf, r), s.vbf, t->sc + SC * kk, n);
-#ifdef ONEBIT_X86
-      if (isa >= 2) { zoa_div_512(x + (s.lo - a) + r, g, d, n); continue; }
-      if (isa == 1) { zoa_div_256(x + (s.lo - a) + r, g, d, n); continue; }
-#endif
-      zoa_div_c(x + (s.lo - a) + r, g, d, n);
+      ONEBIT_PICK(zoa_div, isa)(x + (s.lo - a) + r, g, d, n);
     }
   }
 }
@@ -123,19 +101,10 @@ static void zoa_step_range(int isa, const float* mean, float* e, float ws, int64
       const float *mv = mean + (r - a), *g = s.g ? s.g + o : 0;
       den_run(isa, d, var_at(s.d, s.vbf, o), s.vbf, sc, n);
       if (t->sync) {
-        float* sp = (float*)t->g[kk] + s.o + o;
-#ifdef ONEBIT_X86
-        if (isa >= 2) { zos_sync_512(mv, d, ee, ws, m, sp, p, sc[4], n); continue; }
-        if (isa == 1) { zos_sync_256(mv, d, ee, ws, m, sp, p, sc[4], n); continue; }
-#endif
-        zos_sync_c(mv, d, ee, ws, m, sp, p, sc[4], n);
+        ONEBIT_PICK(zos_sync, isa)(mv, d, ee, ws, m, (float*)t->g[kk] + s.o + o, p, sc[4], n);
         continue;
       }
-#ifdef ONEBIT_X86
-      if (isa >= 2) { zoa_step_512(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
-      if (isa == 1) { zoa_step_256(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n); continue; }
-#endif
-      zoa_step_c(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n);
+      ONEBIT_PICK(zoa_step, isa)(mv, g, d, ee, ws, m, p, sc[0], sc[1], sc[2], sc[3], lo_c, hi_c, n);
     }
   }
 }

@@ -364,19 +364,11 @@ void onebit_decompress(const uint8_t* bits, const float* s, int64_t sstep, float
    into decompress): e = z - copysign(s, z + 0), z = x + e, the scale s[(i / block) * sstep]. */
 #define ERROR_LOOP for (int64_t i = 0; i < n; i++) { float z = x[i] + e[i]; e[i] = z - copysignf(sc, z + 0.0f); }
 #define ERROR_ARGS const float* restrict x, float* restrict e, float sc, int64_t n
-static void error_c(ERROR_ARGS) { ERROR_LOOP }
-#ifdef ONEBIT_X86
-ONEBIT_AVX512 static void error_512(ERROR_ARGS) { ERROR_LOOP }
-__attribute__((target("avx2,fma"))) static void error_256(ERROR_ARGS) { ERROR_LOOP }
-#endif
+ONEBIT_VARIANTS(error, (ERROR_ARGS), ERROR_LOOP)
 
 void onebit_error_update(const float* x, float* e, const float* s, int64_t sstep, int64_t n, int64_t block, int isa,
                          int threads) {
-  void (*f)(ERROR_ARGS) = error_c;
-#ifdef ONEBIT_X86
-  if (isa >= 2) f = error_512;
-  else if (isa == 1) f = error_256;
-#endif
+  void (*f)(ERROR_ARGS) = ONEBIT_PICK(error, isa);
   #pragma omp parallel num_threads(threads)
   {
     int64_t a, b;
