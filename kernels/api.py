@@ -2,9 +2,8 @@
 
 The backend comes from :func:`onebit.kernels.backends.select` (the ``codec`` step): CUDA tensors go
 to the Triton kernels; CPU tensors to the native C codec (:mod:`onebit.kernels.native.codec`) at any
-size where its library builds (1.5x the plain path's speed at 1,024 elements, 5x at 2^20; bench/
-RESULTS.md "Kernels on CPU"), else to the plain-torch path; ``use_backend``
-and ``ONEBIT_BACKEND`` force one. ``backend`` overrides the choice for one call: "torch" (the
+size where its library builds, else to the plain-torch path; ``use_backend`` and ``ONEBIT_BACKEND``
+force one. ``backend`` overrides the choice for one call: "torch" (the
 plain path, the reference), "native" (CPU tensors only; "compiled" is its former name,
 deprecated), "triton" (on CPU tensors it needs ``TRITON_INTERPRET=1`` set before the first import
 of :mod:`onebit.kernels.triton_kernels`).

@@ -11,11 +11,8 @@ a non-finite scale raises a flag; the last program of the launch (the arrival co
 message. So a message's scales are all finite or all NaN, and a reader checks one scale per
 segment. Nothing synchronises with the host.
 
-Why one file of ~730 lines: it is the three stages (worker, server, decompress) of one wire
-format, each a jitted tile function, its kernel and its launcher, sharing the tile helpers at
-the top; scripts/compile_check.py compiles every variant of this module for four targets, and
-the stages change together whenever the format does. Reading one stage means reading the
-helpers above it, not the other two stages.
+One file: the three stages (worker, server, decompress) of one wire format share the tile helpers
+at the top and change together whenever the format does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Multi-tensor forms of the per-parameter maths in :mod:`._functional`, for GPU parameters.
 
 On a GPU an optimizer step over ~100 parameter tensors is bound by the host, not by memory:
-each per-tensor op is one kernel launch of a few microseconds of device time, and the step
-issues about 700 of them (bench/TRAFFIC.md section 7, measured by bench/bench_profile.py).
+each per-tensor op is one kernel launch of a few microseconds of device time (bench/TRAFFIC.md
+section 7).
 Here each op runs once over a list of tensors (``torch._foreach_*``: a few launches for
 the whole list), with the same formulas in the same order as the per-tensor functions, so
 the results are those of :mod:`._functional` (tests/test_cuda.py compares them).
