@@ -52,10 +52,13 @@ def _variant(hooked: bool, args):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
     model = DDP(torch.nn.Sequential(*layers))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    if args.optimizer == "sgd":  # SGD's momentum compressed (no freeze_step)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     state = None
     if hooked:
-        state = OnebitCompressHookState(optimizer=opt, freeze_step=2,
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=2 if args.optimizer == "adamw" else None,
                                         error_dtype=getattr(torch, args.error_dtype))
         model.register_comm_hook(state, onebit_compress_hook)
     params = list(model.parameters())
@@ -131,6 +134,8 @@ def main() -> None:
                         "the hook takes in backward); their difference counts as communication's compute")
     p.add_argument("--error-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the hook's error buffers (default: the library's, bfloat16)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="AdamW(fused=True) with freeze_step (default), or SGD(momentum=0.9) without")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "hook_compute.csv"))
     child_arguments(p)
     args = p.parse_args()
@@ -138,21 +143,23 @@ def main() -> None:
     extra = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--steps",
              str(args.steps)] + (["--sequential"] if args.sequential else [])
     extra += (["--clip"] if args.clip else []) + ["--error-dtype", args.error_dtype]
+    extra += ["--optimizer", args.optimizer]
     res = ranks_json(__file__, args.ranks, extra)
     plain, hook = res["plain"], res["hook"]
     ddp = plain["synced"] - plain["local"]  # the all-reduce's share of the step
     ours = hook["synced"] - hook["local"] + hook["step"] - plain["step"] + hook["clip"] - plain["clip"]
     n = args.layers * (args.width * args.width + args.width)
     table = [[name, *(f"{res[key][k]:.1f}" for k in ("local", "synced", "clip", "step")), f"{c:.1f}"]
-             for name, key, c in (("plain DDP", "plain", ddp), ("hook, freeze_step", "hook", ours))]
+             for name, key, c in (("plain DDP", "plain", ddp), (f"hook ({args.optimizer})", "hook", ours))]
     print(f"# {args.ranks} gloo ranks on loopback, {n / 1e6:.1f}M parameters, medians of {args.steps} steps "
           "(ms, the slowest rank)")
-    header = ["", "backward, no_sync", "backward, synced", "clip", "AdamW step", "communication's compute"]
+    header = ["", "backward, no_sync", "backward, synced", "clip", "optimizer step",
+              "communication's compute"]
     print(markdown_table(header, table))
     print(f"hook / DDP all-reduce: {ours / ddp:.2f}x")
     meta = provenance(None, ranks=args.ranks, parameters=n, steps=args.steps,
                       order="sequential" if args.sequential else "alternating", clip=args.clip,
-                      error_dtype=args.error_dtype)
+                      error_dtype=args.error_dtype, optimizer=args.optimizer)
     print(write_csv(args.csv, [{**meta, "variant": name, **{k: f"{v:.3f}" for k, v in res[name].items()},
                                 "communication_ms": f"{c:.3f}"}
                                for name, c in (("plain", ddp), ("hook", ours))], append=True))

@@ -116,7 +116,6 @@ class FrozenAdam:
         self._handles: list[Any] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) hidden from torch's step
-        self.tables: dict = {}  # the Triton passes' tables (collectives/_hook_fused.py)
         # the step counts used on their device, not read (None: where they live off the CPU; counts_on_device)
         self.device_counts: bool | None = None
 
@@ -430,7 +429,10 @@ class Denominators:
         """The source of the span that starts at ``lo`` (None: ``d = 1``)."""
         return self._by_lo.get(lo)
 
-    def flat(self) -> torch.Tensor:
+    def flat(self) -> torch.Tensor | None:
+        """The bucket's float32 denominators; None where every span's is 1 (momenta alone)."""
+        if all(src is None for _, _, src in self.spans):
+            return None
         if self._flat is None:
             d = torch.ones(self._numel, dtype=torch.float32, device=self.device)
             for lo, hi, src in self.spans:
@@ -440,18 +442,19 @@ class Denominators:
         return self._flat
 
 
-def flat_denominators(d) -> torch.Tensor:
-    """``d`` as the bucket's flat float32 denominators (a :class:`Denominators` made, a tensor as it is)."""
+def flat_denominators(d) -> torch.Tensor | None:
+    """``d`` as the bucket's flat float32 denominators (a :class:`Denominators` made, a tensor as it is;
+    None where every one is 1)."""
     return d.flat() if isinstance(d, Denominators) else d
 
 
-def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout, share="auto"):
+def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam | None, bucket, layout, share="auto"):
     """``(d, parts)`` of section 8.2: the bucket's frozen denominators (a :class:`Denominators`: not
     made; 1 where a parameter has none) and, per parameter that has them, ``(lo, hi, exp_avg, b1 /
     (1 - b1))`` (its place in the bucket, the momentum and the factor of ``c``); None, None if none
     has them. Beside the Adam-type optimizer (``opt`` several: Muon and its AdamW), a parameter of an
     SGD or a Muon takes its momentum's part with ``d = 1`` (sections 8.1, 8.3: ``(lo, hi,
-    momentum_buffer, its factor)``)."""
+    momentum_buffer, its factor)``). ``fa`` None (no ``freeze_step``): the momenta's parts alone."""
     groups = {id(p): group for group in opt.param_groups for p in group["params"]}
     grads = bucket.gradients()
     found = []
@@ -459,7 +462,10 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam, bucket, layout, sha
         group = groups.get(id(p))
         if group is None:
             continue
-        terms = fa.terms(opt, p, name, group) if "betas" in group else _momentum_terms(opt, p, group, share)
+        if "betas" in group:
+            terms = None if fa is None else fa.terms(opt, p, name, group)
+        else:
+            terms = _momentum_terms(opt, p, group, share)
         if terms is not None and terms[1].shape == grads[i].shape:
             found.append((i, *terms))
     if not found:
@@ -486,28 +492,32 @@ def _momentum_terms(opt, p: torch.Tensor, group: dict, share="auto"):
     return None if factor == 0.0 else (None, to_local(buf).detach(), factor)
 
 
-def frozen_pre_(buffer: torch.Tensor, d, parts: list, fa: FrozenAdam | None = None):
+def frozen_pre_(buffer: torch.Tensor, d, parts: list, fa: FrozenAdam | None = None,
+                tables: dict | None = None):
     """The hook's pass before the collective, ``buffer <- (g + c) / d`` with ``c = factor * m``
     (section 8.2), in place; returns ``post(out)``, the pass after it, ``out <- out * d - c``.
-    With ``fa``, the bucket also counts into ``fa``'s local gradient norm.
+    With ``fa``, the bucket also counts into ``fa``'s local gradient norm. ``tables``: where the fused
+    passes keep their tables between calls (the hook state's; None: made for this call).
 
     Where a backend has the passes fused (:func:`onebit.collectives._hook_fused.backend`: the native C on
     CPU, Triton on a GPU), one pass each way over the whole bucket, ``d`` made as it is read, the norm
     inside the pre-pass (the same float32 operations, bitwise); else the plain ops, ``c`` kept for the
-    post-pass in one bucket-sized buffer and ``d`` made flat."""
+    post-pass in one bucket-sized buffer and ``d`` made flat (no division where every ``d`` is 1)."""
     name = _hook_fused.backend(buffer, d, parts)
     if name is not None:
-        return _hook_fused.pre_(buffer, d, parts, fa, name)
+        return _hook_fused.pre_(buffer, d, parts, fa, name, tables)
     d = flat_denominators(d)
     if fa is not None:
         fa.add_local(buffer)
     c = torch.zeros_like(buffer)
     for lo, hi, m, factor in parts:  # written in place: no per-parameter temporaries
         torch.mul(m, factor, out=c[lo:hi].view_as(m))
-    buffer.add_(c).div_(d)
+    buffer.add_(c)
+    if d is not None:
+        buffer.div_(d)
 
     def post(out: torch.Tensor) -> torch.Tensor:
-        return out.mul_(d).sub_(c)
+        return (out if d is None else out.mul_(d)).sub_(c)
 
     return post
 

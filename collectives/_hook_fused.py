@@ -69,13 +69,13 @@ def passes(d, parts: list, fa=None, block: int | None = None) -> hook.NativePass
     return hook.NativePasses(t, (lambda flat, sq: None) if fa is None else fa.add_local, block)
 
 
-def pre_(buffer: torch.Tensor, d, parts: list, fa=None, name: str = "triton"):
+def pre_(buffer: torch.Tensor, d, parts: list, fa=None, name: str = "triton", tables: dict | None = None):
     """``frozen_pre_``'s contract in backend ``name``'s passes (as :func:`backend` chose it) over the
     whole bucket: ``buffer <- (g + c) / d`` (the bucket counted into ``fa``'s local norm; ``d`` made as
     the pass reads it), returning ``post(out)``: ``out <- out * d - c``. Triton: one launch each way;
     native: one threaded pass each way (where the codec's passes cannot take them: a mesh, a covered
-    bucket)."""
-    tables = fa.tables if fa is not None else {}
+    bucket). ``tables``: the tables kept between calls (None: made for this call)."""
+    tables = {} if tables is None else tables
     found = sources(d, parts)
     key = (buffer.device, buffer.numel(), tuple((lo, hi, m.data_ptr(), float(f)) for lo, hi, m, f in parts),
            tuple(None if s is None else (s[0], s[1].data_ptr(), s[1].dtype, *s[2:]) for s in found))

@@ -170,6 +170,7 @@ class OnebitCompressHookState:
         self.bytes_compressed = 0
         self.resets = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
+        self._tables: dict = {}  # the fused passes' tables between iterations (_hook_fused.pre_)
         self._names: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, position), this process
         self._naming = True  # until the end of the first iteration this process sees
         self._warned = False
@@ -345,6 +346,7 @@ class OnebitCompressHookState:
         self.__dict__.setdefault("_warned_unused", False)
         self.__dict__.setdefault("_device_counts", None)
         self.__dict__.setdefault("_timing", Traffic())
+        self.__dict__.setdefault("_tables", {})
         self.__dict__.setdefault("_mesh", None)
         self.__dict__.setdefault("block", None)  # a state saved before block scales existed
         self.__dict__.setdefault("error_dtype", torch.float32)
@@ -687,17 +689,10 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         if not fa.frozen:  # the first compressed iteration: the optimizer's state is that of step F
             fa.freeze(adam, state._names)
         fa.pending = True
-        d, parts = frozen_terms(state.optimizer, fa, bucket, layout, state.momentum_share)
-        if d is None:
-            fa.add_local(buffer)
-            return _compressed(state, bucket, buffer, layout, index)
-        covered = state.layouts.get(index) != layout and state._cover(layout) is not None
-        if state._mesh is None and not covered and _hook_fused.backend(buffer, d, parts) == "native":
-            # CPU: the pre- and post-pass inside the codec's passes (collectives/_hook_fused.py)
-            return _compressed(state, bucket, buffer, layout, index,
-                               _hook_fused.passes(d, parts, fa, state.block))
-        post = frozen_pre_(buffer, d, parts, fa)  # buffer <- (g + c) / d; the local norm counted
-        return _compressed(state, bucket, buffer, layout, index).then(lambda done: post(done.value()))
+        return _around(state, bucket, buffer, layout, index, fa)
+    if state.optimizer is not None and not _reads_variance(state.optimizer, bucket):
+        # momenta alone (an SGD's, a Muon's): the same passes, d = 1
+        return _around(state, bucket, buffer, layout, index, None)
     d, c = _optimizer_terms(state, bucket)  # the same on every rank
     if c is not None:
         buffer.add_(c)  # SGD: compress this rank's momentum, b * m + g (scaled by 1 / (1 - dampening))
@@ -714,6 +709,30 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         return out if c is None else out.sub_(c)
 
     return fut.then(back)
+
+
+def _reads_variance(opt, bucket: dist.GradBucket) -> bool:
+    """Whether a parameter of the bucket has Adam's ``exp_avg_sq`` (its ``d`` read each iteration)."""
+    return any("exp_avg_sq" in opt.state.get(p, {}) for p in bucket.parameters())
+
+
+def _around(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout, index: int,
+            fa):
+    """The compressed call of ``(g + c) / d`` with ``out * d - c`` after it (section 8.2; ``fa``: the
+    frozen Adam state with ``freeze_step``, the bucket counted into its local norm; None: the momenta's
+    terms alone, ``d = 1``), the passes fused where a backend has them: on CPU inside the codec's
+    (collectives/_hook_fused.py; not with a mesh or a covered bucket), else around the call."""
+    d, parts = frozen_terms(state.optimizer, fa, bucket, layout, state.momentum_share)
+    if d is None:
+        if fa is not None:
+            fa.add_local(buffer)
+        return _compressed(state, bucket, buffer, layout, index)
+    covered = state.layouts.get(index) != layout and state._cover(layout) is not None
+    if state._mesh is None and not covered and _hook_fused.backend(buffer, d, parts) == "native":
+        passes = _hook_fused.passes(d, parts, fa, state.block)
+        return _compressed(state, bucket, buffer, layout, index, passes)
+    post = frozen_pre_(buffer, d, parts, fa, state._tables)  # buffer <- (g + c) / d
+    return _compressed(state, bucket, buffer, layout, index).then(lambda done: post(done.value()))
 
 
 def _compressed(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout,

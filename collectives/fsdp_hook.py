@@ -88,6 +88,7 @@ class OnebitAllReduceHook:
         self.bytes_compressed = 0
         self._timing = Traffic()  # seconds in compute and communication (telemetry; not saved)
         self._terms = None  # set by FSDPHooks with optimizer=: (d, parts, post) of its block (8.2)
+        self._tables: dict = {}  # the fused passes' tables between iterations (_hook_fused.pre_)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         W = self.world_size
@@ -119,7 +120,7 @@ class OnebitAllReduceHook:
         if self._mesh is None and _hook_fused.backend(reduce_output, d, parts) == "native":
             self._compressed_mean(reduce_output, _hook_fused.passes(d, parts, block=self.block))
         else:
-            after = frozen_pre_(reduce_output, d, parts)  # the local norm: counted by the terms
+            after = frozen_pre_(reduce_output, d, parts, tables=self._tables)  # (the norm: by the terms)
             self._compressed_mean(reduce_output)
             after(reduce_output)
         if post is not None:

@@ -166,7 +166,7 @@ def test_a_non_finite_gradient_gives_nan_and_leaves_the_errors(special):
         assert torch.equal(got[1], torch.randn(N, generator=torch.Generator().manual_seed(8)) * 0.1)
 
 
-def _ddp_body(steps: int, in_codec: bool, block):
+def _ddp_body(steps: int, in_codec: bool, block, kind: str = "adamw"):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -178,8 +178,13 @@ def _ddp_body(steps: int, in_codec: bool, block):
                               torch.nn.Linear(5, 3, bias=False))
     net[3].weight.requires_grad_(False)  # a frozen layer: no gradient, no state
     model = DDP(net)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=block)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=block)
+    else:  # SGD's momentum compressed (no freeze_step): the same passes with d = 1
+        opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9, dampening=0.1)
+        state = OnebitCompressHookState(optimizer=opt, block=block)
     model.register_comm_hook(state, onebit_compress_hook)
     calls = [0]
     saved = _hook_fused.backend, hook.NativePasses.worker
@@ -206,10 +211,12 @@ def _ddp_body(steps: int, in_codec: bool, block):
     return [p.detach().clone() for p in model.parameters()], calls[0], norms, state.stats()["buckets"]
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("block", [64, None])
-def test_ddp_hook_on_three_ranks_is_bitwise_the_unfused_hook(ranks, block):
-    fused = ranks(3).run(_ddp_body, 6, True, block)
-    plain = ranks(3).run(_ddp_body, 6, False, block)
+def test_ddp_hook_on_three_ranks_is_bitwise_the_unfused_hook(ranks, block, kind):
+    # AdamW with freeze_step, and SGD's momentum (no freeze_step: c alone, d = 1) in the same passes
+    fused = ranks(3).run(_ddp_body, 6, True, block, kind)
+    plain = ranks(3).run(_ddp_body, 6, False, block, kind)
     buckets = fused[0][3]
     assert buckets >= 1  # (DDP's first bucket takes 1 MB: all of this model)
     for r in range(3):

@@ -131,10 +131,10 @@ def test_the_triton_path_is_taken_and_declines_what_it_cannot_take(monkeypatch):
     real = triton_hook.pre
     monkeypatch.setattr(triton_hook, "pre", lambda *a: calls.append(1) or real(*a))
     with _route(True):
-        fa = FrozenAdam(1, 0.1)
-        frozen_pre_(buffer, d, parts, fa)(buffer)
-        frozen_pre_(buffer, d, parts, fa)(buffer)
-    assert calls == [1, 1] and len(fa.tables) == 1  # the table built once
+        fa, tables = FrozenAdam(1, 0.1), {}
+        frozen_pre_(buffer, d, parts, fa, tables)(buffer)
+        frozen_pre_(buffer, d, parts, fa, tables)(buffer)
+    assert calls == [1, 1] and len(tables) == 1  # the table built once
 
 
 class _Bucket:
