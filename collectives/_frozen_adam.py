@@ -38,10 +38,6 @@ from . import _hook_fused, _momentum, _several
 from ._clip_sketch import ClipSketch
 from ._fsdp_replicas import to_local
 
-# torch's Adam and AdamW: the update on the frozen denominator made by the pre-hook itself
-# (FrozenAdam._own_step); False: every Adam-type optimizer through the preparing route
-OWN_STEP = True
-
 
 def is_adam_type(optimizer: torch.optim.Optimizer) -> bool:
     """Adam-type: every group has ``betas``; SGD-type groups have ``momentum``."""
@@ -173,7 +169,7 @@ class FrozenAdam:
             return
         self.pending = False
         self._saved = []
-        own = OWN_STEP and type(opt) in (torch.optim.Adam, torch.optim.AdamW)
+        own = backends.route("own_step") and type(opt) in (torch.optim.Adam, torch.optim.AdamW)
         rows = []
         for group in opt.param_groups:
             for p in group["params"]:

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..kernels.api import implementation
+from ..kernels.api import implementation, own_bfloat16
 from ..kernels.layout import Layout, empty_message, message_scales
 from ._failure import guard
 from ._group import all_gather_single
@@ -63,8 +63,7 @@ def takes(worker_error: torch.Tensor, server_error: torch.Tensor, layout: Layout
     if worker_error.dtype == server_error.dtype == torch.float32:
         return True
     impl = implementation(worker_error.device, layout.block, layout)
-    return all(getattr(impl, name, lambda _: False)(layout)
-               for name in ("bfloat16_worker_error", "bfloat16_server_error"))
+    return own_bfloat16(impl, layout, "worker") and own_bfloat16(impl, layout, "server")
 
 
 def allreduce(flat: torch.Tensor, worker_error: torch.Tensor,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import decompress, server_reduce, worker_compress
-from ..kernels.api import takes_bfloat16_worker_error
+from ..kernels.api import own_bfloat16, takes_bfloat16_worker_error
 from ..kernels.layout import Layout, empty_message, message_scales
 from ..kernels.rounding import WORKER, narrow_, widen
 
@@ -49,7 +49,7 @@ class Stages:
         if worker_error.dtype == torch.float32:
             own = True
         elif passes is not None:
-            own = getattr(passes, "BFLOAT16_ERRORS", False)
+            own = own_bfloat16(passes)
         else:  # the native codec's passes read and store it run by run
             own = takes_bfloat16_worker_error(tensor.device, backend, layout)
         self.worker_error = worker_error if own else widen(worker_error)

@@ -120,16 +120,23 @@ def worker_compress(
     msg = _message_out("out", out, layout, W, x.device)
     if layout.N:
         # the native codec reads a bfloat16 error as it is (it stores none here: update_error off)
-        e = worker_error if not update_error and _own_worker_error(impl, layout) else widen(worker_error)
+        e = worker_error if not update_error and own_bfloat16(impl, layout) else widen(worker_error)
         impl.worker_compress(x.view(-1), e, layout, msg, update_error)
         if update_error:
             narrow_(worker_error, e, message_scales(msg, layout), layout.block_len, WORKER)
     return msg
 
 
-def _own_worker_error(impl: ModuleType, layout: Layout) -> bool:
-    """Whether the codec ``impl`` reads and stores a bfloat16 worker error itself for ``layout``."""
-    own = getattr(impl, "bfloat16_worker_error", None)
+def own_bfloat16(impl, layout: Layout | None = None, role: str = "worker") -> bool:
+    """Whether ``impl`` reads and stores a bfloat16 error itself (run by run, bitwise the widened
+    buffer's call), where the ``errors_in_pass`` route is on (:func:`onebit.kernels.backends.route`):
+    fused passes (``layout`` None) by their ``BFLOAT16_ERRORS``, a codec module by its
+    ``bfloat16_<role>_error(layout)`` (``role``: worker or server)."""
+    if not backends.route("errors_in_pass"):
+        return False
+    if layout is None:
+        return bool(getattr(impl, "BFLOAT16_ERRORS", False))
+    own = getattr(impl, f"bfloat16_{role}_error", None)
     return own is not None and own(layout)
 
 
@@ -137,7 +144,7 @@ def takes_bfloat16_worker_error(device: torch.device, backend: str | None, layou
     """Whether a collective's encode (``update_error`` off) and decompress take a bfloat16 worker error
     as it is on ``device`` with ``backend`` (the native codec, blocks of at most 4096): else the caller
     widens it for the call (:mod:`onebit.collectives._stages`)."""
-    return _own_worker_error(_backend(device, backend, layout.block, layout), layout)
+    return own_bfloat16(_backend(device, backend, layout.block, layout), layout)
 
 
 def server_reduce(
@@ -170,8 +177,7 @@ def server_reduce(
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
         impl = _backend(device, backend, block, layout)
-        own = getattr(impl, "bfloat16_server_error", None)  # the native codec stores it itself
-        e = server_error if own is not None and own(layout) else widen(server_error)
+        e = server_error if own_bfloat16(impl, layout, "server") else widen(server_error)
         impl.server_reduce(received, e, layout, seg)
         if e is not server_error:
             narrow_(server_error, e, message_scales(seg, layout), layout.block_len, SERVER)
@@ -216,7 +222,7 @@ def decompress(
                      what=f"{size} bytes")
     if N:
         impl = _backend(out.device, backend, block, layout)
-        own = worker_error is None or _own_worker_error(impl, layout)  # (stored rounded run by run)
+        own = worker_error is None or own_bfloat16(impl, layout)  # (stored rounded run by run)
         e = worker_error if own else widen(worker_error)
         impl.decompress(gathered, layout, out.view(-1), e, worker_message)
         if e is not worker_error:

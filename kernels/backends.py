@@ -33,6 +33,10 @@ forced backend must be usable on the call's device (else :class:`RuntimeError` n
 it), and a step it does not implement runs plain. ``ONEBIT_CPU_CODEC=torch`` and
 ``ONEBIT_CPU_SIMD=off``, the former switches, still keep CPU tensors off the native backend, with a
 ``FutureWarning``.
+
+Inside a backend a step may have routes that give the same bits (:data:`ROUTES`, each on by default);
+``with use_routes(stage=False):`` turns one off in the process inside the block (the tests compare
+the routes so; no module or class switch), :func:`route` reads it.
 """
 
 from __future__ import annotations
@@ -47,11 +51,18 @@ import torch
 from ._forcing import ENV, ISA_LEVELS, check, env, native_isa, stack
 from ._warn import warn_user
 
-__all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "STEPS", "Backend", "forced", "native_isa", "select",
-           "use_backend"]
+__all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "ROUTES", "STEPS", "Backend", "forced", "native_isa", "route",
+           "select", "use_backend", "use_routes"]
 
 STEPS = ("codec", "adam", "zoa", "local", "warmup", "hook", "tensor", "sketch", "clip")
 _OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
+ROUTES = {  # a route inside a backend, on by default: what turning it off runs instead
+    "stage": "Triton: a fused step's buckets one launch per pass (off: one launch per bucket and pass)",
+    "message": "the 1-bit optimizers' momentum kept as its last 1-bit message (off: a float32 buffer)",
+    "own_step": "the hook's AdamW step made by its pre-hook (off: torch's step on a prepared state)",
+    "errors_in_pass": "fused passes read and store bfloat16 errors themselves (off: widened per call)",
+}
+_routes: dict[str, bool] = {}  # the routes turned off or on by use_routes (the process's)
 
 
 def _native_available(device: torch.device) -> bool:
@@ -142,6 +153,31 @@ def use_backend(name: str, steps: Iterable[str] | None = None) -> Iterator[None]
         yield
     finally:
         blocks.pop()
+
+
+@contextlib.contextmanager
+def use_routes(**on: bool) -> Iterator[None]:
+    """Turn routes of :data:`ROUTES` on or off inside the block, in the whole process (the passes of a
+    collective may run on the transport's threads): ``use_routes(stage=False, message=False)``."""
+    for name, value in on.items():
+        if name not in ROUTES:
+            raise ValueError(f"{name}: expected a route from {', '.join(ROUTES)}")
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
+    before = dict(_routes)
+    _routes.update(on)
+    try:
+        yield
+    finally:
+        _routes.clear()
+        _routes.update(before)
+
+
+def route(name: str) -> bool:
+    """Whether route ``name`` (:data:`ROUTES`) is on (the default) or turned off by :func:`use_routes`."""
+    if name not in ROUTES:
+        raise ValueError(f"name: expected a route from {', '.join(ROUTES)}, got {name!r}")
+    return _routes.get(name, True)
 
 
 def select(device: torch.device | str, step: str = "codec") -> Backend:

@@ -31,6 +31,7 @@ from ..collectives._group import group_size, warn_collective
 from ..collectives.bucket import BucketedReducer
 from ..collectives.mesh import flat_group, hierarchy, is_mesh
 from ..collectives.wire import Traffic, traffic
+from ..kernels import backends
 from ..kernels._checks import check_betas, check_choice, check_fraction, check_number
 from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
@@ -137,9 +138,6 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
     SCALAR_STATE: dict[str, float] = {}  # float64 0-dim tensors per parameter, initial values
     COUNTERS: tuple[str, ...] = ()
     FLAT_PADDING = False  # flat buffers include the padding (compressed as data)
-    # after an unfused compressed step the flat state (a momentum) is its call's decoded message: kept
-    # as that message between steps (BucketedReducer.keep_as_message; issue 56), where _may_keep says
-    KEEP_MESSAGE = True
     UPDATE_CLIP: float | None = UPDATE_CLIP  # update_clip's default with compression="preconditioned"
     SHARDED = False  # supports DTensor (FSDP2/HSDP) parameters (optimizers/_sharded.py)
 
@@ -512,9 +510,11 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
 
     def _may_keep(self, reducer, pairs, masks) -> bool:
         """Whether an unfused compressed step may keep its buckets as the calls' messages
-        (``KEEP_MESSAGE``; the reducer can return them; no mask writes the decoded buffers; not with
-        ``overlap``, whose backward hooks write into the buckets' buffers)."""
-        return (self.KEEP_MESSAGE and self._overlap is None and reducer.can_keep()
+        (after it the flat state, a momentum, is the call's decoded message: kept as that message
+        between steps, BucketedReducer.keep_as_message, issue 56; the ``message`` route on; the reducer
+        can return them; no mask writes the decoded buffers; not with ``overlap``, whose backward hooks
+        write into the buckets' buffers)."""
+        return (backends.route("message") and self._overlap is None and reducer.can_keep()
                 and all(d is None for d in masks)
                 and all(g.get("exp_avg_mask") is None for _, g in pairs))
 

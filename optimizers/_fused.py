@@ -25,6 +25,7 @@ from ..collectives.allreduce import (
 )
 from ..collectives.telemetry import counting
 from ..kernels import backends
+from ..kernels.api import own_bfloat16
 from ..kernels.fused import adam, warmup, zero_one
 from ..kernels.fused.stage import Stage, StagePasses
 from ..kernels.fused.table import Table
@@ -136,8 +137,7 @@ class AdamStep:
     would wait for the device)."""
 
     STEP, FUSED = "adam", adam
-    MESSAGE = True  # the momentum kept as each bucket's last message between steps (see step)
-    STAGE = True  # in Triton, every bucket's passes in one launch each (_stage_step)
+    KEEPS_MESSAGE = True  # the momentum kept as each bucket's last message between steps (see step)
     RECORD = False  # each bucket's gathered message in ``messages`` after a step (ZeroOneSync: its rest)
 
     def __init__(self, reducer) -> None:
@@ -149,6 +149,11 @@ class AdamStep:
         self.ready: list | None = None  # the prepared messages, until step or abandon
         self.scratch: torch.Tensor | None = None  # a kept bucket's momentum decoded for its step
         self.staged = None  # the stage of every non-empty bucket (Triton): see _stage
+
+    @property
+    def MESSAGE(self) -> bool:  # noqa: N802  (read as the constant it was)
+        """Whether the momentum is kept as messages: the step's kind, where the ``message`` route is on."""
+        return self.KEEPS_MESSAGE and backends.route("message")
 
     def _table(self, bucket, device) -> Table:
         return self._table_for(list(bucket.offsets), list(bucket.numels), device)
@@ -207,7 +212,7 @@ class AdamStep:
             layout = layout_of(b.worker_error.numel(), W, None)
             msg = empty_message(layout, W, b.worker_error.device)
             passes = self._passes(table, 0.0, kept=b.message if b.flat is None else None, n=b.numel)
-            e = b.worker_error if getattr(passes, "BFLOAT16_ERRORS", False) else widen(b.worker_error)
+            e = b.worker_error if own_bfloat16(passes) else widen(b.worker_error)
             passes.worker(self._momentum(b), e, layout, msg)  # reads the error only
             scale = getattr(passes, "scale", None)  # the message's scale, known to the C passes' caller
             finite = finite and (math.isfinite(scale) if scale is not None
@@ -248,7 +253,7 @@ class AdamStep:
         """Whether this step runs every bucket's passes in one launch each (kernels/fused/stage.py): the
         Triton passes, each bucket's momentum a float32 buffer or kept as its message, the errors all
         float32 or all bfloat16."""
-        if not (self.STAGE and self.backend == "triton"):
+        if not (backends.route("stage") and self.backend == "triton"):
             return False
         live = [b for b in self.reducer.buckets if b.numel]
         dtypes = {e.dtype for b in live for e in (b.worker_error, b.server_error)}
@@ -340,8 +345,7 @@ class ZeroOneStep(AdamStep):
     accumulator's padded rests, which the C passes use)."""
 
     STEP, FUSED, SYNC = "zoa", zero_one, False
-    MESSAGE = False  # the accumulator is not a momentum: it stays a float32 buffer
-    STAGE = True  # (a switch of its own: the tests compare against the per-bucket launches)
+    KEEPS_MESSAGE = False  # the accumulator is not a momentum: it stays a float32 buffer
 
     def _table_for(self, offsets: list[int], numels: list[int], device) -> Table:
         return zero_one.table(offsets, numels, device, sync=self.SYNC)
@@ -417,7 +421,7 @@ def wake(opt, reducer, pairs, kept: dict) -> bool:
     the momentum and ``sync_params`` made new, then written from the kept messages, bitwise the
     per-tensor ops. False: nothing done (the caller's per-tensor path)."""
     plan = getattr(opt, "_zos_cache", None)
-    if (plan is None or plan.reducer is not reducer or plan.backend != "triton" or not plan.STAGE
+    if (plan is None or plan.reducer is not reducer or plan.backend != "triton" or not backends.route("stage")
             or not opt.preconditioned or not pairs or not _tensors_ok(opt, pairs)
             or any(g.get("eps_inside_sqrt", False) for _, g in pairs)):
         return False

@@ -91,13 +91,19 @@ def test_no_test_sets_a_module_switch():
     """Tests choose a backend with use_backend (or ONEBIT_BACKEND), never by setting a module's
     switch: the former switches are gone from the library and from the tests."""
     gone = re.compile(r"\b(_fused|_hook_fused|_hook_triton|_multi)\.(ENABLED|ON_CPU)\b|^(ENABLED|ON_CPU) = "
-                      r"|\b(api|cpu_fused|cpu_compiled)\.MIN_NUMEL\s*=[^=]|ONEBIT_NATIVE_ISA", re.M)
+                      r"|\b(api|cpu_fused|cpu_compiled)\.MIN_NUMEL\s*=[^=]|ONEBIT_NATIVE_ISA"
+                      r"|^OWN_STEP = ", re.M)
+    # the routes inside a backend: chosen with use_routes, never by setting a class or module attribute
+    routes = re.compile(r"\.(STAGE|MESSAGE|KEEP_MESSAGE|OWN_STEP|BFLOAT16_ERRORS)(, [\w.]+)* = "
+                        r"|setattr\([\w.]+, \"(STAGE|MESSAGE|KEEP_MESSAGE|OWN_STEP|BFLOAT16_ERRORS)\"")
     for folder in ("kernels", "collectives", "optimizers", "tests"):
         for path in (ROOT / folder).rglob("*.py"):
             text = path.read_text()
             if path.name == "test_backends.py":
                 continue
             assert not gone.search(text), f"{path}: {gone.search(text).group(0)}"
+            if folder == "tests":
+                assert not routes.search(text), f"{path}: {routes.search(text).group(0)}"
 
 
 def test_the_codec_follows_the_selection():
@@ -111,3 +117,26 @@ def test_the_codec_follows_the_selection():
     ref = worker_compress(x, e.clone(), 3, backend="torch")
     assert torch.equal(plain, ref)
     assert Layout(1008, 3).message_bytes == plain.numel()
+
+
+def test_use_routes_turns_a_route_off_inside_the_block_and_checks_its_names():
+    from onebit.kernels.backends import ROUTES, route, use_routes
+
+    assert all(route(name) for name in ROUTES)  # each on by default
+    with use_routes(stage=False, message=False):
+        assert not route("stage") and not route("message") and route("own_step")
+        with use_routes(stage=True):
+            assert route("stage") and not route("message")
+        assert not route("stage")
+    assert route("stage") and route("message")
+    with pytest.raises(ValueError, match="stages: expected a route from stage"):
+        with use_routes(stages=False):
+            pass
+    with pytest.raises(TypeError, match="message: expected a bool"):
+        with use_routes(message=0):
+            pass
+    with pytest.raises(ValueError, match="name: expected a route"):
+        route("fast")
+    with pytest.raises(RuntimeError), use_routes(errors_in_pass=False):  # put back on the way out
+        raise RuntimeError
+    assert route("errors_in_pass")

@@ -315,10 +315,11 @@ def test_the_agreement_on_the_device_skips_bitwise_as_the_hosts():
 
 def test_the_stage_is_bitwise_the_per_bucket_passes_on_cuda():
     # issue 57: OnebitAdam's compression step over every bucket in one launch per pass
-    # (kernels/fused/stage.py) against the per-bucket launches (AdamStep.STAGE off), bfloat16 and float32
+    # (kernels/fused/stage.py) against the per-bucket launches (the stage route off), bfloat16 and float32
     # errors, odd sizes, 5+ buckets; and the launches per steady step, the same for 1 bucket and many
+    from onebit.kernels.backends import use_routes
     from onebit.kernels.triton_kernels import Launch
-    from onebit.optimizers import OnebitAdam, _fused
+    from onebit.optimizers import OnebitAdam
 
     shapes = ((300, 200), (77,), (1000,), (3, 5), (40000,))
 
@@ -335,8 +336,7 @@ def test_the_stage_is_bitwise_the_per_bucket_passes_on_cuda():
             names.append(self.name)
             calls(self)
 
-        _fused.AdamStep.STAGE = stage
-        try:
+        with use_routes(stage=stage):
             for _ in range(7):
                 for p in params:
                     p.grad = torch.randn(p.shape, device="cuda", generator=g)
@@ -346,8 +346,6 @@ def test_the_stage_is_bitwise_the_per_bucket_passes_on_cuda():
                     opt.step()
                 finally:
                     Launch.__call__ = calls
-        finally:
-            _fused.AdamStep.STAGE = True
         errors = [e.clone() for pair in opt.reducer().errors() for e in pair]
         return [p.detach().clone() for p in params], errors, len(opt.reducer().buckets), list(names)
 

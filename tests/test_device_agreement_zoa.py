@@ -9,29 +9,22 @@ decompress pass gated), per bucket and in the stage; its variance steps on the h
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from onebit.kernels.backends import use_backend
-from onebit.optimizers import ZeroOneAdam, _fused
+from onebit.kernels.backends import use_backend, use_routes
+from onebit.optimizers import ZeroOneAdam
 
 SHAPES = [(40, 30), (17,), (5, 7, 3), (300,)]
 STEPS = 18
 
 
-@contextlib.contextmanager
 def _stage(staged: bool):
-    """ZeroOneAdam's fused steps in the stage or per bucket (the class attribute, in this rank's process,
-    put back after: the pool's processes run the other tests too)."""
-    before, _fused.ZeroOneStep.STAGE = _fused.ZeroOneStep.STAGE, staged
-    try:
-        yield
-    finally:
-        _fused.ZeroOneStep.STAGE = before
+    """ZeroOneAdam's fused steps in the stage or per bucket (the ``stage`` route)."""
+    return use_routes(stage=staged)
 
 
 def _body(device_side: bool, bad_step: int | None, freeze: int = 4, staged: bool = True, steps: int = STEPS):

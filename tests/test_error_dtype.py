@@ -245,12 +245,9 @@ def _in_pass_body(in_pass: bool, message: bool, nonfinite_at=None):
     """OnebitAdam with bfloat16 errors on the fused C passes: the passes read and store the bfloat16
     error themselves (``in_pass``), or the collective widens it for them and stores it after (the
     path every other pass takes); the momentum kept as a message or as a float32 buffer."""
-    from onebit.kernels.fused import adam
-    from onebit.optimizers import _fused
+    from onebit.kernels.backends import use_routes
 
-    kept = adam.NativePasses.BFLOAT16_ERRORS, _fused.AdamStep.MESSAGE
-    adam.NativePasses.BFLOAT16_ERRORS, _fused.AdamStep.MESSAGE = in_pass, message
-    try:
+    with use_routes(errors_in_pass=in_pass, message=message):
         rank = dist.get_rank()
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
@@ -276,8 +273,6 @@ def _in_pass_body(in_pass: bool, message: bool, nonfinite_at=None):
         fused = all((b.message is not None) == message for b in red.buckets)  # the C passes ran
         return ([p.detach().clone() for p in params], [red.decoded(b).clone() for b in red.buckets],
                 [e.clone() for pair in red.errors() for e in pair], fused)
-    finally:
-        adam.NativePasses.BFLOAT16_ERRORS, _fused.AdamStep.MESSAGE = kept
 
 
 def _in_pass_both(message: bool):

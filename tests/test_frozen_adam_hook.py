@@ -280,42 +280,47 @@ def _own_step_body(steps, own, kind):
     """The wide layer behind the hook with freeze_step under torch's AdamW (or Adam with L2):
     the update made by the hook's pre-hook itself (``own``) or by torch's step on the prepared
     state; the compiled one-pass step counted."""
-    from onebit.collectives import _frozen_adam
     from onebit.kernels import cpu_fused
+    from onebit.kernels.backends import use_routes
 
-    saved = _frozen_adam.OWN_STEP, cpu_fused.frozen_adam_
-    _frozen_adam.OWN_STEP = own
+    saved = cpu_fused.frozen_adam_
     calls = []
 
     def counted(*a, **k):
-        done = saved[1](*a, **k)
+        done = saved(*a, **k)
         calls.append(done)
         return done
 
     cpu_fused.frozen_adam_ = counted
     try:
-        r = dist.get_rank()
-        torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4)))
-        # Adam without L2 decay: with it the prepared route's variance takes (1 - b2) (wd p)^2
-        # (docs/ALGORITHMS.md 8.2), the own step keeps it frozen: the routes differ by more than rounding
-        cls, wd = (torch.optim.AdamW, 0.01) if kind == "adamw" else (torch.optim.Adam, 0.0)
-        opt = cls(model.parameters(), lr=1e-2, weight_decay=wd)
-        # exact errors: the two routes agree to float32 rounding (bfloat16's rounding would draw other bits)
-        state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64, error_dtype=torch.float32)
-        model.register_comm_hook(state, onebit_compress_hook)
-        for t in range(steps):
-            g = torch.Generator().manual_seed(100 * t + r)
-            x = torch.randn(16, 256, generator=g)
-            torch.nn.functional.cross_entropy(model(x), (x[:, 7:11]).argmax(1)).backward()
-            handed = [p.grad for p in model.parameters()]
-            opt.step()
-            assert all(p.grad is h for p, h in zip(model.parameters(), handed, strict=True))  # restored
-            opt.zero_grad()
-        steps_counted = [int(opt.state[p]["step"]) for p in model.parameters()]
-        return [p.detach().clone() for p in model.parameters()], calls, steps_counted
+        with use_routes(own_step=own):
+            params, steps_counted = _own_step_run(steps, kind)
+        return params, calls, steps_counted
     finally:
-        _frozen_adam.OWN_STEP, cpu_fused.frozen_adam_ = saved
+        cpu_fused.frozen_adam_ = saved
+
+
+def _own_step_run(steps, kind):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4)))
+    # Adam without L2 decay: with it the prepared route's variance takes (1 - b2) (wd p)^2
+    # (docs/ALGORITHMS.md 8.2), the own step keeps it frozen: the routes differ by more than rounding
+    cls, wd = (torch.optim.AdamW, 0.01) if kind == "adamw" else (torch.optim.Adam, 0.0)
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=wd)
+    # exact errors: the two routes agree to float32 rounding (bfloat16's rounding would draw other bits)
+    state = OnebitCompressHookState(optimizer=opt, freeze_step=F, block=64, error_dtype=torch.float32)
+    model.register_comm_hook(state, onebit_compress_hook)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + r)
+        x = torch.randn(16, 256, generator=g)
+        torch.nn.functional.cross_entropy(model(x), (x[:, 7:11]).argmax(1)).backward()
+        handed = [p.grad for p in model.parameters()]
+        opt.step()
+        assert all(p.grad is h for p, h in zip(model.parameters(), handed, strict=True))  # restored
+        opt.zero_grad()
+    steps_counted = [int(opt.state[p]["step"]) for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], steps_counted
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adam"])

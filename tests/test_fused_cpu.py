@@ -14,6 +14,7 @@ import torch
 from helpers import compiled_local, count_gradient_reads, fused_steps
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
+from onebit.kernels.backends import use_routes
 from onebit.kernels.fused import adam
 from onebit.optimizers import OnebitAdam, _fused
 
@@ -123,13 +124,10 @@ def _skipping(fused: bool, rank: int = 0, bad_rank: int = 0, policy: str = "skip
               message: bool = False, error_dtype=torch.float32):
     """Six steps, step 4 with an infinite gradient on ``bad_rank``: the states before and after
     it, the final state, and how often the gradients were read for the agreement. ``message``: the
-    momentum kept as its last message between fused steps (``AdamStep.MESSAGE``; False: the float32
+    momentum kept as its last message between fused steps (the ``message`` route; False: the float32
     buffer)."""
-    kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, message
-    try:
+    with use_routes(message=message):
         return _skipping_run(fused, rank, bad_rank, policy, local, error_dtype)
-    finally:
-        _fused.AdamStep.MESSAGE = kept
 
 
 def _skipping_run(fused: bool, rank: int, bad_rank: int, policy: str, local: bool, error_dtype):
@@ -243,8 +241,14 @@ def _one_tensor():
     return p, opt, reads
 
 
-def test_a_loaded_momentum_is_not_restored_from_an_old_message(monkeypatch):
-    monkeypatch.setattr(_fused.AdamStep, "MESSAGE", False)  # prepare needs the float32 buffer
+@pytest.fixture
+def float32_momentum():
+    """The momentum as a float32 buffer between fused steps (the ``message`` route off): prepare needs it."""
+    with use_routes(message=False):
+        yield
+
+
+def test_a_loaded_momentum_is_not_restored_from_an_old_message(float32_momentum):
     # a checkpoint's load writes the momentum: the next step reads the gradients again (the
     # message it kept no longer decodes to the momentum)
     p, opt, reads = _one_tensor()
@@ -266,8 +270,7 @@ def test_a_loaded_momentum_is_not_restored_from_an_old_message(monkeypatch):
     assert torch.equal(before, sd["state"][0]["exp_avg"])
 
 
-def test_an_unfused_step_in_between_is_not_undone_from_an_older_message(monkeypatch):
-    monkeypatch.setattr(_fused.AdamStep, "MESSAGE", False)  # prepare needs the float32 buffer
+def test_an_unfused_step_in_between_is_not_undone_from_an_older_message(float32_momentum):
     # an unfused step writes the momentum: the fused step's message no longer decodes to it (the
     # optimizer forgets it, and the momentum's version moved), so the next skip restores nothing
     # from it and leaves the unfused step's momentum
@@ -287,8 +290,7 @@ def test_an_unfused_step_in_between_is_not_undone_from_an_older_message(monkeypa
     assert opt.skipped_steps == 1 and torch.equal(opt.reducer().decoded(opt.reducer().buckets[0]), middle)
 
 
-def test_a_prepare_that_raises_halfway_restores_the_momentum(monkeypatch):
-    monkeypatch.setattr(_fused.AdamStep, "MESSAGE", False)  # prepare needs the float32 buffer
+def test_a_prepare_that_raises_halfway_restores_the_momentum(float32_momentum, monkeypatch):
     # the second bucket's encode fails after the first bucket was folded: the step raises and the
     # momentum of every bucket is as it was
     torch.manual_seed(0)

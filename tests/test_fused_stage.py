@@ -1,5 +1,5 @@
 """OnebitAdam's fused Triton compression step over every bucket at once (kernels/fused/stage.py, issue 57):
-one launch per pass whatever the bucket count, bitwise the per-bucket launches (``AdamStep.STAGE`` off),
+one launch per pass whatever the bucket count, bitwise the per-bucket launches (the ``stage`` route off),
 here under the interpreter on 2 and 3 gloo ranks: float32 and bfloat16 errors, tensors of odd sizes
 across bucket boundaries, weight decay, bias correction, an update clip, a skipped step agreed on the
 device and on the host."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from onebit.kernels.backends import use_backend
+from onebit.kernels.backends import use_backend, use_routes
 from onebit.kernels.triton_kernels import Launch
-from onebit.optimizers import OnebitAdam, ZeroOneAdam, _fused
+from onebit.optimizers import OnebitAdam, ZeroOneAdam
 
 SHAPES = [(40, 30), (17,), (5, 7, 3), (300,), (3,), (257,)]
 STEPS = 8
@@ -33,10 +33,8 @@ def _run(stage: bool, error_dtype, device_side: bool, bad_step, cap_mb: float, c
         launches[-1].append(self.name)
         calls(self)
 
-    before = _fused.AdamStep.STAGE
-    _fused.AdamStep.STAGE = stage
     try:
-        with use_backend("triton"):
+        with use_backend("triton"), use_routes(stage=stage):
             for t in range(STEPS):
                 for p, s in zip(params, SHAPES, strict=True):
                     p.grad = torch.randn(s, generator=g)
@@ -48,7 +46,6 @@ def _run(stage: bool, error_dtype, device_side: bool, bad_step, cap_mb: float, c
                 Launch.__call__ = calls
             state = opt.state_dict()
     finally:
-        _fused.AdamStep.STAGE = before
         Launch.__call__ = calls
     plan = opt._fused_plan(opt.reducer())
     return {"params": [p.detach().clone() for p in params],
@@ -117,10 +114,8 @@ def _zoa(stage: bool, error_dtype, cap_mb: float, count_from: int = 99):
         launches[-1].append(self.name)
         calls(self)
 
-    before = _fused.ZeroOneStep.STAGE
-    _fused.ZeroOneStep.STAGE = stage
     try:
-        with use_backend("triton"):
+        with use_backend("triton"), use_routes(stage=stage):
             for t in range(16):
                 for i, p in enumerate(params):
                     p.grad = None if (t == 7 and i == 1) else torch.randn(p.shape, generator=g)
@@ -130,7 +125,6 @@ def _zoa(stage: bool, error_dtype, cap_mb: float, count_from: int = 99):
                 Launch.__call__ = calls
             opt._wake()
     finally:
-        _fused.ZeroOneStep.STAGE = before
         Launch.__call__ = calls
     return {"params": [p.detach().clone() for p in params],
             "exp_avg": [opt.state[p]["exp_avg"].clone() for p in params],

@@ -14,8 +14,9 @@ import torch
 from helpers import compiled_local, fused_steps, resume_point, torch_local
 
 from onebit.kernels import cpu_simd  # noqa: F401  (read by the skip condition)
+from onebit.kernels.backends import use_routes
 from onebit.memory import bytes_per_parameter
-from onebit.optimizers import OnebitAdam, _fused
+from onebit.optimizers import OnebitAdam
 
 SHAPES = [(37, 5), (9000,), (3,), (64, 17), (5000,)]  # buckets of several tensors, n not a multiple of 16
 
@@ -23,7 +24,7 @@ SHAPES = [(37, 5), (9000,), (3,), (64, 17), (5000,)]  # buckets of several tenso
 def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None, load=None,
          device: str = "cpu"):
     """OnebitAdam on this rank's gradients (the freeze at 2, buckets of about 7,800 elements, two
-    groups, a missing gradient at step 3) with ``AdamStep.MESSAGE = message``; the fused steps on
+    groups, a missing gradient at step 3) with the ``message`` route ``message``; the fused steps on
     ``backend`` except at ``plain_at`` (the unfused path). Returns the parameters, the decoded
     momenta, the error buffers, whether the buckets were kept as messages at the end, the state's
     bytes per parameter, and the state_dict saved after step ``save_at``. ``load``: a state_dict
@@ -31,8 +32,7 @@ def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None,
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, message
-    try:
+    with use_routes(message=message):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in SHAPES]
         groups = [{"params": params[:2], "weight_decay": 0.1},
@@ -58,8 +58,6 @@ def _run(backend: str, message: bool, steps: int = 7, plain_at=(), save_at=None,
                 [e.cpu() for pair in red.errors() for e in pair],
                 all(b.message is not None and b.flat is None for b in red.buckets),
                 bytes_per_parameter(opt), saved)
-    finally:
-        _fused.AdamStep.MESSAGE = kept
 
 
 def _assert_same(a, b) -> None:
@@ -131,8 +129,7 @@ def test_a_checkpoint_holds_the_float32_momentum_and_resumes_bitwise(save_form, 
 def test_a_kept_bucket_leaves_the_state_and_comes_back_when_read():
     # between fused steps the compressed parameters' state has no exp_avg (the bucket is a
     # message); reading the reducer's views puts it back, decoded, as views of a new buffer
-    kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, True
-    try:
+    with use_routes(message=True):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
         opt = OnebitAdam(params, lr=1e-2, freeze_step=1, bucket_cap_mb=0.03)
@@ -152,15 +149,12 @@ def test_a_kept_bucket_leaves_the_state_and_comes_back_when_read():
             assert opt.state[p]["exp_avg"] is v
         for b, d in zip(red.buckets, decoded, strict=True):
             assert torch.equal(b.flat, d)
-    finally:
-        _fused.AdamStep.MESSAGE = kept
 
 
 def _nonfinite(message: bool):
     """OnebitAdam without the check (``nonfinite=None``), one fused step whose gradient holds an
     inf: every scale is non-finite, so the worker error must not be updated."""
-    kept, _fused.AdamStep.MESSAGE = _fused.AdamStep.MESSAGE, message
-    try:
+    with use_routes(message=message):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
         opt = OnebitAdam(params, lr=1e-2, freeze_step=1, bucket_cap_mb=0.03, nonfinite=None)
@@ -177,8 +171,6 @@ def _nonfinite(message: bool):
         red = opt.reducer()
         (k,) = [k for k, b in enumerate(red.buckets) if 1 in b.indices]  # the inf's bucket
         return errors[k], red.errors()[k][0].clone()
-    finally:
-        _fused.AdamStep.MESSAGE = kept
 
 
 @pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
@@ -196,7 +188,7 @@ LAMB_SHAPES = [(37, 9), (301,), (3,), (20, 17)]  # n = 981: the padding to 8 W i
 
 def _unfused(name: str, keep: bool, steps: int = 7, save_at=None, load=None):
     """OnebitAdam through its unfused step (``fused_steps("plain")``) or OnebitLamb, on this rank's
-    gradients past the freeze (at 2), with ``KEEP_MESSAGE = keep``. Returns the parameters, the
+    gradients past the freeze (at 2), with the ``message`` route ``keep``. Returns the parameters, the
     buckets' values with their padding (decoded where kept), the error buffers, whether every bucket
     was kept as a message at the end, the bytes per parameter, the state_dict after ``save_at``
     (``load``: loaded there instead)."""
@@ -206,8 +198,7 @@ def _unfused(name: str, keep: bool, steps: int = 7, save_at=None, load=None):
 
     cls = OnebitAdam if name == "adam" else OnebitLamb
     shapes = SHAPES if name == "adam" else LAMB_SHAPES
-    before, cls.KEEP_MESSAGE = cls.KEEP_MESSAGE, keep
-    try:
+    with use_routes(message=keep):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
         groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 3e-3}]
@@ -230,8 +221,6 @@ def _unfused(name: str, keep: bool, steps: int = 7, save_at=None, load=None):
         return ([p.detach().clone() for p in params], values, errors,
                 all(b.message is not None and b.flat is None for b in red.buckets), bytes_per_parameter(opt),
                 saved)
-    finally:
-        cls.KEEP_MESSAGE = before
 
 
 def _unfused_body(name: str):
@@ -277,15 +266,14 @@ def test_an_unfused_runs_checkpoint_holds_the_float32_momentum_and_resumes_bitwi
 def _zoa(backend: str | None, keep: bool, steps: int = 12, save_at=None, load=None):
     """ZeroOneAdam past its variance freeze (at 3) with the local-step interval doubling every 2 steps
     up to 4 (syncs at 4, 5, 6, 8, 12: rests after them, local steps from rests), two groups, on
-    ``backend``'s fused steps (None: the default), ``KEEP_MESSAGE = keep``. Returns the parameters,
+    ``backend``'s fused steps (None: the default), the ``message`` route ``keep``. Returns the parameters,
     the momenta and sync_params as the next step reads them, the errors, whether it ended at rest,
     the bytes per parameter at the end, the state_dict after ``save_at`` (``load``: loaded there)."""
     import torch.distributed as dist
 
     from onebit import ZeroOneAdam
 
-    before, ZeroOneAdam.KEEP_MESSAGE = ZeroOneAdam.KEEP_MESSAGE, keep
-    try:
+    with use_routes(message=keep):
         torch.manual_seed(0)
         # a tensor above cpu_fused.MIN_NUMEL: its momentum made again by the C pass (the others: torch ops);
         # not in Triton's interpreter (a minute on 3 ranks), where every tensor takes the kernels' path
@@ -309,8 +297,6 @@ def _zoa(backend: str | None, keep: bool, steps: int = 12, save_at=None, load=No
         state = [opt.state[p][k].clone() for p in params for k in ("exp_avg", "sync_params")]
         errors = [e.clone() for pair in opt.reducer().errors() for e in pair]
         return [p.detach().clone() for p in params], state, errors, resting, size, saved
-    finally:
-        ZeroOneAdam.KEEP_MESSAGE = before
 
 
 def _zoa_body(backend):

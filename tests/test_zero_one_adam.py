@@ -8,6 +8,7 @@ import torch.distributed as dist
 from helpers import HYPER, REFERENCE, SHAPES, ZO, make_grads, make_params, set_grads
 from optim_reference import reference_zero_one_adam, relative
 
+from onebit.kernels.backends import use_routes
 from onebit.optimizers import ZeroOneAdam
 
 
@@ -68,11 +69,16 @@ def test_zero_one_adam_single_process_updates_momentum_on_compressed_steps():
 
 
 def _body_zeros_made(keep: bool):
-    """Zero tensors of a parameter's size made during 3 phase-2 steps (after 8: past the freeze)."""
+    """Zero tensors of a parameter's size made during 3 phase-2 steps (after 8: past the freeze), at rest
+    after each sync (the ``message`` route: the default) or holding its state."""
+    with use_routes(message=keep):
+        return _zeros_made()
+
+
+def _zeros_made():
     r = dist.get_rank()
     params = make_params()
     opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=3, var_update_scaler=1)
-    opt.KEEP_MESSAGE = keep  # at rest after each sync (the default), or holding its state
     for t in range(8):
         set_grads(params, make_grads(t, r))
         opt.step()
