@@ -187,27 +187,26 @@ def _ddp_body(steps: int, in_codec: bool, block, kind: str = "adamw"):
         state = OnebitCompressHookState(optimizer=opt, block=block)
     model.register_comm_hook(state, onebit_compress_hook)
     calls = [0]
-    saved = _hook_fused.backend, hook.NativePasses.worker
-    if not in_codec:  # the plain ops
-        _hook_fused.backend = lambda *a: None
+    saved = hook.NativePasses.worker
 
     def counted(self, *a):
         calls[0] += 1
-        return saved[1](self, *a)
+        return saved(self, *a)
 
     hook.NativePasses.worker = counted
     norms = []
-    try:
-        for t in range(steps):
-            g = torch.Generator().manual_seed(100 * t + r)
-            x = torch.randn(16, 333, generator=g)
-            x[:, :9] = 0.0  # always-zero features
-            torch.nn.functional.cross_entropy(model(x)[:, :3], x[:, 9:12].argmax(1)).backward()
-            norms.append(float(state.clip_grad_norm_(1.0)))
-            opt.step()
-            opt.zero_grad()
+    try:  # (not in_codec: the plain ops)
+        with contextlib.nullcontext() if in_codec else use_backend("plain", steps=["hook"]):
+            for t in range(steps):
+                g = torch.Generator().manual_seed(100 * t + r)
+                x = torch.randn(16, 333, generator=g)
+                x[:, :9] = 0.0  # always-zero features
+                torch.nn.functional.cross_entropy(model(x)[:, :3], x[:, 9:12].argmax(1)).backward()
+                norms.append(float(state.clip_grad_norm_(1.0)))
+                opt.step()
+                opt.zero_grad()
     finally:
-        _hook_fused.backend, hook.NativePasses.worker = saved
+        hook.NativePasses.worker = saved
     return [p.detach().clone() for p in model.parameters()], calls[0], norms, state.stats()["buckets"]
 
 
