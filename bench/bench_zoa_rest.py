@@ -2,10 +2,10 @@
 
 W gloo ranks (torchrun, one thread each) train the same parameters (``--tensors`` tensors of 2500 x
 1000) with two ZeroOneAdam instances past the variance freeze, a sync every step (the local-step
-interval's first 32678 steps), one with ``KEEP_MESSAGE`` (the momentum kept as the sync's messages,
-``sync_params`` as p) and one holding the state, their steps interleaved; prints the median step, the
-wake's share (the momentum and sync_params made again) and the bytes per parameter
-(docs/ALGORITHMS.md 6.4, issue 56).
+interval's first 32678 steps), one at rest (the ``message`` route, the default: the momentum kept as
+the sync's messages, ``sync_params`` as p) and one holding the state (``use_routes(message=False)``),
+their steps interleaved; prints the median step, the wake's share (the momentum and sync_params made
+again) and the bytes per parameter (docs/ALGORITHMS.md 6.4, issue 56).
 
   python bench/bench_zoa_rest.py --ranks 2
 """
@@ -27,6 +27,7 @@ from _common import child_arguments, rank0_result, ranks_json, run_child  # noqa
 
 def child(args) -> None:
     from onebit import ZeroOneAdam
+    from onebit.kernels.backends import use_routes
     from onebit.memory import bytes_per_parameter
 
     dist.init_process_group("gloo")
@@ -41,19 +42,18 @@ def child(args) -> None:
     wake = []
     for step in range(args.steps):
         for keep, (params, opt) in runs.items():
-            ZeroOneAdam.KEEP_MESSAGE = keep
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
             dist.barrier()
-            start = time.perf_counter()
-            opt._wake()  # what the step does first (nothing where the state is held)
-            woke = time.perf_counter()
-            opt.step()
+            with use_routes(message=keep):
+                start = time.perf_counter()
+                opt._wake()  # what the step does first (nothing where the state is held)
+                woke = time.perf_counter()
+                opt.step()
             if step >= 6:  # past the freeze (3) and the first syncs
                 times[keep].append(time.perf_counter() - start)
                 if keep:
                     wake.append(woke - start)
-    ZeroOneAdam.KEEP_MESSAGE = True
     out = {f"{'rest' if keep else 'held'}_ms": 1e3 * statistics.median(t) for keep, t in times.items()}
     out["wake_ms"] = 1e3 * statistics.median(wake)
     for keep, (_, opt) in runs.items():

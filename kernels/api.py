@@ -127,16 +127,16 @@ def worker_compress(
     return msg
 
 
-def own_bfloat16(impl, layout: Layout | None = None, role: str = "worker") -> bool:
-    """Whether ``impl`` reads and stores a bfloat16 error itself (run by run, bitwise the widened
-    buffer's call), where the ``errors_in_pass`` route is on (:func:`onebit.kernels.backends.route`):
+def own_bfloat16(impl, layout: Layout | None = None) -> bool:
+    """Whether ``impl`` reads and stores bfloat16 errors itself (run by run, bitwise the widened
+    buffers' call), where the ``errors_in_pass`` route is on (:func:`onebit.kernels.backends.route`):
     fused passes (``layout`` None) by their ``BFLOAT16_ERRORS``, a codec module by its
-    ``bfloat16_<role>_error(layout)`` (``role``: worker or server)."""
+    ``bfloat16_errors(layout)``."""
     if not backends.route("errors_in_pass"):
         return False
     if layout is None:
         return bool(getattr(impl, "BFLOAT16_ERRORS", False))
-    own = getattr(impl, f"bfloat16_{role}_error", None)
+    own = getattr(impl, "bfloat16_errors", None)
     return own is not None and own(layout)
 
 
@@ -177,7 +177,7 @@ def server_reduce(
     seg = _message_out("out", out, layout, 1, device)
     if layout.N:
         impl = _backend(device, backend, block, layout)
-        e = server_error if own_bfloat16(impl, layout, "server") else widen(server_error)
+        e = server_error if own_bfloat16(impl, layout) else widen(server_error)
         impl.server_reduce(received, e, layout, seg)
         if e is not server_error:
             narrow_(server_error, e, message_scales(seg, layout), layout.block_len, SERVER)

@@ -480,14 +480,9 @@ def _partials(count: int, device: torch.device) -> torch.Tensor:
 
 
 
-def bfloat16_worker_error(layout: Layout) -> bool:
-    """Whether the kernels take a bfloat16 worker error as it is (read widened, stored rounded as
-    :func:`onebit.kernels.rounding.narrow_` rounds it: ``store_typed_error``, bitwise): always."""
-    return True
-
-
-def bfloat16_server_error(layout: Layout) -> bool:
-    """As :func:`bfloat16_worker_error`, the server's: always."""
+def bfloat16_errors(layout: Layout) -> bool:
+    """Whether the kernels take bfloat16 error buffers as they are (read widened, stored rounded as
+    :func:`onebit.kernels.rounding.narrow_` rounds them: ``store_typed_error``, bitwise): always."""
     return True
 
 

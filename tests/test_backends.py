@@ -96,13 +96,13 @@ def test_no_test_sets_a_module_switch():
     # the routes inside a backend: chosen with use_routes, never by setting a class or module attribute
     routes = re.compile(r"\.(STAGE|MESSAGE|KEEP_MESSAGE|OWN_STEP|BFLOAT16_ERRORS)(, [\w.]+)* = "
                         r"|setattr\([\w.]+, \"(STAGE|MESSAGE|KEEP_MESSAGE|OWN_STEP|BFLOAT16_ERRORS)\"")
-    for folder in ("kernels", "collectives", "optimizers", "tests"):
+    for folder in ("kernels", "collectives", "optimizers", "tests", "bench", "scripts"):
         for path in (ROOT / folder).rglob("*.py"):
             text = path.read_text()
             if path.name == "test_backends.py":
                 continue
             assert not gone.search(text), f"{path}: {gone.search(text).group(0)}"
-            if folder == "tests":
+            if folder in ("tests", "bench", "scripts"):
                 assert not routes.search(text), f"{path}: {routes.search(text).group(0)}"
 
 

@@ -12,6 +12,7 @@ import torch
 
 from onebit.collectives import local_compressed_allreduce
 from onebit.kernels import cpu_simd
+from onebit.kernels.backends import use_routes
 from onebit.kernels.layout import padded_numel
 from onebit.kernels.native import codec
 
@@ -35,10 +36,7 @@ def _inputs(W: int, n: int, block, seed: int, special: str | None):
 
 def _call(W, n, block, seed, special, own: bool, monkeypatch):
     xs, we, se = _inputs(W, n, block, seed, special)
-    with monkeypatch.context() as m:
-        if not own:  # the reference: the same codec on widened buffers, rounded after the call
-            m.setattr(codec, "bfloat16_worker_error", lambda layout: False)
-            m.setattr(codec, "bfloat16_server_error", lambda layout: False)
+    with use_routes(errors_in_pass=own):  # off: the same codec on widened buffers, rounded after the call
         out = local_compressed_allreduce(xs, we, se, backend="native", block=block)
     return out, we, se
 
@@ -63,9 +61,9 @@ def test_the_c_passes_on_bfloat16_errors_are_bitwise_the_widened_call(W, n, bloc
 def test_the_codec_says_which_blocks_it_takes_as_they_are():
     from onebit.kernels.layout import Layout
 
-    assert codec.bfloat16_worker_error(Layout(8192, 2))
-    assert codec.bfloat16_server_error(Layout(8192, 2, 64))
-    assert not codec.bfloat16_worker_error(Layout(16384, 2, 8192))
+    assert codec.bfloat16_errors(Layout(8192, 2))
+    assert codec.bfloat16_errors(Layout(8192, 2, 64)) and codec.bfloat16_errors(Layout(8192, 2, 4096))
+    assert not codec.bfloat16_errors(Layout(16384, 2, 8192))
     x, e = torch.zeros(8192), torch.zeros(8192, dtype=torch.bfloat16)
     bits = torch.zeros(1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match="bfloat16 e, block at most"):
@@ -76,15 +74,10 @@ def _triton_bitwise_the_widened_call(W, n, block, special, monkeypatch, device="
     # the Triton codec reads a bfloat16 error widened and stores it rounded in its own kernels
     # (rounding.store_typed_error): bitwise the call on widened buffers
     pytest.importorskip("triton")
-    from onebit.kernels import triton_blocks, triton_kernels
 
     def call(own: bool):
         xs, we, se = (list(t.to(device) for t in ts) for ts in _inputs(W, n, block, W * n + 1, special))
-        with monkeypatch.context() as m:
-            if not own:
-                for mod in (triton_kernels, triton_blocks):
-                    m.setattr(mod, "bfloat16_worker_error", lambda layout: False)
-                    m.setattr(mod, "bfloat16_server_error", lambda layout: False)
+        with use_routes(errors_in_pass=own):
             out = local_compressed_allreduce(xs, we, se, backend="triton", block=block)
         return out, we, se
 

@@ -75,16 +75,11 @@ def worker_compress(x: torch.Tensor, e: torch.Tensor, layout: Layout, out: torch
             cpu_simd.error_update(xs, es, piece_scales(scales, layout, j, lo, a, b), B)
 
 
-def bfloat16_worker_error(layout: Layout) -> bool:
-    """Whether :func:`worker_compress` (``update_error`` off) and :func:`decompress` take a bfloat16
-    worker error as it is (widened run by run, stored rounded: the same bits as the widened buffer's,
-    :mod:`onebit.kernels.rounding`): one scale per chunk or blocks of at most 4096."""
-    return layout.block is None or layout.block <= cpu_simd.BF16_RUN
-
-
-def bfloat16_server_error(layout: Layout) -> bool:
-    """Whether :func:`server_reduce` takes a bfloat16 ``e`` as it is (read and stored run by run): with
-    one scale per chunk or blocks of at most 4096; else the caller widens it."""
+def bfloat16_errors(layout: Layout) -> bool:
+    """Whether :func:`worker_compress` (``update_error`` off), :func:`decompress` and :func:`server_reduce`
+    take bfloat16 error buffers as they are (widened run by run, stored rounded: the same bits as the
+    widened buffers', :mod:`onebit.kernels.rounding`): one scale per chunk or blocks of at most 4096;
+    else the caller widens them."""
     return layout.block is None or layout.block <= cpu_simd.BF16_RUN
 
 
