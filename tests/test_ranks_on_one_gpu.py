@@ -80,35 +80,47 @@ def test_optimizers_with_ranks_sharing_a_device(ranks, device, name):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _hook(device: str):
+def _hook(device: str, name: str = "adamw", plain: bool = False):
+    import contextlib
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from onebit.collectives import OnebitCompressHookState, onebit_compress_hook
+    from onebit.kernels.backends import use_backend
 
     r = dist.get_rank()
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3)).to(device)
     model = DDP(module)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=16)
+    if name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        state = OnebitCompressHookState(optimizer=opt, freeze_step=2, block=16)
+    else:  # SGD's momentum compressed (no freeze_step): the same passes, d = 1
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        state = OnebitCompressHookState(optimizer=opt, block=16)
     model.register_comm_hook(state, onebit_compress_hook)
-    for t in range(6):
-        g = torch.Generator().manual_seed(1000 * t + r)
-        x = torch.randn(8, 12, generator=g).to(device)
-        y = torch.randint(0, 3, (8,), generator=g).to(device)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    with use_backend("plain", steps=["hook"]) if plain else contextlib.nullcontext():
+        for t in range(6):
+            g = torch.Generator().manual_seed(1000 * t + r)
+            x = torch.randn(8, 12, generator=g).to(device)
+            y = torch.randint(0, 3, (8,), generator=g).to(device)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
     return [p.detach().cpu() for p in module.parameters()]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_ddp_hook_with_ranks_sharing_a_device(ranks, device):
-    got = ranks(2).run(_hook, device)
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_ddp_hook_with_ranks_sharing_a_device(ranks, device, name):
+    got = ranks(2).run(_hook, device, name)
     for a, b in zip(got[1], got[0], strict=True):
         assert torch.equal(a, b)
+    # the hook's passes (C on a CPU, Triton on a GPU) bitwise its plain ops on the same device
+    for a, b in zip(got[0], ranks(2).run(_hook, device, name, True)[0], strict=True):
+        assert torch.equal(a, b)
     if device == "cuda":
-        for a, b in zip(got[0], ranks(2).run(_hook, "cpu")[0], strict=True):
+        for a, b in zip(got[0], ranks(2).run(_hook, "cpu", name)[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
