@@ -461,7 +461,7 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam | None, bucket, layo
         if "betas" in group:
             terms = None if fa is None else fa.terms(opt, p, name, group)
         else:
-            terms = _momentum_terms(opt, p, group, share)
+            terms = momentum_terms(opt, p, group, share)
         if terms is not None and terms[1].shape == grads[i].shape:
             found.append((i, *terms))
     if not found:
@@ -475,7 +475,7 @@ def frozen_terms(opt: torch.optim.Optimizer, fa: FrozenAdam | None, bucket, layo
     return d, [(offsets[i], offsets[i + 1], mi, factor) for i, _, mi, factor in found]
 
 
-def _momentum_terms(opt, p: torch.Tensor, group: dict, share="auto"):
+def momentum_terms(opt, p: torch.Tensor, group: dict, share="auto"):
     """``(None, momentum_buffer, factor)`` of an SGD's or a Muon's parameter (no denominator: 1; the
     factor times the hook's ``momentum_share``), None where its optimizer made no buffer yet, the group
     has no momentum or the share is 0."""

@@ -58,6 +58,7 @@ from ._frozen_adam import (
     frozen_pre_,
     frozen_terms,
     is_adam_type,
+    momentum_terms,
     step_counts,
 )
 from ._group import warn_collective
@@ -502,15 +503,14 @@ def _optimizer_terms(state: OnebitCompressHookState, bucket: dist.GradBucket, re
         entry, group = opt.state.get(p, {}), groups.get(id(p))
         if group is None:
             continue
-        v, buf = entry.get("exp_avg_sq"), entry.get("momentum_buffer")
+        v = entry.get("exp_avg_sq")
         if v is not None and v.shape == grads[i].shape:
             if read_adam:
                 rows.append((i, entry, group))
-        elif buf is not None and buf.shape == grads[i].shape and group.get("momentum", 0.0):
-            owner = _several.owner(opt, group)
-            factor = _momentum.factor(owner, group) * _momentum.share_of(owner, state.momentum_share)
-            if factor:
-                sgd.append((i, buf.detach(), factor))
+            continue
+        terms = momentum_terms(opt, p, group, state.momentum_share)  # (None, buffer, factor)
+        if terms is not None and terms[1].shape == grads[i].shape:
+            sgd.append((i, *terms[1:]))
     steps = [e.get("step", 0) for _, e, _ in rows]
     if rows and counts_on_device(steps, state._device_counts):  # kept on a GPU: used there, not read
         bc2s = [device_bc2(group["betas"][1], t)
