@@ -1,7 +1,10 @@
 """frozen_pre_ + post over one bucket of 4 parameters (16.8M float32), d from AdamW's exp_avg_sq
 (Denominators), the route beside the codec (a mesh's): median of 15 timed calls."""
-import statistics, sys, time
+import statistics
+import time
+
 import torch
+
 from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
 
 torch.manual_seed(0)
