@@ -17,6 +17,13 @@ from onebit.kernels.backends import STEPS, select, use_backend
 needs_c = pytest.mark.skipif("not cpu_simd.available()", reason="no C library here")
 
 
+@pytest.fixture(autouse=True)
+def _unforced(monkeypatch):
+    """These tests read the selection as it is without a forcing variable: a run of the suite with
+    ONEBIT_BACKEND set (the C capped at AVX2, say) leaves it out here (the tests that set it, set it)."""
+    monkeypatch.delenv("ONEBIT_BACKEND", raising=False)
+
+
 def test_every_backend_says_what_it_implements():
     assert set(backends.BACKENDS) == {"plain", "native", "triton"}
     assert backends.BACKENDS["plain"].steps == frozenset(STEPS)  # every step has a plain path
