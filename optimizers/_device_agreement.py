@@ -106,14 +106,6 @@ class DeviceAgreement:
             dist.all_reduce(self.poison, group=group)
         self.skipped |= torch.isnan(self.poison)
 
-    def keep_stage(self, st) -> None:
-        """:meth:`keep` for every bucket of a fused stage (kernels/fused/stage.py) at once, in place: each
-        gathered message stays, or the bucket's old one is copied over it where a scale is not finite."""
-        from ..kernels.fused.stage import keep_launches
-
-        for launch in keep_launches(st, self.skipped.view(torch.uint8)):
-            launch()
-
     def finish(self) -> None:
         """After the step: the flag on its way to the host (pinned memory, no wait)."""
         cuda = self.skipped.device.type == "cuda"

@@ -27,7 +27,7 @@ from ..collectives.telemetry import counting
 from ..kernels import backends
 from ..kernels.api import own_bfloat16
 from ..kernels.fused import adam, warmup, zero_one
-from ..kernels.fused.stage import Stage, StagePasses
+from ..kernels.fused.stage import Stage, StagePasses, keep_launches
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, layout_of, message_scales
 from ..kernels.rounding import widen
@@ -283,13 +283,16 @@ class AdamStep:
         passes = StagePasses(st, buffers, self._stage_launches(st, table, clip, agreement))
         with counting(reducer.traffic):
             gathered = compressed_allreduce_stage(layouts, reducer.group, passes, local=local)
-        if agreement is not None and self.MESSAGE:  # a skipped step keeps the old messages (the momentum)
-            agreement.keep_stage(st)
-        for b, g, layout in zip(live, gathered, layouts, strict=True):
+        if self.MESSAGE:  # each gathered message copied into the bucket's kept one (its buffer for good),
+            # not on a step skipped on the device (the kept message, the momentum, stays)
+            flag = None if agreement is None else agreement.skipped.view(torch.uint8)
+            for launch in keep_launches(st, flag):
+                launch()
+        for b, g, layout, old in zip(live, gathered, layouts, olds, strict=True):
             reducer.count_compressed(b)
             if self.RECORD:
                 self.messages[next(k for k, x in enumerate(reducer.buckets) if x is b)] = (g, layout)
-            if self.MESSAGE:
+            if self.MESSAGE and old is None:  # (the first kept message: the gathered one's buffer)
                 reducer.keep_as_message(b, g, layout)
 
     def _stage_launches(self, st, table: Table, clip: float, agreement):

@@ -147,10 +147,11 @@ def fused_launches(N: int, W: int):
 def stage_launches(W: int):
     """OnebitAdam's and ZeroOneAdam's fused passes over every bucket of a stage (onebit.kernels.fused.stage;
     sizes in its bucket table): float32 and bfloat16 errors, with and without the agreement on the device,
-    the synchronisation, and the kept messages' select."""
+    the synchronisation, and the kept messages' copy (gated, and not)."""
     T, f32, i32, i64 = MockTensor, torch.float32, torch.int32, torch.int64
     st = SimpleNamespace(table=T(i64, shape=[3, len(stage.FIELDS)]), map=T(i32), server_map=T(i32), lo=T(i32),
-                         hi=T(i32), partials=T(torch.float64), tickets=T(i32), W=W, P=17, Q=5, B=3)
+                         hi=T(i32), partials=T(torch.float64), tickets=T(i32), W=W, P=17, Q=5, B=3,
+                         layouts=[Layout(2**20, W)])
     table = mock_table(3, 2**20)
     for ebf16 in (False, True):
         for poison in (None, T(f32)):
@@ -170,8 +171,9 @@ def stage_launches(W: int):
             yield f"zoa stage, {'bf16' if ebf16 else 'fp32'} errors, agreed on the device", launch
     for launch in tz.wake_launches(st, mock_table(4, 2**20)):
         yield "zoa stage", launch
-    for launch in stage.keep_launches(st, T(torch.uint8)):
-        yield "stage", launch
+    for flag in (T(torch.uint8), None):
+        for launch in stage.keep_launches(st, flag):
+            yield "stage", launch
 
 
 def zoa_launches(N: int, W: int):

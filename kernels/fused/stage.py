@@ -231,25 +231,38 @@ def server_launches(stage: Stage, ebf16: bool) -> list:
 
 
 @jit
-def _stage_keep_kernel(bt_ptr, flag_ptr, W, GATE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    # program b: bucket b's gathered message stays, unless a scale is not finite: then its kept message
-    # (OLD) is copied over it and the flag (uint8) set (the step skipped on the device, issue 57)
-    b = tl.program_id(0)
+def _stage_keep_kernel(bt_ptr, flag_ptr, W, J, GATE: tl.constexpr, GATE_BLOCK: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # program b * J + j: bytes [j BLOCK, (j + 1) BLOCK) of bucket b's gathered message (GATH) copied into
+    # its kept message (OLD; none: 0, the caller keeps the gathered one). GATE: unless a gathered scale is
+    # not finite; then the kept message stays and the flag (uint8) is set (the step skipped on the
+    # device, issue 57)
+    q = tl.program_id(0)
+    b, j = q // J, q % J
     row = bt_ptr + b * _F
-    seg_bytes = field(row, SEG_BYTES)
+    size = W * field(row, SEG_BYTES)
     gath, old = tl.load(row + GATH), tl.load(row + OLD)
-    if not gathered_finite(row, W, GATE_BLOCK):
+    fine = True
+    if GATE:
+        fine = gathered_finite(row, W, GATE_BLOCK)
+    if fine:
         if old != 0:
-            dst, src = gath.to(tl.pointer_type(tl.uint8)), old.to(tl.pointer_type(tl.uint8))
-            size = W * seg_bytes
-            offs = tl.arange(0, BLOCK)
-            for a in range(0, size, BLOCK):
-                tl.store(dst + a + offs, tl.load(src + a + offs, mask=a + offs < size), mask=a + offs < size)
+            dst, src = old.to(tl.pointer_type(tl.uint8)), gath.to(tl.pointer_type(tl.uint8))
+            offs = j * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst + offs, tl.load(src + offs, mask=offs < size), mask=offs < size)
+    elif j == 0:
         tl.store(flag_ptr, 1)
 
 
-def keep_launches(stage: Stage, flag: torch.Tensor) -> list:
-    """Every bucket's gathered message kept as its momentum, or its old one where the step was skipped
-    (``flag``, uint8 [1] or a 0-dim bool viewed so, set to 1 then), in one launch."""
-    return [Launch(_stage_keep_kernel, stage.B, (stage.table, flag, stage.W),
-                   dict(GATE_BLOCK=128, BLOCK=1024), 4)]
+KEEP_BLOCK = 4096
+
+
+def keep_launches(stage: Stage, flag: torch.Tensor | None) -> list:
+    """Every bucket's gathered message copied into its kept one (the momentum: the same buffer every
+    step, what a captured step needs), in one launch; with ``flag`` (uint8 [1], or a 0-dim bool viewed
+    so), not where a gathered scale is not finite: the kept message stays and ``flag`` is set to 1."""
+    J = max(-(-lay.message_bytes // KEEP_BLOCK) for lay in stage.layouts)
+    gate = flag is not None
+    args = (stage.table, flag if gate else stage.tickets, stage.W, J)
+    return [Launch(_stage_keep_kernel, stage.B * J, args, dict(GATE=gate, GATE_BLOCK=128, BLOCK=KEEP_BLOCK),
+                   4)]
