@@ -235,7 +235,18 @@ def _message_buffer(sizes: list[int], layouts: list[Layout], device) -> list[tor
     return _slices(buf, sizes)
 
 
-def compressed_allreduce_stage(layouts: list[Layout], group, passes, *, local: bool | int = False) -> list:
+def stage_buffers(layouts: list[Layout], device) -> tuple[list, list, list, list]:
+    """:func:`compressed_allreduce_stage`'s messages for ``layouts`` (each kind one allocation cut per
+    layout): the worker's, the received, the served segments, the gathered."""
+    sizes = [lay.message_bytes for lay in layouts]
+    return (_message_buffer(sizes, layouts, device),
+            _slices(torch.empty(sum(sizes), dtype=torch.uint8, device=device), sizes),
+            _message_buffer([lay.segment_bytes for lay in layouts], layouts, device),
+            _slices(torch.empty(sum(sizes), dtype=torch.uint8, device=device), sizes))
+
+
+def compressed_allreduce_stage(layouts: list[Layout], group, passes, *, local: bool | int = False,
+                               buffers: tuple | None = None) -> list:
     """:func:`compressed_allreduce_passes` for several buffers at once (the buckets of a fused step's
     stage, one W, no block scales, arguments validated by the caller), their compute in launches that
     take every buffer at once: ``passes.worker(msgs, received, segments, gathered)`` (the call's
@@ -243,16 +254,13 @@ def compressed_allreduce_stage(layouts: list[Layout], group, passes, *, local: b
     writes each one's message, then the all-to-all per buffer, ``passes.serve()``, the all-gather per
     buffer and ``passes.finish()``. Each buffer's messages are its own (slices of one allocation per
     kind), so the bytes on the wire are the per-buffer calls'. Returns the gathered messages.
-    ``local``: as for :func:`compressed_allreduce_passes`."""
+    ``local``: as for :func:`compressed_allreduce_passes`. ``buffers``: the messages
+    (:func:`stage_buffers`), the same every call (a capturable step's); None: allocated per call."""
     W = int(local) if local else group_size(group)
     transport = LocalCopies(W) if local else None
     timer = CallTimer(passes.device)
-    sizes = [lay.message_bytes for lay in layouts]
     with timer.stage("codec"):
-        msgs = _message_buffer(sizes, layouts, passes.device)
-        received = _slices(torch.empty(sum(sizes), dtype=torch.uint8, device=passes.device), sizes)
-        segments = _message_buffer([lay.segment_bytes for lay in layouts], layouts, passes.device)
-        gathered = _slices(torch.empty(sum(sizes), dtype=torch.uint8, device=passes.device), sizes)
+        msgs, received, segments, gathered = buffers or stage_buffers(layouts, passes.device)
         passes.worker(msgs, received, segments, gathered)
     with timer.stage("comm", follows=True), guard("compressed_allreduce (all_to_all)", group):
         for recv, msg in zip(received, msgs, strict=True):

@@ -62,6 +62,8 @@ class CallTimer:
         if extra is not None and not any(sink is extra for sink in self.sinks):
             self.sinks.append(extra)
         self.cuda = device.type == "cuda"
+        # no timing while a CUDA graph is captured (events would be the graph's: telemetry stays outside)
+        self.off = self.cuda and torch.cuda.is_current_stream_capturing()
         # the stream, looked up once (a lookup per event cost more than the event on a GPU host)
         self._stream = torch.cuda.current_stream(device) if self.cuda else None
         self._t0 = 0.0
@@ -73,6 +75,8 @@ class CallTimer:
     def begin(self) -> None:
         """Start a stage (CPU: now; CUDA: an event on the call's stream, or the previous stage's
         end event when this stage follows it directly)."""
+        if self.off:
+            return
         if self.cuda:
             if self._follows and self._stop is not None:
                 self._event = self._stop
@@ -85,6 +89,8 @@ class CallTimer:
     def end(self, kind: str) -> None:
         """End the stage begun last and add its duration to ``kind`` ("codec", "comm", "full",
         "control")."""
+        if self.off:
+            return
         if self.cuda:
             stop = self._stop = torch.cuda.Event(enable_timing=True)
             stop.record(self._stream)

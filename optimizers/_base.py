@@ -36,6 +36,7 @@ from ..kernels._checks import check_betas, check_choice, check_fraction, check_n
 from ..kernels.layout import check_block
 from ..kernels.rounding import check_error_dtype
 from ._agreement import Agreement
+from ._capture import Counts, capturing
 from ._clip import clip_grads_
 from ._cohorts import Cohorts
 from ._copying import Copying
@@ -181,6 +182,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         self._device_agreement: bool | None = None
         self._pending_agreements: list = []
         self._on_device = None
+        self._counts = None  # a capturable step's counters on the device (optimizers/_capture.py)
         super().__init__(params, defaults)
         self.process_group = group
         # DTensor parameters (HSDP): compress across the mesh's replicate dimension, agree over
@@ -232,8 +234,10 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         """One update. ``check=True`` first verifies that all ranks agree (see verify_ranks).
         Non-finite gradients on any rank: see the ``nonfinite`` argument."""
         loss = closure_loss(closure)
-        # DTensor parameters: the maths runs on the local slices; a tensor lr read as a float
-        with local_params(self), float_lrs(self.param_groups):
+        # DTensor parameters: the maths runs on the local slices; a tensor lr read as a float (a
+        # capturable step reads it on the device)
+        lrs = contextlib.nullcontext() if self._wants_counts() else float_lrs(self.param_groups)
+        with local_params(self), lrs:
             self._step(check)
         if self._sharding is not None:  # FSDP all-reduces across replicas only when asked
             self._sharding.reduction.full(self.wants_averaged_gradients())
@@ -253,9 +257,25 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         self.reducer()
         return True
 
+    def _wants_counts(self) -> bool:
+        """Whether the next step is a capturable one (optimizers/_capture.py): OnebitAdam's, with
+        ``capturable=True``, in its compression stage."""
+        return False
+
+    def _check_capture(self) -> None:
+        """Called where a CUDA graph is being captured: raises unless this step can be (module _capture)."""
+        raise RuntimeError(f"{type(self).__name__}.step: a CUDA graph is being captured; this optimizer's "
+                           "step synchronises with the host (OnebitAdam(capturable=True) is capturable "
+                           "in its compression stage)")
+
     def _step(self, check: bool) -> None:
+        if self._counts is None and self._wants_counts():  # the host's counters exact, then on the device
+            self._resolve_device_agreement()
+            self._counts = Counts(self, self.reducer().device)
         # the earlier steps' flags that have arrived (all of them where the update count enters this step)
-        self._resolve_device_agreement(wait=self._counts_enter_update())
+        self._resolve_device_agreement(wait=self._counts_enter_update() and self._counts is None)
+        if capturing():
+            self._check_capture()
         if self._state_initialisation():
             return
         if not self._ddp_checked:
@@ -269,12 +289,20 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
             if check:
                 self.verify_ranks()
             agreement = self._agreement_on_device()
+            if agreement is None and self.nonfinite is not None and capturing():
+                raise RuntimeError(f"{type(self).__name__}.step: a CUDA graph is being captured, but this "
+                                   "step agrees on non-finite gradients on the host (the first compression "
+                                   "step, or settings the agreement on the device does not take: "
+                                   "docs/failures.md); capture a later step, or use nonfinite=None")
             if agreement is not None:  # no host synchronisation: a skip is learnt at the next step
                 self._on_device = agreement
                 try:
                     self._take_step()
                 finally:
                     self._on_device = None
+                if self._counts is not None:  # a capturable step: counted on the device
+                    self._counts.advance(agreement)
+                    return
                 agreement.finish()
                 self._pending_agreements.append(agreement)
                 return
@@ -290,6 +318,8 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
             if usable:
                 averaged = self._sharding is not None and self.wants_averaged_gradients()
                 self._take_step()
+                if self._counts is not None:
+                    self._counts.advance(None)
                 if averaged:
                     self._count_fsdp_all_reduce()
                 self._step_cohorts()
@@ -408,6 +438,9 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         only the flags that have arrived (the others stay pending: no wait for the device; a rank may then
         count a skip a step after another, where the count enters no arithmetic). The flags are the
         gathered messages', alike on every rank."""
+        counts = getattr(self, "_counts", None)
+        if wait and counts is not None:  # a capturable step's counters (one read)
+            counts.settle(self)
         pending = getattr(self, "_pending_agreements", [])
         while pending and (wait or pending[0].arrived()):
             agreement = pending.pop(0)

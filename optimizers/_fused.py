@@ -22,6 +22,7 @@ from ..collectives.allreduce import (
     compressed_allreduce,
     compressed_allreduce_passes,
     compressed_allreduce_stage,
+    stage_buffers,
 )
 from ..collectives.telemetry import counting
 from ..kernels import backends
@@ -31,6 +32,7 @@ from ..kernels.fused.stage import Stage, StagePasses, keep_launches
 from ..kernels.fused.table import Table
 from ..kernels.layout import Layout, empty_message, layout_of, message_scales
 from ..kernels.rounding import widen
+from ._capture import Scalars, constant_group
 
 _NOTHING = torch.empty(0, dtype=torch.float32)  # the C passes' flat where a kept message holds the values
 
@@ -164,12 +166,15 @@ class AdamStep:
     def _fill(self, opt, pairs, t: int, bucket, table: Table) -> None:
         self._fill_items(opt, pairs, t, bucket.indices, table)
 
-    def _fill_items(self, opt, pairs, t: int, indices, table: Table) -> None:
+    def _fill_items(self, opt, pairs, t: int, indices, table: Table, constant: bool = False) -> None:
+        """The table's addresses and scalar rows; ``constant``: the rows' learning-rate and bias-correction
+        columns left constant (a capturable step writes them on the device: optimizers/_capture.py)."""
         items = [(i, *pairs[i]) for i in indices]
         table.fill({"grad": [p.grad for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items]},
-                   [adam.rows(g, t, opt.denominator_scalars(i, g)) for i, _, g in items])
+                   [adam.rows(constant_group(g) if constant else g, t, opt.denominator_scalars(i, g))
+                    for i, _, g in items])
 
     def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, agreement=None):
         if self.backend == "native":
@@ -263,6 +268,7 @@ class AdamStep:
     def _stage(self):
         """(buckets, their layouts, their :class:`Stage`, one table over their tensors), made once."""
         if self.staged is None:
+            self.step_buffers = None  # a capturable step's messages (_stage_step)
             live = [b for b in self.reducer.buckets if b.numel]
             layouts = [Layout(b.worker_error.numel(), self._W(), None) for b in live]
             offsets = [o for b in live for o in b.offsets]
@@ -276,13 +282,23 @@ class AdamStep:
         """Every bucket's step, one launch per pass (stage.StagePasses), around each bucket's collectives."""
         reducer = self.reducer
         live, layouts, st, table = self._stage()
-        self._fill_items(opt, pairs, t, [i for b in live for i in b.indices], table)
+        indices = [i for b in live for i in b.indices]
+        counts = getattr(opt, "_counts", None)  # a capturable step (optimizers/_capture.py)
+        self._fill_items(opt, pairs, t, indices, table, constant=counts is not None)
+        if counts is not None:  # lr and the bias correction from the device, the messages the same buffers
+            key = [id(pairs[i][1]) for i in indices]
+            if getattr(self, "scalars", (None, None))[0] != key:
+                self.scalars = (key, Scalars([pairs[i][1] for i in indices], reducer.device))
+            self.scalars[1].write(table.scal, counts.updates + 1)
+            if self.step_buffers is None:
+                self.step_buffers = stage_buffers(layouts, reducer.device)
         olds = [b.message if b.flat is None else None for b in live]
         buffers = [(b.flat if old is None else None, None if old is None else old[0], b.worker_error,
                     b.server_error) for b, old in zip(live, olds, strict=True)]
         passes = StagePasses(st, buffers, self._stage_launches(st, table, clip, agreement))
         with counting(reducer.traffic):
-            gathered = compressed_allreduce_stage(layouts, reducer.group, passes, local=local)
+            gathered = compressed_allreduce_stage(layouts, reducer.group, passes, local=local,
+                                                  buffers=None if counts is None else self.step_buffers)
         if self.MESSAGE:  # each gathered message copied into the bucket's kept one (its buffer for good),
             # not on a step skipped on the device (the kept message, the momentum, stays)
             flag = None if agreement is None else agreement.skipped.view(torch.uint8)
@@ -292,8 +308,9 @@ class AdamStep:
             reducer.count_compressed(b)
             if self.RECORD:
                 self.messages[next(k for k, x in enumerate(reducer.buckets) if x is b)] = (g, layout)
-            if self.MESSAGE and old is None:  # (the first kept message: the gathered one's buffer)
-                reducer.keep_as_message(b, g, layout)
+            if self.MESSAGE and old is None:  # (the first kept message: the gathered one's buffer; a
+                # capturable step's gathered buffers are its own, the same every step)
+                reducer.keep_as_message(b, g if counts is None else g.clone(), layout)
 
     def _stage_launches(self, st, table: Table, clip: float, agreement):
         poison = None if agreement is None else agreement.poison
@@ -353,7 +370,7 @@ class ZeroOneStep(AdamStep):
     def _table_for(self, offsets: list[int], numels: list[int], device) -> Table:
         return zero_one.table(offsets, numels, device, sync=self.SYNC)
 
-    def _fill_items(self, opt, pairs, t: int, indices, table: Table) -> None:
+    def _fill_items(self, opt, pairs, t: int, indices, table: Table, constant: bool = False) -> None:
         items = [(i, *pairs[i]) for i in indices]
         table.fill({"grad": [p.grad for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
@@ -407,7 +424,7 @@ class ZeroOneSync(ZeroOneStep):
     SYNC = True
     RECORD = True  # ZeroOneAdam keeps the sync's messages at rest (ZeroOneAdam._rest)
 
-    def _fill_items(self, opt, pairs, t: int, indices, table: Table) -> None:
+    def _fill_items(self, opt, pairs, t: int, indices, table: Table, constant: bool = False) -> None:
         index = {id(g): i for i, g in enumerate(opt._own_groups())}
         items = [(i, *pairs[i]) for i in indices]
         table.fill({"sync_params": [opt.state[p]["sync_params"] for _, p, _ in items],

@@ -97,6 +97,7 @@ class StateIO:
 
     def _stash_loaded_state(self, state_dict: dict) -> dict:
         self._resolve_device_agreement()  # a skip agreed on the device belongs to the state being replaced
+        self._counts = None  # (a capturable step's: made again from the loaded counters)
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         # masks are configuration: the ones given at construction win over a checkpoint
@@ -154,6 +155,7 @@ class StateIO:
         """Restore :meth:`rank_state` now, and again at the next ``load_state_dict`` whose state
         has no ``"onebit"`` entry (torch's ``set_optimizer_state_dict`` loads one after DCP)."""
         self._resolve_device_agreement()
+        self._counts = None
         self._apply_rank_state(extra)
         if self._cohorts:
             self._restore_cohorts(extra.get("cohorts"))

@@ -44,6 +44,13 @@ class OnebitAdam(WarmupThenCompress):
     ``with opt.no_sync():``. Not with a GradScaler (it unscales after the send), nor with
     ``register_ddp_hook`` (DDP then owns the gradients). Costs one copy of each launched
     bucket per step (restored when a non-finite gradient skips the step).
+
+    ``capturable=True``: the compression stage's step, from its second step on, in the fused Triton
+    stage (a GPU), can be captured in a CUDA graph and replayed (optimizers/_capture.py): the update and
+    skip counts, the learning rate (give a tensor ``lr`` for a schedule) and the bias correction are read
+    on the device, the step's messages are kept between steps (about 0.5 B per parameter); ``updates``
+    and ``skipped_steps`` are read back by ``stats()`` and ``state_dict()``. Capturing any other step
+    raises a ``RuntimeError`` before it changes anything.
     """
 
     FLAT_STATE = ("exp_avg",)
@@ -73,6 +80,7 @@ class OnebitAdam(WarmupThenCompress):
         error_dtype: torch.dtype = torch.bfloat16,
         variance_dtype: torch.dtype | None = None,
         overlap: bool = False,
+        capturable: bool = False,
     ) -> None:
         self._options = options(locals())  # a cohort of groups added later is built with them
         defaults = adam_defaults(
@@ -86,6 +94,10 @@ class OnebitAdam(WarmupThenCompress):
         self.schedule = FreezeSchedule("freeze_step", freeze_step)
         self.freeze_step = freeze_step
         self.updates = 0
+        self.capturable = bool(capturable)
+        if self.capturable and overlap:
+            raise ValueError("capturable: expected overlap=False (the overlap's collectives start in "
+                             "backward, outside the step)")
         if overlap:
             self._enable_overlap(lambda: self.compressing, self._fold_one)
 
@@ -158,6 +170,23 @@ class OnebitAdam(WarmupThenCompress):
             self._observe_variance()
             if self.compressing:
                 self._enter_compression()
+
+    def _wants_counts(self) -> bool:
+        return self.capturable and self.compressing
+
+    def _check_capture(self) -> None:
+        """A captured step (optimizers/_capture.py): ``capturable=True``, the compression stage, the fused
+        Triton stage over momenta kept as messages."""
+        if not self.capturable:
+            super()._check_capture()
+        reducer = self.reducer()
+        pairs = self.compressed_params()
+        fused = self.compressing and _fused.applies(self, reducer, pairs)
+        plan = self._fused_plan(reducer) if fused else None
+        if plan is None or not plan._stages() or not plan.agrees_on_device():
+            raise RuntimeError("OnebitAdam.step: a CUDA graph is being captured; the capturable step is the "
+                               "compression stage's from its second step on, in the fused Triton stage "
+                               f"(now: the {self.stage} step after {self.updates} updates)")
 
     def _prepare_step(self) -> bool | None:
         """The fused native step's fold and encode, before the agreement (optimizers/_fused.py):

@@ -29,8 +29,8 @@ if has env; then
 fi
 if has tests; then
   # tests/test_cuda.py: Triton against the torch path and the float64 chain on CUDA tensors; the sync counts
-  # and the agreement on the device, the stage against the per-bucket launches, the hook's multi-tensor own step
-  # (issue 57); tests/test_ranks_on_one_gpu.py: 2-3 gloo ranks sharing the GPU
+  # and the agreement on the device, the stage against the per-bucket launches, the hook's multi-tensor own step,
+  # OnebitAdam(capturable=True)'s step captured in a CUDA graph and replayed (issue 57); tests/test_ranks_on_one_gpu.py: 2-3 gloo ranks sharing the GPU
   timeout 240 "$py" -P -m pytest -q -p no:cacheprovider -m cuda -n 8 tests/test_cuda.py tests/test_multi.py \
     tests/test_triton_fused.py tests/test_triton_fused_zoa.py tests/test_triton_hook.py tests/test_momentum_message.py \
     tests/test_rounding.py tests/test_bf16_codec.py tests/test_ranks_on_one_gpu.py tests/test_own_steps.py tests/test_warmup_fused.py \

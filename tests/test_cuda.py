@@ -469,3 +469,52 @@ def test_the_clip_sketch_on_the_gpu_is_the_plain_one_to_rounding(n):
         want = add_sums_(torch.zeros(2048, device="cuda"), x, h, "clip")
     scale = float(x.abs().max()) * max(1.0, (n / 1024) ** 0.5)
     assert float((got - want).abs().max()) <= 1e-5 * scale
+
+
+def test_a_captured_onebit_adam_step_replays_bitwise_the_eager_one():
+    # issue 57: OnebitAdam(capturable=True)'s compression step captured in a CUDA graph (one rank's whole
+    # compute, the collectives as copies) and replayed with new gradients, the bias correction, a tensor
+    # lr that ExponentialLR writes into, and a NaN gradient at one replay (skipped on the device): bitwise
+    # its eager twin (capturable too), within float32 rounding of the default optimizer (the device's
+    # pow), the counters read back by state_dict() the eager ones
+    from onebit.optimizers import OnebitAdam
+
+    shapes = ((300, 200), (77,), (1000,), (3, 5))
+
+    def make(capturable: bool):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+        opt = OnebitAdam(params, lr=torch.tensor(1e-3, device="cuda"), freeze_step=2, bucket_cap_mb=0.05,
+                         bias_correction=True, weight_decay=0.01, capturable=capturable)
+        opt.reducer().allreduce = _one_rank
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        return params, opt, torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+
+    runs = {name: make(name != "default") for name in ("default", "eager", "graph")}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    graph = torch.cuda.CUDAGraph()
+    for t in range(10):
+        grads = [torch.randn(p.shape, device="cuda", generator=g) for p in runs["default"][0]]
+        if t == 7:
+            grads[2][5] = float("nan")
+        for params, _, _ in runs.values():
+            for p, x in zip(params, grads, strict=True):
+                p.grad.copy_(x)
+        runs["default"][1].step()
+        runs["eager"][1].step()
+        if t < 4:
+            runs["graph"][1].step()
+        else:
+            if t == 4:
+                with torch.cuda.graph(graph):
+                    runs["graph"][1].step()
+            graph.replay()
+        for _, _, sched in runs.values():
+            sched.step()
+        torch.cuda.synchronize()
+        for a, b, c in zip(*(r[0] for r in runs.values()), strict=True):
+            assert torch.equal(b, c), t
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    counters = [(opt.state_dict(), opt.updates, opt.skipped_steps)[1:] for _, opt, _ in runs.values()]
+    assert counters[1] == counters[2] == (9, 1), counters

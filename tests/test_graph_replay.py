@@ -59,7 +59,7 @@ def test_the_emulator_lists_host_reads_and_python_data():
     assert rec.fresh == [(10,)]
 
 
-def _adam_replays(W, nonfinite, skip_at, steps=9, capture_at=4):
+def _adam_replays(W, nonfinite, skip_at, capturable=False, steps=9, capture_at=4):
     import torch.distributed as dist
 
     from onebit.kernels.backends import use_backend
@@ -67,16 +67,21 @@ def _adam_replays(W, nonfinite, skip_at, steps=9, capture_at=4):
 
     r = dist.get_rank()
 
-    def make():
+    def make(capture: bool):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(*s)) for s in ((40, 33), (7,), (64, 16), (3, 5, 11))]
-        opt = OnebitAdam(ps, lr=1e-2, freeze_step=2, bucket_cap_mb=0.004, nonfinite=nonfinite)
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.1, "betas": (0.8, 0.99)}]
+        # with capturable=True, the bias correction and a tensor lr that a scheduler writes into
+        lr = torch.tensor(1e-2) if capturable else 1e-2
+        opt = OnebitAdam(groups, lr=lr, freeze_step=2, bucket_cap_mb=0.004, nonfinite=nonfinite,
+                         bias_correction=capturable, capturable=capture)
         opt._device_agreement = nonfinite == "skip"  # (a GPU's default; here forced on the CPU)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.7) if capturable else None
         for p in ps:
             p.grad = torch.zeros_like(p)  # static gradients, refilled each step (a captured model's)
-        return ps, opt
+        return ps, opt, sched
 
-    (pa, a), (pb, b) = make(), make()
+    (pa, a, sa), (pb, b, sb) = make(False), make(capturable)
     g = torch.Generator().manual_seed(r)
     rec, rows = Recorder(), []
     with use_backend("triton"):
@@ -96,11 +101,15 @@ def _adam_replays(W, nonfinite, skip_at, steps=9, capture_at=4):
                     b.step()
             else:
                 rec.replay()
+            for sched in (sa, sb):
+                if sched is not None:
+                    sched.step()
             rows.append((t, stage, all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))))
-        sa, sb = a.state_dict()["state"], b.state_dict()["state"]  # the momenta materialised
-        moments = [torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in range(len(pa))]
+        sda, sdb = a.state_dict(), b.state_dict()  # the momenta materialised; b's counters read back
+    moments = [torch.equal(sda["state"][k]["exp_avg"], sdb["state"][k]["exp_avg"]) for k in range(len(pa))]
+    counters = ((a.updates, a.skipped_steps), (b.updates, b.skipped_steps))
     staged = b._fused_cache.staged is not None
-    return rows, moments, rec.reads, rec.launches, a.skipped_steps, staged
+    return rows, moments, rec.reads, rec.fresh, rec.launches, counters, staged
 
 
 @pytest.mark.parametrize("W, nonfinite", [(2, None), (3, "skip")])
@@ -110,13 +119,73 @@ def test_onebit_adams_compression_step_replays_bitwise_its_eager_steps(ranks, W,
     # its gathered buffer itself, and a replay read the capture's old message again (step 5 differed).
     skip_at = 6 if nonfinite else None
     out = ranks(W).run(_adam_replays, W, nonfinite, skip_at)
-    for rows, moments, reads, launches, skipped, staged in out:
+    for rows, moments, reads, _, launches, _, staged in out:
         assert staged and launches >= 5, (staged, launches)  # the Triton stage took the steps
         assert all(stage == "compression" for _, stage, _ in rows[2:]), rows
         assert all(same for _, _, same in rows), rows
         assert all(moments), moments
         if nonfinite is None:
             assert reads == [], reads
-        else:  # the previous step's skip flag, from (pinned) host memory; the skip at step 6 replayed
+        else:  # the previous step's skip flag, from (pinned) host memory
             assert len(reads) <= 1, reads
-            assert skipped == 1
+
+
+@pytest.mark.parametrize("W, nonfinite", [(2, None), (3, "skip")])
+def test_a_capturable_step_replays_bitwise_the_eager_steps_with_a_schedule_and_a_skip(ranks, W, nonfinite):
+    # OnebitAdam(capturable=True) (optimizers/_capture.py) against the default optimizer, both with the
+    # bias correction and a tensor lr that ExponentialLR writes into after every step: the replays follow
+    # the schedule and the step count on the device (without, both are the capture's: replays differ
+    # from step 5 on), a skip at a replayed step (3 ranks) is counted on the device; the captured step
+    # reads nothing back and writes no table from the host; the counters read back by state_dict()
+    skip_at = 6 if nonfinite else None
+    out = ranks(W).run(_adam_replays, W, nonfinite, skip_at, True)
+    for rows, moments, reads, fresh, launches, (host, device), staged in out:
+        assert staged and launches >= 5, (staged, launches)
+        assert all(same for _, _, same in rows), rows
+        assert all(moments), moments
+        assert reads == [] and fresh == [], (reads, fresh)
+        assert host == device == ((9, 0) if nonfinite is None else (8, 1)), (host, device)
+
+
+def _capture_refusals():
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from onebit.kernels.backends import use_backend
+    from onebit.optimizers import OnebitAdam, _base
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(40, 33)), torch.nn.Parameter(torch.randn(7))]
+    made = {flag: OnebitAdam(ps, lr=1e-2, freeze_step=2, capturable=flag) for flag in (False, True)}
+    for opt in made.values():
+        opt._device_agreement = True
+    g = torch.Generator().manual_seed(dist.get_rank())
+    said = []
+    with use_backend("triton"):
+        for t in range(4):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            for flag, opt in made.items():
+                before = [p.detach().clone() for p in ps]
+                with mock.patch.object(_base, "capturing", lambda: True):
+                    try:
+                        opt.step()
+                        said.append((t, flag, None))
+                    except RuntimeError as exc:
+                        said.append((t, flag, str(exc)))
+                        assert all(torch.equal(p, q) for p, q in zip(ps, before, strict=True))
+                if said[-1][2] is not None:
+                    opt.step()  # the same step, not captured
+    return said
+
+
+def test_a_step_that_cannot_be_captured_says_so_and_changes_nothing(ranks):
+    # a CUDA graph's capture (torch.cuda.is_current_stream_capturing, patched): without capturable=True,
+    # in the warm-up, and at the first compression step (its agreement on the host) the step raises
+    # before it changes anything; from the second compression step on a capturable one is taken
+    said = ranks(2).run(_capture_refusals)[0]
+    refused = {(t, flag) for t, flag, msg in said if msg is not None}
+    assert refused == {(0, False), (1, False), (2, False), (3, False), (0, True), (1, True), (2, True)}, said
+    assert all("capturable=True" in msg for t, flag, msg in said if msg is not None and not flag), said
+    assert all("compression stage" in msg for t, flag, msg in said if msg is not None and flag), said
