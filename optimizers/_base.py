@@ -236,7 +236,7 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         loss = closure_loss(closure)
         # DTensor parameters: the maths runs on the local slices; a tensor lr read as a float (a
         # capturable step reads it on the device)
-        lrs = contextlib.nullcontext() if self._wants_counts() else float_lrs(self.param_groups)
+        lrs = contextlib.nullcontext() if self._device_lrs() else float_lrs(self.param_groups)
         with local_params(self), lrs:
             self._step(check)
         if self._sharding is not None:  # FSDP all-reduces across replicas only when asked
@@ -260,6 +260,10 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
     def _wants_counts(self) -> bool:
         """Whether the next step is a capturable one (optimizers/_capture.py): OnebitAdam's, with
         ``capturable=True``, in its compression stage."""
+        return False
+
+    def _device_lrs(self) -> bool:
+        """Whether the next step reads a tensor ``lr`` on the device (a capturable step in Triton)."""
         return False
 
     def _check_capture(self) -> None:

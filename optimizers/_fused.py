@@ -56,6 +56,12 @@ def _backend(step: str, device, reducer) -> str | None:
     return None if name == "plain" else name
 
 
+def stage_backend(opt) -> bool:
+    """Whether ``opt``'s fused compression step would run in Triton (its stage, where it applies)."""
+    pairs = opt.compressed_params()
+    return bool(pairs) and backends.select(pairs[0][0].device, "adam").name == "triton"
+
+
 def _settings_ok(opt, reducer, pairs, overlap) -> bool:
     if opt.block is not None or reducer.mesh is not None or overlap:
         return False

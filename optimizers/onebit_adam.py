@@ -174,6 +174,9 @@ class OnebitAdam(WarmupThenCompress):
     def _wants_counts(self) -> bool:
         return self.capturable and self.compressing
 
+    def _device_lrs(self) -> bool:
+        return self._wants_counts() and _fused.stage_backend(self)
+
     def _check_capture(self) -> None:
         """A captured step (optimizers/_capture.py): ``capturable=True``, the compression stage, the fused
         Triton stage over momenta kept as messages."""

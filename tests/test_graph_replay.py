@@ -189,3 +189,42 @@ def test_a_step_that_cannot_be_captured_says_so_and_changes_nothing(ranks):
     assert refused == {(0, False), (1, False), (2, False), (3, False), (0, True), (1, True), (2, True)}, said
     assert all("capturable=True" in msg for t, flag, msg in said if msg is not None and not flag), said
     assert all("compression stage" in msg for t, flag, msg in said if msg is not None and flag), said
+
+
+def _capturable_eager(backend):
+    import torch.distributed as dist
+
+    from onebit.kernels.backends import use_backend
+    from onebit.optimizers import OnebitAdam
+
+    def make(flag: bool):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(40, 33)), torch.nn.Parameter(torch.randn(7))]
+        opt = OnebitAdam(ps, lr=torch.tensor(1e-2), freeze_step=2, bias_correction=True, capturable=flag)
+        opt._device_agreement = backend == "triton"
+        return ps, opt, torch.optim.lr_scheduler.ExponentialLR(opt, 0.8)
+
+    runs = [make(False), make(True)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    with use_backend(backend):
+        for t in range(7):
+            grads = [torch.randn(p.shape, generator=g) for p in runs[0][0]]
+            if t in (3, 5) and dist.get_rank() == 1:
+                grads[0][0, 0] = float("nan")
+            for ps, opt, sched in runs:
+                for p, x in zip(ps, grads, strict=True):
+                    p.grad = x.clone()
+                opt.step()
+                sched.step()
+    same = all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0], strict=True))
+    counters = [(opt.stats()["skipped_steps"], opt.updates) for _, opt, _ in runs]
+    return same, counters
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_capturable_run_eagerly_is_the_default_run(ranks, backend):
+    # capturable=True stepped eagerly: on the C (the host's counts and scalars; its counters on the device
+    # beside them) and in the Triton stage (the device's): bitwise the default optimizer, two skipped
+    # compression steps (in Triton the agreement on the device's) counted the same
+    for same, counters in ranks(2).run(_capturable_eager, backend):
+        assert same and counters[0] == counters[1] == (2, 5), counters

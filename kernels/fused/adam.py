@@ -75,7 +75,8 @@ def table(offsets: list[int], numels: list[int], device) -> Table:
 def rows(group: dict, t: int, denominator: tuple[float, float, float]) -> tuple[float, ...]:
     """A tensor's scalars at step ``t`` (``SCALARS``): its group's, then its stale denominator's
     ``(floor, r, eps)``."""
-    b1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
+    b1, lr, wd = group["betas"][0], float(group["lr"]), group["weight_decay"]  # (a capturable step's
+    # tensor lr outside the Triton stage: read here)
     bc1 = 1.0 - b1**t if group["bias_correction"] else 1.0
     return (b1, 1.0 - b1, 1.0 - lr * wd if wd else 1.0, -lr, bc1, *denominator)
 
