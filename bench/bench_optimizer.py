@@ -13,6 +13,8 @@ and the ratio; appends a CSV row per optimizer.
 
   python bench/bench_optimizer.py                       # CUDA if present, else CPU
   python bench/bench_optimizer.py --device cpu --blocks 8 --repeats 5
+  python bench/bench_optimizer.py --capture             # a GPU: OnebitAdam(capturable=True)'s step replayed
+                                                        # from a CUDA graph (issue 57)
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def build(name: str, args, device):
     if name == "zero_one_adam":  # phase 1: variance steps at t = 1, 2, 4, 8, ..., compressed steps between
         opt = ZeroOneAdam(params, lr=1e-4, weight_decay=0.01, var_freeze_step=10**6, var_update_scaler=1,
                           bucket_cap_mb=args.bucket_cap_mb, **kw)
+    elif args.capture:  # a tensor lr, as a schedule would give it (read on the device)
+        opt = OnebitAdam(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, freeze_step=1,
+                         bucket_cap_mb=args.bucket_cap_mb, capturable=True, **kw)
     else:
         opt = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=args.bucket_cap_mb,
                          **kw)
@@ -89,10 +94,18 @@ def build(name: str, args, device):
     return opt
 
 
-def time_steps(opt, device, repeats: int) -> list[float]:
-    for _ in range(2):
+def time_steps(opt, device, repeats: int, capture: bool = False) -> list[float]:
+    """Wall milliseconds of ``repeats`` steps after two (``capture``: three eager steps, the fourth captured
+    in a CUDA graph, then replays)."""
+    for _ in range(3 if capture else 2):
         opt.step()
-    return [wall_ms(opt.step, device) for _ in range(repeats)]
+    if not capture:
+        return [wall_ms(opt.step, device) for _ in range(repeats)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    graph.replay()
+    return [wall_ms(graph.replay, device) for _ in range(repeats)]
 
 
 def main() -> None:
@@ -117,8 +130,13 @@ def main() -> None:
     p.add_argument("--zero-one", action="store_true",
                    help="ZeroOneAdam's phase-1 compressed steps instead of OnebitAdam's (CPU fused passes: "
                         "optimizers/_fused.py; the medians skip its variance steps at t = 2^k)")
+    p.add_argument("--capture", action="store_true",
+                   help="OnebitAdam(capturable=True): its compression step captured in a CUDA graph, the "
+                        "replays timed (a GPU; against eager fused AdamW)")
     p.add_argument("--csv", default=os.path.join(os.path.dirname(__file__), "out", "optimizer.csv"))
     args = p.parse_args()
+    if args.capture and (args.device != "cuda" or args.zero_one or args.interleave or args.unfused):
+        p.error("--capture: a CUDA device, OnebitAdam, without --zero-one, --interleave, --unfused")
     kind = "zero_one_adam" if args.zero_one else "onebit_adam"
     device = torch.device(args.device)
     if args.unfused:
@@ -148,7 +166,7 @@ def main() -> None:
     for name in () if args.interleave else ("adamw_fused", kind):
         opt = build(name, args, device)
         n = sum(q.numel() for q in opt.param_groups[0]["params"])
-        times = time_steps(opt, device, args.repeats)
+        times = time_steps(opt, device, args.repeats, capture=args.capture and name == kind)
         results[name] = statistics.median(times)
         print(f"{name:12} {n / 1e6:.1f}M parameters: {results[name]:9.2f} ms/step (median of {len(times)})",
               file=sys.stderr)
@@ -158,6 +176,7 @@ def main() -> None:
     meta = provenance(device)
     tag = "_unfused" if args.unfused else ""
     tag += "_interleaved" if args.interleave else ""
+    tag += "_captured" if args.capture else ""
     rows = [{**meta, "parameters": n, "world": args.world, "bucket_mb": args.bucket_cap_mb,
              "error_dtype": args.error_dtype, "variance_dtype": args.variance_dtype,
              "optimizer": name + (tag if name != "adamw_fused" else ""),

@@ -51,6 +51,11 @@ if has optimizer; then
     timeout 90 "$py" bench/bench_optimizer.py --device cuda $mode --csv "$OUT/optimizer-cuda.csv" 2>&1 \
       | tee -a "$OUT/optimizer.log"
   done
+  # OnebitAdam(capturable=True)'s compression step replayed from a CUDA graph, 25 MB and 100 MB buckets (issue 57)
+  for mb in 25 100; do
+    timeout 90 "$py" bench/bench_optimizer.py --device cuda --capture --bucket-cap-mb $mb \
+      --csv "$OUT/optimizer-cuda.csv" 2>&1 | tee -a "$OUT/optimizer.log"
+  done
   # ZeroOneAdam's phase 1 (its fused Triton passes against unfused, interleaved)
   timeout 90 "$py" bench/bench_optimizer.py --device cuda --zero-one --interleave --csv "$OUT/optimizer-cuda.csv" \
     2>&1 | tee -a "$OUT/optimizer.log"
