@@ -13,8 +13,9 @@ first compression step on:
   table, written on the device from the device step count and the group's ``lr`` (a tensor ``lr`` is
   read where it lives, so a scheduler that writes into it is followed; a float ``lr`` is the one of the
   capture, as in torch's capturable Adam): :class:`Scalars`;
-- the step's messages are buffers of the step's plan, the same every step (a step's tables name them),
-  at N/8 bytes per element each of four, ~0.5 B per parameter kept between steps;
+- the step's messages are buffers of the step's plan, the same every step (a step's tables name them:
+  the worker's, the received and the gathered, N/8 bytes each, the served segment N/(8W)): (3 + 1/W)/8,
+  0.38-0.44 B per parameter at W >= 2, kept between steps (tests/test_graph_replay.py counts it);
 - the momentum kept as its message is one buffer for good (kernels/fused/stage.py's keep pass);
 - the telemetry's timers are off while a graph is captured (its byte counts are the captured step's).
 

@@ -109,7 +109,10 @@ def _adam_replays(W, nonfinite, skip_at, capturable=False, steps=9, capture_at=4
     moments = [torch.equal(sda["state"][k]["exp_avg"], sdb["state"][k]["exp_avg"]) for k in range(len(pa))]
     counters = ((a.updates, a.skipped_steps), (b.updates, b.skipped_steps))
     staged = b._fused_cache.staged is not None
-    return rows, moments, rec.reads, rec.fresh, rec.launches, counters, staged
+    from onebit.memory import bytes_per_parameter
+
+    extra = bytes_per_parameter(b) - bytes_per_parameter(a)  # the capturable step's kept messages
+    return rows, moments, rec.reads, rec.fresh, rec.launches, counters, (staged, extra)
 
 
 @pytest.mark.parametrize("W, nonfinite", [(2, None), (3, "skip")])
@@ -119,8 +122,9 @@ def test_onebit_adams_compression_step_replays_bitwise_its_eager_steps(ranks, W,
     # its gathered buffer itself, and a replay read the capture's old message again (step 5 differed).
     skip_at = 6 if nonfinite else None
     out = ranks(W).run(_adam_replays, W, nonfinite, skip_at)
-    for rows, moments, reads, _, launches, _, staged in out:
+    for rows, moments, reads, _, launches, _, (staged, extra) in out:
         assert staged and launches >= 5, (staged, launches)  # the Triton stage took the steps
+        assert extra == 0.0, extra
         assert all(stage == "compression" for _, stage, _ in rows[2:]), rows
         assert all(same for _, _, same in rows), rows
         assert all(moments), moments
@@ -139,8 +143,11 @@ def test_a_capturable_step_replays_bitwise_the_eager_steps_with_a_schedule_and_a
     # reads nothing back and writes no table from the host; the counters read back by state_dict()
     skip_at = 6 if nonfinite else None
     out = ranks(W).run(_adam_replays, W, nonfinite, skip_at, True)
-    for rows, moments, reads, fresh, launches, (host, device), staged in out:
+    for rows, moments, reads, fresh, launches, (host, device), (staged, extra) in out:
         assert staged and launches >= 5, (staged, launches)
+        # its four kinds of messages kept: (3 + 1/W) / 8 bytes per element, + the scales and padding of
+        # these small buckets (+ 16 bytes of counters)
+        assert (3 + 1 / W) / 8 < extra < (3 + 1 / W) / 8 + 0.1, extra
         assert all(same for _, _, same in rows), rows
         assert all(moments), moments
         assert reads == [] and fresh == [], (reads, fresh)
