@@ -475,8 +475,9 @@ def test_a_captured_onebit_adam_step_replays_bitwise_the_eager_one():
     # issue 57: OnebitAdam(capturable=True)'s compression step captured in a CUDA graph (one rank's whole
     # compute, the collectives as copies) and replayed with new gradients, the bias correction, a tensor
     # lr that ExponentialLR writes into, and a NaN gradient at one replay (skipped on the device): bitwise
-    # its eager twin (capturable too), within float32 rounding of the default optimizer (the device's
-    # pow), the counters read back by state_dict() the eager ones
+    # its eager twin (capturable too; its steady steps synchronise nothing under torch's sync debug
+    # mode), within float32 rounding of the default optimizer (the device's pow), the counters read back
+    # by state_dict() the eager ones
     from onebit.optimizers import OnebitAdam
 
     shapes = ((300, 200), (77,), (1000,), (3, 5))
@@ -502,7 +503,12 @@ def test_a_captured_onebit_adam_step_replays_bitwise_the_eager_one():
             for p, x in zip(params, grads, strict=True):
                 p.grad.copy_(x)
         runs["default"][1].step()
-        runs["eager"][1].step()
+        if t >= 4:  # a steady capturable step, eager: no host synchronisation at all (issue 57)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            runs["eager"][1].step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         if t < 4:
             runs["graph"][1].step()
         else:
