@@ -19,6 +19,10 @@ first compression step on:
 - the momentum kept as its message is one buffer for good (kernels/fused/stage.py's keep pass);
 - the telemetry's timers are off while a graph is captured (its byte counts are the captured step's).
 
+What can be captured: the fused Triton stage's step (a GPU) from the second compression step on, with
+the non-finite agreement on the device (``nonfinite="skip"``, a GPU's default) or none (``nonfinite=None``);
+capturing any other step raises a ``RuntimeError`` before it changes anything.
+
 The scalars are computed in float64 and rounded to float32 as the host computes them: bitwise the
 host's on a CPU; on a GPU the device's ``pow`` may round ``b1^t`` differently in its last float64 bit.
 Checked without a GPU by tests/test_graph_replay.py (the replay emulated on the CPU); with a real graph
