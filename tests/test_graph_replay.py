@@ -59,6 +59,17 @@ def test_the_emulator_lists_host_reads_and_python_data():
     assert rec.fresh == [(10,)]
 
 
+def _step_captured(opt, rec: Recorder, t: int, at: int) -> None:
+    """``opt``'s step ``t``: eager before ``at``, recorded at ``at``, the recording replayed after."""
+    if t < at:
+        opt.step()
+    elif t == at:
+        with rec.record():
+            opt.step()
+    else:
+        rec.replay()
+
+
 def _adam_replays(W, nonfinite, skip_at, capturable=False, steps=9, capture_at=4):
     import torch.distributed as dist
 
@@ -94,13 +105,7 @@ def _adam_replays(W, nonfinite, skip_at, capturable=False, steps=9, capture_at=4
                     p.grad.copy_(x)
             stage = a.stage
             a.step()
-            if t < capture_at:
-                b.step()
-            elif t == capture_at:
-                with rec.record():
-                    b.step()
-            else:
-                rec.replay()
+            _step_captured(b, rec, t, capture_at)
             for sched in (sa, sb):
                 if sched is not None:
                     sched.step()
@@ -269,13 +274,7 @@ def _capturable_resume(W):
         for t in range(6):  # eager, then captured at 4, replayed at 5 with a skip
             feed(pa, pb, nan=t == 5)
             a.step()
-            if t < 4:
-                b.step()
-            elif t == 4:
-                with rec.record():
-                    b.step()
-            else:
-                rec.replay()
+            _step_captured(b, rec, t, 4)
         saved = b.state_dict()  # the counters read back; a new capturable optimizer resumes from it
         (pc, c) = make(True, seed=1)
         with torch.no_grad():
@@ -286,13 +285,7 @@ def _capturable_resume(W):
         for t in range(6, 11):  # eager, captured again at 8, replayed
             feed(pa, pc)
             a.step()
-            if t < 8:
-                c.step()
-            elif t == 8:
-                with rec2.record():
-                    c.step()
-            else:
-                rec2.replay()
+            _step_captured(c, rec2, t, 8)
             same.append(all(torch.equal(x, y) for x, y in zip(pa, pc, strict=True)))
         sda, sdc = a.state_dict(), c.state_dict()
     moments = all(torch.equal(sda["state"][k]["exp_avg"], sdc["state"][k]["exp_avg"]) for k in range(2))
