@@ -11,6 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import fast_interpreter  # noqa: E402
+
+fast_interpreter.install()  # the interpreter without its repeated patching (the ranks: helpers.py)
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(

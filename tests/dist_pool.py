@@ -1,7 +1,8 @@
 """A pool of W gloo ranks that run test bodies on request.
 
-The ranks are forked from a forkserver that imported torch, onebit and the test helpers once:
-a spawned rank would import them itself (3-5 s of CPU each), which made a pool that the LRU
+The ranks are forked from a forkserver that imported torch and onebit once (Python 3.11's
+forkserver preloads without the parent's ``sys.path``: the tests' own modules are imported by each
+rank): a spawned rank would import them itself (3-5 s of CPU each), which made a pool that the LRU
 bound in conftest.py closed and reopened cost seconds per test. Each world size's pool is
 reused for the test session. Rendezvous through a ``file://`` in a fresh temp dir (no port).
 A body is a module-level function ``fn(*args)`` run on every rank; its return values come
@@ -22,13 +23,16 @@ import traceback
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "onebit", "helpers"])
+# (torch._dynamo: every optimizer's constructor imports it, 1 s of CPU per rank)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "onebit"])
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+    import fast_interpreter
     import torch
     import torch.distributed as dist
 
+    fast_interpreter.install()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,

@@ -1,0 +1,66 @@
+"""The Triton interpreter without its repeated patching: the same execution, a third less CPU.
+
+Under ``TRITON_INTERPRET=1`` a launch (``GridExecutor.__call__``) patches ``triton.language`` with
+the interpreter's builtins and restores it when the grid is done. Every call of a ``@triton.jit``
+helper *inside* the launch (``InterpretedFunction.__call__``) patches the language again, walking
+every member of ``tl``, ``tl.tensor``, ``tl.math`` and ``tl.core`` with ``inspect.getmembers``: the
+builtins it finds are already the patched ones (not builtins any more, so left as they are), and the
+rest it sets to the same closures again. The kernels call their helpers thousands of times per step,
+and that walk was 28% of an interpreted optimizer step's CPU (profiled on ZeroOneAdam, 2 ranks).
+
+:func:`install` skips the walk for a helper call inside a launch whose patch already covers the
+helper's language modules (the same objects: ``tl`` and ``tl.core`` are process-wide); everything
+else, the launch's own patch and restore included, runs as the interpreter has it. The kernels'
+results are unchanged: the suite's bitwise tests run through it. A Triton whose interpreter lacks
+these names is left alone (slower, the same results).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def install() -> bool:
+    """Install the shortcut if the interpreter is on and has the expected shape; True if installed."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    if getattr(ti, "_onebit_fast", False):
+        return True
+    needed = ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")
+    if not all(hasattr(ti, name) for name in needed):
+        return False
+    real_patch, real_launch = ti._patch_lang, ti.GridExecutor.__call__
+    active: list[list] = []  # per launch in progress: [the language modules patched, patched yet]
+
+    def langs(fn) -> set:
+        return set(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def patch_lang(fn):
+        if active and active[-1][1] and langs(fn) <= active[-1][0]:
+            return ti._LangPatchScope()  # already patched by the launch (nothing to restore)
+        scope = real_patch(fn)
+        if active:  # the launch's own patch (GridExecutor.__call__'s first call), or a helper's whose
+            # modules it did not cover (``tl.sum``'s module sees ``tl.core`` alone): patched now for the
+            # rest of the launch (a helper's patch is never restored, by the interpreter either)
+            active[-1][0] |= langs(fn)
+            active[-1][1] = True
+        return scope
+
+    @functools.wraps(real_launch)
+    def launch(self, *args, **kwargs):
+        active.append([set(), False])
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            active.pop()
+
+    ti._patch_lang = patch_lang
+    ti.GridExecutor.__call__ = launch
+    ti._onebit_fast, ti._onebit_real_patch = True, real_patch  # (the latter for the test of this module)
+    return True
