@@ -58,6 +58,9 @@ def run_script(tmp_path, code: str, *args: str, launcher: str = "zygote", name: 
 
 
 FOREIGN = "loaded an optimizer state saved by another rank"
+# the pages' scripts evaluate 200,000 held-out bytes (25 batches of 64 windows): 200 windows here, a
+# third of a short run's time
+HELD_OUT = ("--held-out", "25600")
 
 
 def _last_stdout(tmp_path) -> str:
@@ -67,7 +70,8 @@ def _last_stdout(tmp_path) -> str:
 def test_hf_trainer_onebit_adam_resumes_exactly_from_its_own_checkpoint(tmp_path):
     # the Trainer's default clipping (max_grad_norm=1.0) is on; freeze at 6 of 20 steps
     code = page_script("hf-trainer.md")
-    common = ("--optimizer", "onebit-adam", "--steps", "20", "--freeze-step", "6", "--save-steps", "10")
+    common = ("--optimizer", "onebit-adam", "--steps", "20", "--freeze-step", "6", "--save-steps", "10",
+              *HELD_OUT)
     whole, err = run_script(tmp_path, code, *common, "--output-dir", "whole")
     assert whole["same"] and whole["sent"] > 0 and whole["loss"] < 4.0, whole  # ln 256 = 5.55 untrained
     assert (tmp_path / "whole/checkpoint-10/onebit/step000000010/rank00001.pt").is_file()
@@ -89,8 +93,8 @@ def test_hf_trainer_onebit_adam_resumes_exactly_from_its_own_checkpoint(tmp_path
 
 def test_hf_trainer_adamw_gets_the_compression_hook(tmp_path):
     # freeze_step 4 (a quarter), 12 compressed steps
-    got, _ = run_script(tmp_path, page_script("hf-trainer.md"), "--optimizer", "adamw", "--steps", "16",
-                        "--save-steps", "1000")
+    got, _ = run_script(tmp_path, page_script("hf-trainer.md"), *HELD_OUT, "--optimizer", "adamw",
+                        "--steps", "16", "--save-steps", "1000")
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
 
 
@@ -102,7 +106,7 @@ def test_hf_trainer_muon_with_adamw_as_one_optimizer_gets_the_hook_and_resumes_e
     # resume it bitwise, from after the freeze (6) or from its eve (3: Muon's early errors saved with a
     # bucket that also holds AdamW's parameters seed that bucket's error at the freeze)
     code = page_script("hf-trainer.md")
-    common = ("--optimizer", "muon", "--steps", "12", "--save-steps", str(half))
+    common = ("--optimizer", "muon", "--steps", "12", "--save-steps", str(half), *HELD_OUT)
     whole, _ = run_script(tmp_path, code, *common, "--output-dir", "whole")
     assert whole["same"] and whole["sent"] > 0 and whole["loss"] < 4.5, whole  # ln 256 = 5.55 untrained
     shutil.copytree(tmp_path / f"whole/checkpoint-{half}", tmp_path / "resumed" / f"checkpoint-{half}")
@@ -116,7 +120,7 @@ def test_hf_trainer_adamw_behind_the_hook_resumes_exactly_on_the_freezes_eve(tmp
     # compressed iteration runs on the fresh DDP's first bucket layout, which the hook sends as the
     # buckets of the run before the checkpoint (the state's plan): bitwise the uninterrupted run
     code = page_script("hf-trainer.md")
-    common = ("--optimizer", "adamw", "--steps", "12", "--save-steps", "3")
+    common = ("--optimizer", "adamw", "--steps", "12", "--save-steps", "3", *HELD_OUT)
     whole, _ = run_script(tmp_path, code, *common, "--output-dir", "whole")
     assert whole["same"] and whole["sent"] > 0, whole
     shutil.copytree(tmp_path / "whole/checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
@@ -174,8 +178,9 @@ def test_lightning_trains_with_the_callback_on_cpu(tmp_path, optimizer):
     # AdamW as the page says to run it (Lightning starts the second rank itself); OnebitAdam, and
     # Muon + AdamW as one Combined optimizer from configure_optimizers, on ranks started as torchrun
     # starts them (Lightning then takes the ranks it is given)
-    got, _ = run_script(tmp_path, page_script("lightning.md"), "--optimizer", optimizer, "--steps", "20",
-                        "--freeze-step", "6", launcher="python" if optimizer == "adamw" else "zygote")
+    got, _ = run_script(tmp_path, page_script("lightning.md"), *HELD_OUT, "--optimizer", optimizer,
+                        "--steps", "20", "--freeze-step", "6",
+                        launcher="python" if optimizer == "adamw" else "zygote")
     assert got["same"] and got["sent"] > 0 and got["loss"] < 4.0, got  # ln 256 = 5.55 untrained
 
 
