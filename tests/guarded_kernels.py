@@ -19,11 +19,14 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import fast_interpreter  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onebit.kernels import Layout, decompress, padded_numel, server_reduce, worker_compress  # noqa: E402
 from onebit.kernels.layout import empty_message  # noqa: E402
+
+fast_interpreter.install()  # (the interpreter's own patching skipped where it repeats itself)
 
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
