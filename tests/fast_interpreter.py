@@ -12,7 +12,8 @@ and that walk was 28% of an interpreted optimizer step's CPU (profiled on ZeroOn
 helper's language modules (the same objects: ``tl`` and ``tl.core`` are process-wide); everything
 else, the launch's own patch and restore included, runs as the interpreter has it. The kernels'
 results are unchanged: the suite's bitwise tests run through it. A Triton whose interpreter lacks
-these names is left alone (slower, the same results).
+these names is left alone (slower, the same results). Like the interpreter itself (it patches the
+language process-wide), this assumes one launch at a time in a process.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ def install() -> bool:
         return set(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
 
     def patch_lang(fn):
-        if active and active[-1][1] and langs(fn) <= active[-1][0]:
+        seen = langs(fn)  # (none: the interpreter's own patch raises "must be visible": let it)
+        if seen and active and active[-1][1] and seen <= active[-1][0]:
             return ti._LangPatchScope()  # already patched by the launch (nothing to restore)
         scope = real_patch(fn)
         if active:  # the launch's own patch (GridExecutor.__call__'s first call), or a helper's whose
             # modules it did not cover (``tl.sum``'s module sees ``tl.core`` alone): patched now for the
             # rest of the launch (a helper's patch is never restored, by the interpreter either)
-            active[-1][0] |= langs(fn)
+            active[-1][0] |= seen
             active[-1][1] = True
         return scope
 
