@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import fast_interpreter  # noqa: E402
 
-fast_interpreter.install()  # the interpreter without its repeated patching (the ranks: helpers.py)
+fast_interpreter.install()  # the interpreter without its repeated patching (the ranks: dist_pool.py)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

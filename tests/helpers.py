@@ -8,7 +8,6 @@ import io
 import math
 from pathlib import Path
 
-import fast_interpreter
 import torch
 import torch.distributed as dist
 
@@ -16,8 +15,6 @@ from onebit.collectives import local_compressed_allreduce
 from onebit.kernels.backends import use_backend
 from onebit.kernels.preconditioning import inverse_sqrt_bc2, stale_denominator
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
-
-fast_interpreter.install()  # (in a process that imports the helpers without conftest.py)
 
 FUSED_STEPS = ("adam", "zoa", "local")  # the optimizers' fused steps (onebit.kernels.backends.STEPS)
 
