@@ -328,14 +328,19 @@ class BucketedReducer:
         self.traffic.intra += intra_bytes(s, h)
 
     def average(
-        self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True
+        self, bucket: Bucket, tensors: Sequence[torch.Tensor | None], communicate: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Full-precision mean over the group of ``tensors`` (one per index of ``bucket``;
-        None counts as zeros), as a flat float32 view of the scratch buffer. Without
-        ``communicate`` the tensors are taken as already averaged (a DDP hook did it)."""
-        if self._scratch is None:
-            self._scratch = torch.empty(self._largest, dtype=torch.float32, device=self._device)
-        out = self._scratch[: bucket.numel]
+        None counts as zeros), as a flat float32 view of the scratch buffer (``out``: of that buffer,
+        float32 of at least ``bucket.numel`` elements, instead). Without ``communicate`` the tensors
+        are taken as already averaged (a DDP hook did it)."""
+        if out is not None:
+            out = out[: bucket.numel]
+        else:
+            if self._scratch is None:
+                self._scratch = torch.empty(self._largest, dtype=torch.float32, device=self._device)
+            out = self._scratch[: bucket.numel]
         dst, src = [], []
         for t, off, size in zip(tensors, bucket.offsets, bucket.numels, strict=True):
             if t is None:

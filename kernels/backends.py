@@ -12,17 +12,18 @@ Each layer asks :func:`select` once per call, for its device and the step it is 
 and runs that backend's implementation of the whole step, or its plain path where the answer is
 ``plain``. The steps (what a backend implements beyond the codec):
 
-========== ==============================================================================
-``codec``  worker compress, server reduce, decompress (``onebit.kernels.api``)
-``adam``   OnebitAdam's compression step in the codec's passes (``kernels/fused/adam.py``)
-``zoa``    ZeroOneAdam's phase-1 step and phase-2 synchronisation in the codec's passes
-``local``  ZeroOneAdam's phase-2 local step over every parameter at once
-``warmup`` OnebitAdam's warm-up update over a bucket (``kernels/fused/warmup.py``)
-``hook``   the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective
-``tensor`` the optimizers' per-tensor element-wise passes (``onebit.kernels.cpu_fused``)
-``sketch`` OnebitLamb's count sketch with its hashed index (``onebit.kernels.sketch``)
-``clip``   the hooks' count sketch of a bucket for the clip's norm (the same index, sums in any order)
-========== ==============================================================================
+============ ==============================================================================
+``codec``    worker compress, server reduce, decompress (``onebit.kernels.api``)
+``adam``     OnebitAdam's compression step in the codec's passes (``kernels/fused/adam.py``)
+``zoa``      ZeroOneAdam's phase-1 step and phase-2 synchronisation in the codec's passes
+``local``    ZeroOneAdam's phase-2 local step over every parameter at once
+``variance`` ZeroOneAdam's phase-1 variance step: the moments over each bucket, the stale step over all
+``warmup``   OnebitAdam's warm-up update over a bucket (``kernels/fused/warmup.py``)
+``hook``     the DDP / FSDP hooks' ``freeze_step`` passes before and after the collective
+``tensor``   the optimizers' per-tensor element-wise passes (``onebit.kernels.cpu_fused``)
+``sketch``   OnebitLamb's count sketch with its hashed index (``onebit.kernels.sketch``)
+``clip``     the hooks' count sketch of a bucket for the clip's norm (the same index, sums in any order)
+============ ==============================================================================
 
 Forcing one: ``with use_backend("plain"):`` (this thread, inside the block), or the environment
 variable ``ONEBIT_BACKEND=plain|native|triton`` (the process). ``use_backend(name, steps=...)``
@@ -54,7 +55,7 @@ from ._warn import warn_user
 __all__ = ["BACKENDS", "ENV", "ISA_LEVELS", "ROUTES", "STEPS", "Backend", "forced", "native_isa", "route",
            "select", "use_backend", "use_routes"]
 
-STEPS = ("codec", "adam", "zoa", "local", "warmup", "hook", "tensor", "sketch", "clip")
+STEPS = ("codec", "adam", "zoa", "local", "variance", "warmup", "hook", "tensor", "sketch", "clip")
 _OLD_ENV = (("ONEBIT_CPU_CODEC", "torch"), ("ONEBIT_CPU_SIMD", "off"))
 ROUTES = {  # a route inside a backend, on by default: what turning it off runs instead
     "stage": "Triton: a fused step's buckets one launch per pass (off: one launch per bucket and pass)",
@@ -105,7 +106,8 @@ BACKENDS: dict[str, Backend] = {
     "native": Backend("native", frozenset(("codec", "adam", "zoa", "hook", "tensor", "sketch", "clip")),
                       _native_available,
                       "the C library on CPU tensors (AVX-512, AVX2 + FMA or portable C)"),
-    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "warmup", "hook", "clip")),
+    "triton": Backend("triton", frozenset(("codec", "adam", "zoa", "local", "variance", "warmup", "hook",
+                                           "clip")),
                       _triton_available,
                       "the Triton kernels on CUDA tensors (CPU tensors: forced, under TRITON_INTERPRET=1)"),
 }

@@ -167,7 +167,8 @@ class OnebitOptimizerBase(Cohorts, Copying, Agreement, StateIO, VarianceState, T
         self.update_clip = check_number("update_clip", update_clip, low_open=True, optional=True)
         self.variance_dtype = check_variance_dtype(variance_dtype, self.compression)
         self._floors: list[torch.Tensor | None] | None = None  # per compressed param; from v
-        self._floor_values: list[float] | None = None  # the floors on the host (the fused tables')
+        self._floor_values: list[float] | None = None  # the floors on the host (the C passes')
+        self._floor_columns: dict = {}  # the fused tables' floor columns, on the device (floor_column)
         self._masks: list[torch.Tensor | None] | None = None  # per compressed param; from v
         self.masked_coordinates = 0
         self._mask_warned = False

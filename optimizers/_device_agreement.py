@@ -23,7 +23,11 @@ the verdict never leaves the device:
 ZeroOneAdam's phase-1 compressed steps agree as OnebitAdam's do, in its fused Triton passes: the poison in
 the worker pass, the decompress pass gated by the gathered scales (momenta, parameters and errors left as
 they were) and setting the flag itself (:meth:`flag`: no message is kept, nothing to select); the host's
-counters are kept before the step (``snapshot``) and put back when the skip is learnt.
+counters are kept before the step (``snapshot``) and put back when the skip is learnt. Its phase-1
+variance steps (full precision, in Triton: ``optimizers/_fused.py`` ``VarianceStep``) agree as the
+warm-up's below: the poison summed over the ranks, each bucket's moments and then the stale step of every
+parameter one launch each, gated by it; the floors of the changed variance reach the fused tables on the
+device (``floor_column``), never the host.
 
 ZeroOneAdam's phase-2 steps but the first agree on the device too: the local step has no collective of its
 own to carry a poison, so it is summed over the ranks on the device (``all_reduce``, nothing read back) and
@@ -50,11 +54,11 @@ Where it applies: ``nonfinite="skip"`` outside a GradScaler, the fused Triton st
 kept as messages (from the second compressed step on), no ``non_freeze`` group, no cohort, no
 ``overlap``; OnebitAdam's warm-up steps but the last (a fixed ``freeze_step``); ZeroOneAdam's phase-1
 compressed steps (a fixed ``var_freeze_step``) and its phase-2 steps but the first (the local step one
-Triton launch, a synchronisation in the fused Triton passes, every group moved since the last);
-OnebitLamb's preconditioned compression steps from the second on (no mask, no clip) and its warm-up steps
-but the first and the last; everything else (the first compressed step, phase 1's variance steps,
-``nonfinite="raise"``) agrees on the host. Two differences, both on steps that the host would also not take
-as they are: the ranks are not named, and a finite gradient whose norm overflows float32 (all entries
+Triton launch, a synchronisation in the fused Triton passes, every group moved since the last) and its
+phase-1 variance steps in Triton; OnebitLamb's preconditioned compression steps from the second on (no
+mask, no clip) and its warm-up steps but the first and the last; everything else (the first compressed
+step, ``nonfinite="raise"``) agrees on the host. Two differences, both on steps that the host would also
+not take as they are: the ranks are not named, and a finite gradient whose norm overflows float32 (all entries
 finite, their sum of squares not) skips the step
 (the host check then tests every element and takes it, with non-finite values in its update).
 """

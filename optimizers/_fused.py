@@ -179,8 +179,8 @@ class AdamStep:
         table.fill({"grad": [p.grad for _, p, _ in items],
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items]},
-                   [adam.rows(constant_group(g) if constant else g, t, opt.denominator_scalars(i, g))
-                    for i, _, g in items])
+                   [adam.rows(constant_group(g) if constant else g, t, opt.table_denominator(i, g))
+                    for i, _, g in items], opt.floor_column(list(indices)))
 
     def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, agreement=None):
         if self.backend == "native":
@@ -382,7 +382,8 @@ class ZeroOneStep(AdamStep):
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items],
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
-                   [zero_one.rows(g, opt.denominator_scalars(i, g)) for i, _, g in items])
+                   [zero_one.rows(g, opt.table_denominator(i, g)) for i, _, g in items],
+                   opt.floor_column(list(indices)))
 
     def _passes(self, table: Table, clip: float, msg=None, kept=None, n=None, tails=None, agreement=None):
         if self.backend == "native":  # (agreement: on the device, Triton only)
@@ -437,8 +438,8 @@ class ZeroOneSync(ZeroOneStep):
                     "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                     "param": [p for _, p, _ in items],
                     "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
-                   [zero_one.sync_rows(-opt.lrs[index[id(g)]], opt.denominator_scalars(i, g))
-                    for i, _, g in items])
+                   [zero_one.sync_rows(-opt.lrs[index[id(g)]], opt.table_denominator(i, g))
+                    for i, _, g in items], opt.floor_column(list(indices)))
 
 
 def wake(opt, reducer, pairs, kept: dict) -> bool:
@@ -465,8 +466,8 @@ def wake(opt, reducer, pairs, kept: dict) -> bool:
                 "var": [opt.state[p][opt.VARIANCE_STATE] for _, p, _ in items],
                 "param": [p for _, p, _ in items],
                 "momentum": [opt.state[p]["exp_avg"] for _, p, _ in items]},
-               [zero_one.sync_rows(kept["nl"][index[id(g)]], opt.denominator_scalars(i, g))
-                for i, _, g in items])
+               [zero_one.sync_rows(kept["nl"][index[id(g)]], opt.table_denominator(i, g))
+                for i, _, g in items], opt.floor_column([i for i, _, _ in items]))
     st.fill([(0, 0, 0, 0, m[0].data_ptr(), 0, 0, 0) for m in messages])
     for launch in zero_one.wake_launches(st, table):
         launch()
@@ -494,7 +495,9 @@ class LocalStep:
         self.table: Table | None = None
         self._sizes: list[int] | None = None
 
-    def step(self, opt, pairs) -> None:
+    def step(self, opt, pairs, stale: bool = False) -> None:
+        """The local step of every parameter; ``stale``: the stale step alone (phase 1's variance step:
+        no gradient folded, the momentum as it is)."""
         params = [p for p, _ in pairs]
         sizes = [p.numel() for p in params]
         if sizes != self._sizes:
@@ -502,13 +505,71 @@ class LocalStep:
             for s in sizes[:-1]:
                 offsets.append(offsets[-1] + s)
             self.table, self._sizes = zero_one.table(offsets, sizes, params[0].device), sizes
-        self.table.fill({"grad": [p.grad for p in params],
+        rows = zero_one.stale_rows if stale else zero_one.rows
+        self.table.fill({"grad": [None] * len(params) if stale else [p.grad for p in params],
                          "var": [opt.state[p][opt.VARIANCE_STATE] for p in params],
                          "param": params, "momentum": [opt.state[p]["exp_avg"] for p in params]},
-                        [zero_one.rows(g, opt.denominator_scalars(k, g)) for k, (_, g) in enumerate(pairs)])
+                        [rows(g, opt.table_denominator(k, g)) for k, (_, g) in enumerate(pairs)],
+                        opt.floor_column(list(range(len(pairs)))))
         clip = math.inf if opt.update_clip is None else float(opt.update_clip)
         agreement = getattr(opt, "_on_device", None)  # the step's agreement on the device (its gate)
         zero_one.local_step(self.table, sum(sizes), clip, None if agreement is None else agreement.poison)
+
+
+def variance_applies(opt, reducer, pairs) -> bool:
+    """Whether ``opt``'s (a ZeroOneAdam's) phase-1 variance step runs in Triton (the ``variance`` step's
+    backend is ``triton``): the default maths, no ``eps_inside_sqrt``, float32 contiguous parameters,
+    gradients, momenta, variances and accumulators on the reducer's device, every bucket of fewer than
+    2^31 elements, fewer than 2^31 elements in all."""
+    if not pairs or opt._reference_maths() or any(g.get("eps_inside_sqrt", False) for _, g in pairs):
+        return False
+    if backends.select(reducer.device, "variance").name != "triton" or not int32_indexable(reducer):
+        return False
+    if pairs[0][0].device != reducer.device or sum(p.numel() for p, _ in pairs) >= 2**31:
+        return False
+    if any(b.flat is not None and not plain(b.flat) for b in reducer.buckets):  # (None: released, zero)
+        return False
+    return _tensors_ok(opt, pairs, ("exp_avg", "exp_avg_sq"))
+
+
+class VarianceStep:
+    """ZeroOneAdam's phase-1 variance step in Triton (:mod:`onebit.kernels.fused.zero_one`): each bucket's
+    gradient averaged in full precision into its accumulator (zero in phase 1, nothing else to keep: no
+    scratch buffer), then the moments of every parameter in one launch (``moments``: the accumulators
+    zeroed as they are read) and, the variance changed, the stale step of every parameter in one launch
+    (``stale``: the local step's kernel, no gradient folded): two launches whatever the bucket count. Both
+    gated by the step's agreement on the device, where it has one."""
+
+    STEP = "variance"
+
+    def __init__(self, reducer) -> None:
+        self.reducer = reducer
+        self.backend = backends.select(reducer.device, self.STEP).name
+        self.table: Table | None = None
+        self._sizes: list[int] | None = None
+        self.stale_step = LocalStep()
+
+    def moments(self, opt, pairs) -> None:
+        """Every bucket's gradient averaged into its accumulator, then every parameter's moments."""
+        reducer = self.reducer
+        views = reducer.views  # (the accumulators made again where released)
+        for b in reducer.buckets:
+            reducer.average(b, [pairs[i][0].grad for i in b.indices], opt._communicate_average(), out=b.flat)
+        sizes = [p.numel() for p, _ in pairs]
+        if sizes != self._sizes:
+            offsets = [0]
+            for s in sizes[:-1]:
+                offsets.append(offsets[-1] + s)
+            self.table, self._sizes = zero_one.moments_table(offsets, sizes, reducer.device), sizes
+        self.table.fill({"grad": list(views), "sq": [opt.state[p]["exp_avg_sq"] for p, _ in pairs],
+                         "momentum": [opt.state[p]["exp_avg"] for p, _ in pairs]},
+                        [zero_one.moments_rows(g) for _, g in pairs])
+        agreement = getattr(opt, "_on_device", None)
+        zero_one.moments(self.table, sum(sizes), None if agreement is None else agreement.poison)
+
+    def stale(self, opt, pairs) -> None:
+        """The stale step of every parameter, from the changed variance (its floors on the device)."""
+        self.stale_step.step(opt, pairs, stale=True)
 
 
 def warmup_applies(opt, reducer, pairs) -> bool:

@@ -83,6 +83,7 @@ class VarianceState:
         self._masks = None
         self._floors = None
         self._floor_values = None
+        self._floor_columns = {}
 
     # -- preconditioned compression: variance floor, stale denominators ---------------------
     @property
@@ -129,6 +130,27 @@ class VarianceState:
             values = iter(torch.stack([f.reshape(()) for f in known]).tolist() if known else [])
             self._floor_values = [0.0 if f is None else float(next(values)) for f in floors]
         return self._floor_values[k], inverse_sqrt_bc2(self._stale_bc2(g)), float(g["eps"])
+
+    def floor_column(self, indices: list[int]) -> torch.Tensor | None:
+        """The floors of compressed parameters ``indices`` as one float32 tensor on their device, as a fused
+        table's floor column takes them (:meth:`onebit.kernels.fused.table.Table.fill`): nothing read
+        back to the host (issue 57; on a GPU a read is a synchronisation, and ZeroOneAdam's variance
+        changes every variance step). None without ``variance_floor`` (the floor 0.0 in the rows). Made
+        once per variance change and set of tensors."""
+        if self.variance_floor is None:
+            return None
+        key = tuple(indices)
+        column = self._floor_columns.get(key)
+        if column is None:
+            floors = self.sqrt_v_floors()
+            column = torch.stack([floors[i].reshape(()) for i in indices]) if indices else None
+            self._floor_columns[key] = column
+        return column
+
+    def table_denominator(self, k: int, g: dict) -> tuple[float, float, float]:
+        """Compressed parameter k's ``(floor, r, eps)`` as a fused table's row holds them where its floor
+        column comes from :meth:`floor_column`: the floor 0.0 there (the column overwrites it)."""
+        return 0.0, inverse_sqrt_bc2(self._stale_bc2(g)), float(g["eps"])
 
     def frozen_variance(self, k: int, p: torch.Tensor, g: dict):
         """``(v, (floor, r, eps))`` of compressed parameter k, for the C passes that compute its stale

@@ -272,7 +272,9 @@ class ZeroOneAdam(OnebitOptimizerBase):
         count, the schedules, the summed learning rates) are kept before the step and put back when the
         skip is learnt, at the next step (it waits for the flag: the counters choose that step's kind);
         so is the state at rest (:meth:`_rest`) before a synchronisation: a skipped one rested on NaN
-        messages. The variance steps and the first step of phase 2 agree on the host."""
+        messages. Phase 1's variance steps in Triton agree on the device as the local steps do (the poison
+        summed over the ranks, the moments' and the stale step's launches gated by it); the first step of
+        phase 2 agrees on the host."""
         if self.phase == 1:
             return self._phase_one_agreement()
         if self.updates == self.frozen_at:
@@ -311,12 +313,17 @@ class ZeroOneAdam(OnebitOptimizerBase):
 
     def _phase_one_agreement(self):
         """Phase 1's compressed step agreed on the device, where it applies (see _agreement_on_device)."""
-        if (self.updates + 1) % self.var_interval == 0 or self.schedule.auto is not None:
-            return None  # a variance step (full precision), or an automatic freeze (it reads the variance)
+        if self.schedule.auto is not None:
+            return None  # an automatic freeze (it reads the variance)
         reducer = self.reducer()
         if not self._may_agree_on_device(reducer.device):
             return None
         pairs = self.compressed_params()
+        if (self.updates + 1) % self.var_interval == 0:  # a variance step: its poison summed over the ranks,
+            # its moments and stale step gated by it (no collective of its own carries it)
+            if not _fused.variance_applies(self, reducer, pairs):
+                return None
+            return self._new_agreement(pairs, reducer, snapshot=True, summed=True)
         if not _fused.zoa_applies(self, reducer, pairs) or not self._zoa_plan(reducer).agrees_on_device():
             return None
         return self._new_agreement(pairs, reducer, snapshot=True)
@@ -358,6 +365,13 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 self.var_interval *= 2
 
     def _phase_one_unfused(self, reducer, pairs, var_step: bool) -> None:
+        if var_step and _fused.variance_applies(self, reducer, pairs):  # one launch per bucket, then one
+            plan = _fused.plan(self, "_zov_cache", reducer, _fused.VarianceStep)
+            plan.moments(self, pairs)
+            self._variance_changed()
+            self.var_updates += 1
+            plan.stale(self, pairs)
+            return
         if var_step:
             for _, p, g, grad in self.averaged_gradients(reducer, pairs):
                 moments_(self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], grad, g["betas"])

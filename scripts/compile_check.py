@@ -189,6 +189,7 @@ def zoa_launches(N: int, W: int):
                      *tz.step_launches(T(u8), T(f32), T(f32), T(f32), table, n, layout, 1.0, sync, fma=False)]
         for agreed in (None, T(f32)):  # (the agreement on the device: its gate)
             made += tz.local_launches(mock_table(4, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, 1.0, agreed)
+            made += tz.moments_launches(mock_table(3, -(-n // 8) * 8, tz.LOCAL_BLOCK), n, agreed)
         for launch in made:
             yield f"zoa{align}", launch
         for gate in (None, T(f32)):  # OnebitAdam's warm-up update (its agreement on the device: the gate)

@@ -16,7 +16,8 @@ from onebit.kernels.backends import use_backend
 from onebit.kernels.preconditioning import inverse_sqrt_bc2, stale_denominator
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-FUSED_STEPS = ("adam", "zoa", "local")  # the optimizers' fused steps (onebit.kernels.backends.STEPS)
+# the optimizers' fused steps (onebit.kernels.backends.STEPS)
+FUSED_STEPS = ("adam", "zoa", "local", "variance")
 
 
 def fused_steps(backend: str | None):

@@ -5,7 +5,8 @@ gathered scales, nothing read back; the host's counters (and the state at rest b
 back when the skip is learnt at the next step. The run is bitwise the host agreement's, skipped local steps
 and synchronisations included, on 2 and 3 gloo ranks (under the interpreter); phase 2's first step agrees on
 the host. Phase 1's compressed steps agree on the device too (the poison in the fused passes' messages, their
-decompress pass gated), per bucket and in the stage; its variance steps on the host."""
+decompress pass gated), per bucket and in the stage, and so do its variance steps (the poison summed over the
+ranks, the moments' and the stale step's launches gated by it; a skip at loop index 7 is one)."""
 
 from __future__ import annotations
 
@@ -77,11 +78,12 @@ def test_zero_one_adams_phase_two_agrees_on_the_device_bitwise_as_on_the_host(ra
         assert [a["kinds"][t] for t in seen] == [b["kinds"][t] for t in seen], (a["kinds"], b["kinds"])
         syncs = [t for t, k in enumerate(a["kinds"]) if k]
         assert len(syncs) >= 6, a["kinds"]
-        # phase 1's compressed step (loop index 2) and every phase-2 step but the first on the device; at rest
-        # as the host's: a sync that began at rest rests, one after local steps stays held until the next step
+        # phase 1 (its variance steps, loop indices 0, 1, 3, and its compressed step 2) and every phase-2 step
+        # but the first on the device; at rest as the host's: a sync that began at rest rests, one after local
+        # steps stays held until the next step
         device_steps = [t for t, d in enumerate(a["on_device"]) if d]
         first = 6 if bad_step == 4 else 5  # (the host's skip at 4: loop index 5 is phase 2's first step)
-        assert device_steps == [2, *range(first, STEPS)], (device_steps, a["kinds"], a["rested"])
+        assert device_steps == [0, 1, 2, 3, *range(first, STEPS)], (device_steps, a["kinds"], a["rested"])
         if bad_step is None:
             assert syncs == [4, 5, 6, 7, 9, 11, 15], a["kinds"]
             assert [t for t in syncs if b["rested"][t]] == syncs, b["rested"]
@@ -121,13 +123,13 @@ def _assert_alike(device, host, bad_step, agreed_there, device_steps):
             assert a["on_device"][bad_step] == agreed_there and sum(a["on_device"]) >= len(device_steps) - 1
 
 
-# var_freeze_step=12, var_update_scaler=1: variance steps 1, 2, 4, 8 (host); phase 1's compressed steps 3,
-# 5-7, 9-12 agree on the device (loop indices 2, 4-6, 8-11); phase 2 from step 13 (host), then the device
-PHASE_ONE_DEVICE = [2, 4, 5, 6, 8, 9, 10, 11, 13, 14, 15, 16, 17]
+# var_freeze_step=12, var_update_scaler=1: phase 1 (variance steps 1, 2, 4, 8, compressed steps 3, 5-7, 9-12:
+# loop indices 0-11) agrees on the device; phase 2 from step 13 (host), then the device
+PHASE_ONE_DEVICE = [*range(12), 13, 14, 15, 16, 17]
 
 
 @pytest.mark.parametrize("W, staged, bad_step, agreed_there",
-                         [(2, True, None, None), (3, False, 5, True), (2, True, 7, False),
+                         [(2, True, None, None), (3, False, 5, True), (2, True, 7, True),
                           (3, True, 11, True), (2, False, 11, True)])
 def test_zero_one_adams_phase_one_agrees_on_the_device_bitwise_as_on_the_host(ranks, W, staged, bad_step,
                                                                               agreed_there):

@@ -195,12 +195,14 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: 
             opt.step()
     red = opt.reducer()
     return ([p.detach().cpu() for p in params], [opt.state[p]["exp_avg"].cpu() for p in params],
-            [b.flat.cpu() for b in red.buckets], [e.cpu() for pair in red.errors() for e in pair], used)
+            [b.flat.cpu() for b in red.buckets], [e.cpu() for pair in red.errors() for e in pair], used,
+            hasattr(opt, "_zov_cache"))
 
 
 def _compare(fused, plain) -> None:
-    (p1, m1, u1, e1, used1), (p0, m0, _, e0, used0) = fused, plain
+    (p1, m1, u1, e1, used1, var1), (p0, m0, _, e0, used0, var0) = fused, plain
     assert sum(used1) >= 4 and not any(used0)  # phase 1's compressed steps (between the variance steps)
+    assert var1 and not var0  # its variance steps in Triton (the moments, then the stale step) or plain
     for a in u1:
         assert torch.equal(a, torch.zeros_like(a))  # the accumulator stays zero
     for a, b in zip(e1, e0, strict=True):
@@ -264,6 +266,48 @@ def test_the_local_step_is_the_each_op_rounded_local_step():
     tz.local_step(table, n, clip)
     for got, want in zip(moms + params, want_m + want_p, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("poison", [None, 0.0, float("nan")])
+def test_the_variance_steps_moments_are_each_op_rounded_and_gated(poison):
+    # phase 1's variance step, every tensor's moments in one launch: m = b1 m + (1 - b1) g, v = b2 v + ((1 -
+    # b2) g) g, each op rounded, bitwise, and g (its slice of its bucket's accumulator) zeroed; tensors
+    # several to a program and spanning programs, in two buckets, two groups' betas; within a few float32
+    # roundings of float64. A NaN poison (the ranks' agreed skip): the moments as they were, g zeroed
+    g = torch.Generator().manual_seed(6)
+    sizes = [3, 1025, 16, 9000, 185]
+    moms = [torch.randn(s, generator=g) * 0.1 for s in sizes]
+    variances = [torch.rand(s, generator=g) ** 2 for s in sizes]
+    variances[1][::5] = 0.0
+    buckets = [torch.randn(sum(sizes[:3]) + 5, generator=g), torch.randn(sum(sizes[3:]) + 7, generator=g)]
+    buckets[0][100] = 0.0
+    grads = [buckets[0][:3], buckets[0][3:1028], buckets[0][1028:1044],
+             buckets[1][:9000], buckets[1][9000:9185]]
+    avg = [x.clone() for x in grads]
+    rows = [tz.moments_rows({"betas": (0.9, 0.999)})] * 2 + [tz.moments_rows({"betas": (0.8, 0.99)})] * 3
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    table = tz.moments_table(offsets, sizes, "cpu")
+    m0, v0 = [m.clone() for m in moms], [v.clone() for v in variances]
+    rests = [b[-5:].clone() for b in buckets]
+    table.fill({"grad": grads, "sq": variances, "momentum": moms}, rows)
+    tz.moments(table, sum(sizes), None if poison is None else torch.tensor(poison))
+    for x in grads:
+        assert torch.equal(x, torch.zeros_like(x))
+    assert all(torch.equal(b[-5:], r) for b, r in zip(buckets, rests, strict=True))  # (past the tensors)
+    if poison is not None and math.isnan(poison):
+        for got, want in zip(moms + variances, m0 + v0, strict=True):
+            assert torch.equal(got, want)
+        return
+    for k, x in enumerate(avg):
+        b1, w1, b2, w2 = (torch.tensor(c, dtype=torch.float32).item() for c in rows[k])
+        assert torch.equal(moms[k], m0[k] * b1 + w1 * x)
+        assert torch.equal(variances[k], v0[k] * b2 + (w2 * x) * x)
+        # three roundings each: within 2^-22 of the terms' magnitudes (the sum may cancel)
+        x64, b = x.double(), rows[k]
+        terms = (m0[k].double() * b[0], b[1] * x64)
+        assert ((moms[k].double() - sum(terms)).abs() <= 2**-22 * (terms[0].abs() + terms[1].abs())).all()
+        terms = (v0[k].double() * b[2], b[3] * x64 * x64)
+        assert ((variances[k].double() - sum(terms)).abs() <= 2**-22 * (terms[0] + terms[1])).all()
 
 
 @pytest.mark.parametrize("W", [1, 3])

@@ -67,20 +67,27 @@ class Table:
         # row arithmetic on the contiguous [columns, K] int64 table: no indexing op per call
         return self.addr.data_ptr() + self.column(name) * self.K * self.addr.element_size()
 
-    def fill(self, tensors: dict[str, list[torch.Tensor | None]], rows: list[tuple[float, ...]]) -> None:
+    def fill(self, tensors: dict[str, list[torch.Tensor | None]], rows: list[tuple[float, ...]],
+             floors: torch.Tensor | None = None) -> None:
         """Point the columns at ``tensors`` (one list of K per address column; None: none) and set
         the scalars (one tuple per tensor, in ``SCALARS`` order, each rounded to float32 as the plain
-        ops round a Python scalar); a no-op where neither changed since the last fill. The table
-        holds addresses only: the caller keeps the tensors alive while a pass reads it."""
+        ops round a Python scalar); a no-op where neither changed since the last fill. ``floors``: the
+        ``floor`` column (``DENOMINATOR``'s first) from this float32 tensor of K on the table's device
+        instead of the rows (a copy on the device: the floors are never read back to the host), written
+        where it or the rows changed. The table holds addresses only: the caller keeps the tensors alive
+        while a pass reads it."""
         addrs = [[_address(t, name) for t in tensors[name]] for name in self.addresses]
-        old = self.key or (None, None)
+        old = self.key or (None, None, None)
         if old[0] != addrs:
             self._write(self.addr, torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
-        if old[1] != rows:  # every step with a learning-rate schedule or bias correction
+        rewritten = old[1] != rows
+        if rewritten:  # every step with a learning-rate schedule or bias correction
             padded = [tuple(r) + (0.0,) * (SCALARS - len(r)) for r in rows]
             values = torch.tensor(padded, dtype=torch.float64).view(self.K, SCALARS).to(torch.float32)
             self._write(self.scal, values)
-        self.key = (addrs, list(rows))
+        if floors is not None and (rewritten or floors is not old[2]):
+            self.scal[:, SCALARS - 3].copy_(floors)
+        self.key = (addrs, list(rows), floors)
 
     @staticmethod
     def _write(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -416,6 +416,79 @@ def local_step(table: Table, n: int, clip: float, agreed: torch.Tensor | None = 
         launch()
 
 
+# ---- Triton, phase 1's variance step (issue 57: one launch for every bucket, gated on the device) ---
+
+MOMENTS_ADDRESSES = ("grad", "sq", "momentum")  # per tensor its averaged gradient (its slice of its
+# bucket's accumulator: zeroed as it is read), its variance and its momentum (float32; ``sq``: the table's
+# ``var`` column means a stale denominator's)
+MOMENTS_SCALARS = ("b1", "w1", "b2", "w2")  # b1, 1 - b1, b2, 1 - b2
+_M_GRAD, _M_SQ, _M_MOM = (constexpr(MOMENTS_ADDRESSES.index(c)) for c in MOMENTS_ADDRESSES)
+_M_B1, _M_W1, _M_B2, _M_W2 = (constexpr(MOMENTS_SCALARS.index(c)) for c in MOMENTS_SCALARS)
+
+
+def moments_table(offsets: list[int], numels: list[int], device) -> Table:
+    """The variance step's table over its tensors laid end to end."""
+    return Table(offsets, numels, MOMENTS_ADDRESSES, MOMENTS_SCALARS, device)
+
+
+def moments_rows(group: dict) -> tuple[float, ...]:
+    """A tensor's scalars for the variance step's moments (``MOMENTS_SCALARS``), from its group."""
+    b1, b2 = group["betas"]
+    return (b1, 1.0 - b1, b2, 1.0 - b2)
+
+
+def stale_rows(group: dict, denominator: tuple[float, float, float]) -> tuple[float, ...]:
+    """A tensor's scalars for the variance step's stale step, taken by the local step's kernel with no
+    gradient and ``b1 = 1`` (``m * 1`` is ``m``: its fold leaves the momentum as it is)."""
+    return (1.0, 0.0, group["weight_decay"], -group["lr"], 0.0, *denominator)
+
+
+@jit
+def _zoa_moments_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_ptr, n, agreed_ptr,
+                        BLOCK: tl.constexpr, GATE: tl.constexpr):
+    # per tensor (laid end to end; g its averaged gradient): m = b1 m + (1 - b1) g, v = b2 v + ((1 - b2) g)
+    # g, each operation rounded (as the warm-up's, kernels/fused/warmup.py); g zeroed (the accumulator
+    # that carried it is zero between phase 1's steps). GATE: m and v not stored where the ranks' agreed
+    # poison (float32, 0 or NaN) is NaN (the step skipped on the device); g zeroed all the same
+    pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    in_x = idx < n
+    keep = in_x
+    if GATE:
+        agreed = idx.to(tl.float32) * 0.0 + tl.load(agreed_ptr)  # (a tensor: a scalar mask is refused)
+        keep = in_x & (agreed == agreed)
+    for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
+        off = idx - tl.load(start_ptr + k).to(tl.int32)
+        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        gp = address(addr_ptr, _M_GRAD, K, k) + off
+        mp = address(addr_ptr, _M_MOM, K, k) + off
+        vp = address(addr_ptr, _M_SQ, K, k) + off
+        g = tl.load(gp, mask=mine, other=0.0)
+        m = tl.load(mp, mask=mine, other=0.0)
+        v = tl.load(vp, mask=mine, other=0.0)
+        m = m * scalar(scal_ptr, k, _M_B1) + scalar(scal_ptr, k, _M_W1) * g
+        v = v * scalar(scal_ptr, k, _M_B2) + (scalar(scal_ptr, k, _M_W2) * g) * g
+        tl.store(mp, m, mask=mine & keep)
+        tl.store(vp, v, mask=mine & keep)
+        tl.store(gp, tl.zeros_like(g), mask=mine)
+
+
+def moments_launches(table: Table, n: int, agreed: torch.Tensor | None = None) -> list:
+    t = tiles(table, -(-n // 8) * 8, LOCAL_BLOCK)
+    return [Launch(_zoa_moments_kernel, -(-n // LOCAL_BLOCK),
+                   (t.lo, t.hi, table.start, table.count, table.addr, table.K, table.scal, n,
+                    table.scal if agreed is None else agreed),
+                   dict(BLOCK=LOCAL_BLOCK, GATE=agreed is not None), 8)]
+
+
+def moments(table: Table, n: int, agreed: torch.Tensor | None = None) -> None:
+    """The variance step's moments of every tensor in the table (laid end to end: n elements in all) in
+    one Triton launch, each averaged gradient zeroed as it is read; ``agreed``: the ranks' agreed poison
+    on the device (NaN: the moments left as they were)."""
+    for launch in moments_launches(table, n, agreed):
+        launch()
+
+
 # ---- native C (kernels/fused/zero_one.c) -------------------------------------------------------
 
 def zoa_encode_all(flat: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, C: int, n_enc: list[int],
