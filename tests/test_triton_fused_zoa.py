@@ -188,7 +188,8 @@ def _train(fused: bool, rank: int, steps: int = 9, local: bool = False, device: 
         g = torch.Generator().manual_seed(1000 + rank)
         for step in range(steps):
             for i, p in enumerate(params):
-                p.grad = None if (step == 4 and i == 2) else torch.randn(p.shape, generator=g).to(device)
+                missing = (step == 4 and i == 2) or (step == 3 and i == 1)  # (step 3: a variance step)
+                p.grad = None if missing else torch.randn(p.shape, generator=g).to(device)
             t = opt.updates + 1
             compressed = t % opt.var_interval != 0
             used.append(compressed and _fused.zoa_applies(opt, opt.reducer(), opt.compressed_params()))
@@ -216,6 +217,35 @@ def _compare(fused, plain) -> None:
 def test_zero_one_adam_fused_matches_unfused_locally(device):
     """On CUDA the unfused path's ops are torch's CUDA kernels (their own roundings)."""
     _compare(_train(True, 0, local=True, device=device), _train(False, 0, local=True, device=device))
+
+
+def _dead(fused: bool):
+    """Phase 1 with a tensor whose gradient is always zero (a dead unit: its variance stays 0, so its floor
+    falls back on the other tensors' mean) and a tensor whose gradient is zero on 7 of 8 coordinates."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = ZeroOneAdam(params, lr=1e-2, var_freeze_step=10**6, var_update_scaler=1, bucket_cap_mb=0.01)
+    opt.reducer().allreduce = torch_local
+    g = torch.Generator().manual_seed(7)
+    with fused_steps("triton" if fused else "plain"):
+        for _ in range(9):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            params[1].grad.zero_()
+            params[3].grad.view(-1)[torch.arange(1025) % 8 != 0] = 0.0
+            opt.step()
+    return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params],
+            torch.stack(opt.sqrt_v_floors()), hasattr(opt, "_zov_cache"))
+
+
+def test_a_dead_unit_and_sparse_gradients_in_the_triton_variance_steps():
+    (p1, m1, f1, var1), (p0, m0, f0, var0) = _dead(True), _dead(False)
+    assert var1 and not var0
+    assert f1[1] > 0 and torch.isfinite(f1).all()  # (the dead tensor's floor: the others' mean, not 0)
+    torch.testing.assert_close(f1, f0, rtol=1e-6, atol=0)
+    for a, b in zip(p1 + m1, p0 + m0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert a.isfinite().all()
 
 
 def _ranks_body():
