@@ -47,9 +47,21 @@ def test_the_kernels_give_the_same_bits_with_the_interpreters_own_patching(monke
     fast = run()
     walked_fast = len(walks)
     monkeypatch.setattr(interpreter, "_patch_lang", interpreter._onebit_real_patch)
+    monkeypatch.setattr(interpreter, "_get_np_dtype", interpreter._onebit_real_np_dtype)
     slow = run()
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(fast[0], inputs[0])  # (the collective ran)
     assert len(walks) - walked_fast > 2 * walked_fast > 0, (walked_fast, len(walks))  # (the shortcut took)
 
+
+
+def test_the_numpy_dtypes_are_the_interpreters():
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    kinds = [tl.float32, tl.bfloat16, tl.int1, tl.uint8, tl.int64, tl.pointer_type(tl.float32),
+             tl.block_type(tl.float32, [128, 8]), tl.block_type(tl.pointer_type(tl.bfloat16), [4])]
+    for dtype in kinds + kinds:  # (the second time from the table)
+        assert interpreter._get_np_dtype(dtype) == interpreter._onebit_real_np_dtype(dtype), dtype
+    assert interpreter._get_np_dtype is not interpreter._onebit_real_np_dtype
