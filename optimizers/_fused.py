@@ -487,6 +487,14 @@ def local_applies(opt, pairs, masks) -> bool:
     return _tensors_ok(opt, pairs, ("exp_avg",)) and sum(p.numel() for p, _ in pairs) < 2**31
 
 
+def end_to_end(sizes: list[int]) -> list[int]:
+    """The offsets of tensors of ``sizes`` elements laid end to end."""
+    offsets = [0]
+    for s in sizes[:-1]:
+        offsets.append(offsets[-1] + s)
+    return offsets
+
+
 class LocalStep:
     """Phase 2's local step as one launch over every parameter (laid end to end). Its table is
     rebuilt where the tensors' sizes change; its addresses and scalars where they do."""
@@ -501,10 +509,7 @@ class LocalStep:
         params = [p for p, _ in pairs]
         sizes = [p.numel() for p in params]
         if sizes != self._sizes:
-            offsets = [0]
-            for s in sizes[:-1]:
-                offsets.append(offsets[-1] + s)
-            self.table, self._sizes = zero_one.table(offsets, sizes, params[0].device), sizes
+            self.table, self._sizes = zero_one.table(end_to_end(sizes), sizes, params[0].device), sizes
         rows = zero_one.stale_rows if stale else zero_one.rows
         self.table.fill({"grad": [None] * len(params) if stale else [p.grad for p in params],
                          "var": [opt.state[p][opt.VARIANCE_STATE] for p in params],
@@ -557,10 +562,7 @@ class VarianceStep:
             reducer.average(b, [pairs[i][0].grad for i in b.indices], opt._communicate_average(), out=b.flat)
         sizes = [p.numel() for p, _ in pairs]
         if sizes != self._sizes:
-            offsets = [0]
-            for s in sizes[:-1]:
-                offsets.append(offsets[-1] + s)
-            self.table, self._sizes = zero_one.moments_table(offsets, sizes, reducer.device), sizes
+            self.table, self._sizes = zero_one.moments_table(end_to_end(sizes), sizes, reducer.device), sizes
         self.table.fill({"grad": list(views), "sq": [opt.state[p]["exp_avg_sq"] for p, _ in pairs],
                          "momentum": [opt.state[p]["exp_avg"] for p, _ in pairs]},
                         [zero_one.moments_rows(g) for _, g in pairs])
