@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit.kernels.backends import use_backend
 from onebit.optimizers import OnebitAdam, OnebitLamb, ZeroOneAdam, register_ddp_hook
 from onebit.optimizers._functional import TRUST_SKETCH
 
@@ -28,7 +29,12 @@ def _make(name, params):
     return ZeroOneAdam(params, lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_step_scaler=100)
 
 
-def _body(name, use_ddp, steps, accumulate=1):
+def _body(name, use_ddp, steps, accumulate=1, backend=None):
+    with contextlib.nullcontext() if backend is None else use_backend(backend):
+        return _run(name, use_ddp, steps, accumulate)
+
+
+def _run(name, use_ddp, steps, accumulate):
     r = dist.get_rank()
     model = _model()
     opt = _make(name, model.parameters())
@@ -70,14 +76,18 @@ def _body(name, use_ddp, steps, accumulate=1):
             counts.append((wants, in_backward, counter["n"]))
     finally:
         dist.all_reduce = real
-    return [p.detach().clone() for p in model.parameters()], counts
+    return [p.detach().clone() for p in model.parameters()], counts, hasattr(opt, "_zov_cache")
 
 
-@pytest.mark.parametrize("name", ["adam", "lamb", "zero_one"])
-def test_ddp_hook_matches_standalone(ranks, name):
+# ("zero_one", "triton"): its variance steps in Triton (optimizers/_fused.py VarianceStep), the gradients
+# DDP averaged copied into the accumulators, none averaged again
+@pytest.mark.parametrize("name, backend", [("adam", None), ("lamb", None), ("zero_one", None),
+                                           ("zero_one", "triton")])
+def test_ddp_hook_matches_standalone(ranks, name, backend):
     steps = 9
-    ddp = ranks(2).run(_body, name, True, steps)
-    alone = ranks(2).run(_body, name, False, steps)
+    ddp = ranks(2).run(_body, name, True, steps, 1, backend)
+    alone = ranks(2).run(_body, name, False, steps, 1, backend)
+    assert all(out[2] == (backend == "triton") for out in ddp + alone)  # (the Triton variance steps ran)
     for r in range(2):
         for a, b in zip(ddp[r][0], alone[r][0], strict=True):
             torch.testing.assert_close(a, b)  # DDP divides before summing: float32 rounding only
