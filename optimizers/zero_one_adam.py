@@ -312,7 +312,8 @@ class ZeroOneAdam(OnebitOptimizerBase):
             self._kept = before
 
     def _phase_one_agreement(self):
-        """Phase 1's compressed step agreed on the device, where it applies (see _agreement_on_device)."""
+        """Phase 1's step (compressed, or a variance step in Triton) agreed on the device, where it applies
+        (see _agreement_on_device)."""
         if self.schedule.auto is not None:
             return None  # an automatic freeze (it reads the variance)
         reducer = self.reducer()
@@ -365,7 +366,7 @@ class ZeroOneAdam(OnebitOptimizerBase):
                 self.var_interval *= 2
 
     def _phase_one_unfused(self, reducer, pairs, var_step: bool) -> None:
-        if var_step and _fused.variance_applies(self, reducer, pairs):  # one launch per bucket, then one
+        if var_step and _fused.variance_applies(self, reducer, pairs):  # two launches, whatever the buckets
             plan = _fused.plan(self, "_zov_cache", reducer, _fused.VarianceStep)
             plan.moments(self, pairs)
             self._variance_changed()
