@@ -38,7 +38,7 @@ from .. import _chunks
 from .._triton import AVAILABLE, constexpr, jit, tl
 from ..cpu_simd import _f32, _isa, _threads, library
 from ..layout import message_bits, message_scales
-from .table import DENOMINATOR, Table, address, denominator, scalar, tiles
+from .table import DENOMINATOR, Table, address, denominator, owned, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import Launch
@@ -84,8 +84,8 @@ def _terms(idx, in_x, pid, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, sc
     c = tl.zeros([BLOCK], dtype=tl.float32)
     d = tl.full([BLOCK], 1.0, tl.float32)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off = idx - tl.load(start_ptr + k).to(tl.int32)
-        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
         mp = address(addr_ptr, _MOM, K, k)
         c = tl.where(mine, tl.load(mp + off, mask=mine, other=0.0) * scalar(scal_ptr, k, _FACTOR), c)
         va = tl.load(addr_ptr + _VAR * K + k)

@@ -159,6 +159,20 @@ def owned(idx, k, start_ptr, count_ptr):
 
 
 @jit
+def end_to_end_block(n, agreed_ptr, BLOCK: tl.constexpr, GATE: tl.constexpr):
+    # this program's elements of tensors laid end to end (n in all; int32 indices: the caller keeps
+    # n < 2^31): idx, which are in the data (in_x) and which of those the step may store (kept: all of
+    # in_x, or none where GATE and the ranks' agreed poison, float32 0 or NaN, is NaN)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_x = idx < n
+    kept = in_x
+    if GATE:
+        agreed = idx.to(tl.float32) * 0.0 + tl.load(agreed_ptr)  # (a tensor: a scalar mask is refused)
+        kept = in_x & (agreed == agreed)
+    return idx, in_x, kept
+
+
+@jit
 def elements(n, total_bytes, BLOCK_BYTES: tl.constexpr):
     # this program's byte rows of a message (g) and their elements: indices [BLOCK_BYTES, 8] (idx;
     # i the bit within a byte), which rows are in the message (live) and which elements in the data

@@ -31,7 +31,7 @@ import torch
 
 from .._triton import AVAILABLE, constexpr, jit, tl
 from .table import SCALARS as _COLUMNS
-from .table import Table, address, scalar, tiles
+from .table import Table, address, owned, scalar, tiles
 
 if AVAILABLE:
     from ..triton_kernels import Launch
@@ -82,15 +82,14 @@ def _update(g_ptr, m_ptr, lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, sca
     w1 = tl.zeros([BLOCK], dtype=tl.float32)
     lo, hi = tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)
     for k in range(lo, hi):  # each element's b1 and 1 - b1 (its tensor's): the momentum in one store
-        off = idx - tl.load(start_ptr + k).to(tl.int32)
-        mine = (off >= 0) & (off < tl.load(count_ptr + k))
+        off, mine = owned(idx, k, start_ptr, count_ptr)
         b1 = tl.where(mine, scalar(scal_ptr, k, _B1), b1)
         w1 = tl.where(mine, scalar(scal_ptr, k, _W1), w1)
     m = m * b1 + w1 * g
     tl.store(m_ptr + idx, m, mask=in_x)
     for k in range(lo, hi):
-        off = idx - tl.load(start_ptr + k).to(tl.int32)
-        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
         vp = address(addr_ptr, _SQ, K, k) + off
         pp = address(addr_ptr, _PARAM, K, k) + off
         v = tl.load(vp, mask=mine, other=0.0)

@@ -45,6 +45,7 @@ from .table import (
     denominator,
     elements,
     elements_at,
+    end_to_end_block,
     grad_denom,
     owned,
     programs,
@@ -372,15 +373,11 @@ def _zoa_local_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_pt
     # per tensor (laid end to end): m = b1 m + (1 - b1) g (b1 m without a gradient), then
     # p = p + (-lr) (clamp(m / d) [+ wd p]); cpu_fused.local_step_'s operations, each rounded. GATE: nothing
     # stored where the ranks' agreed poison (float32, 0 or NaN) is NaN (the step skipped on the device)
-    pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    in_x = idx < n
-    if GATE:
-        agreed = idx.to(tl.float32) * 0.0 + tl.load(agreed_ptr)  # (a tensor: a scalar mask is refused)
-        in_x = in_x & (agreed == agreed)
+    idx, _, in_x = end_to_end_block(n, agreed_ptr, BLOCK, GATE)
+    pid = tl.program_id(0)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off = idx - tl.load(start_ptr + k).to(tl.int32)
-        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
         ga = tl.load(addr_ptr + _GRAD * K + k)
         gp = ga.to(tl.pointer_type(tl.float32)) + off
         pp = address(addr_ptr, _PARAM, K, k) + off
@@ -450,16 +447,11 @@ def _zoa_moments_kernel(lo_ptr, hi_ptr, start_ptr, count_ptr, addr_ptr, K, scal_
     # g, each operation rounded (as the warm-up's, kernels/fused/warmup.py); g zeroed (the accumulator
     # that carried it is zero between phase 1's steps). GATE: m and v not stored where the ranks' agreed
     # poison (float32, 0 or NaN) is NaN (the step skipped on the device); g zeroed all the same
-    pid = tl.program_id(0)  # int32 indices: the caller keeps n < 2^31
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    in_x = idx < n
-    keep = in_x
-    if GATE:
-        agreed = idx.to(tl.float32) * 0.0 + tl.load(agreed_ptr)  # (a tensor: a scalar mask is refused)
-        keep = in_x & (agreed == agreed)
+    idx, in_x, keep = end_to_end_block(n, agreed_ptr, BLOCK, GATE)
+    pid = tl.program_id(0)
     for k in range(tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)):
-        off = idx - tl.load(start_ptr + k).to(tl.int32)
-        mine = in_x & (off >= 0) & (off < tl.load(count_ptr + k))
+        off, mine = owned(idx, k, start_ptr, count_ptr)
+        mine = mine & in_x
         gp = address(addr_ptr, _M_GRAD, K, k) + off
         mp = address(addr_ptr, _M_MOM, K, k) + off
         vp = address(addr_ptr, _M_SQ, K, k) + off
