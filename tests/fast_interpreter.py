@@ -15,6 +15,8 @@ results are unchanged: the suite's bitwise tests run through it. A Triton whose 
 these names is left alone (slower, the same results). It also answers the interpreter's question "which
 numpy dtype holds this Triton dtype", asked at every op of every program, from a table made once per
 dtype instead of one of 19 numpy dtypes built for each question (another 7% of an interpreted step).
+And it does not build the int32 overflow checks that the interpreter's ``device_assert`` then drops (it
+asserts only with ``debug`` on, which the interpreter's options never are): a quarter of the rest.
 Like the interpreter itself (it patches the language process-wide), this assumes one launch at a time
 in a process.
 """
@@ -80,6 +82,19 @@ def install() -> bool:
                 return real_np_dtype(tt_dtype)
 
         ti._get_np_dtype, ti._onebit_real_np_dtype = get_np_dtype, real_np_dtype
+    semantic = getattr(ti, "interpreter_semantic", None)
+    real_check = getattr(semantic, "binary_op_sanitize_overflow_impl", None)
+    if real_check is not None:  # every int32 +, -, * of every program builds an overflow check (two
+        # casts, the op in int64, two compares, an and) and hands it to device_assert, which drops it
+        # unless the options say debug (the interpreter's never do): the check is not built when dropped
+
+        def overflow_check(lhs, rhs, binary_op):
+            if semantic.builder.options.debug:
+                return real_check(lhs, rhs, binary_op)
+            return None
+
+        semantic.binary_op_sanitize_overflow_impl = overflow_check
+        ti._onebit_real_overflow_check = real_check
     ti._patch_lang = patch_lang
     ti.GridExecutor.__call__ = launch
     ti._onebit_fast, ti._onebit_real_patch = True, real_patch  # (the latter for the test of this module)

@@ -48,6 +48,8 @@ def test_the_kernels_give_the_same_bits_with_the_interpreters_own_patching(monke
     walked_fast = len(walks)
     monkeypatch.setattr(interpreter, "_patch_lang", interpreter._onebit_real_patch)
     monkeypatch.setattr(interpreter, "_get_np_dtype", interpreter._onebit_real_np_dtype)
+    monkeypatch.setattr(interpreter.interpreter_semantic, "binary_op_sanitize_overflow_impl",
+                        interpreter._onebit_real_overflow_check)
     slow = run()
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
@@ -65,3 +67,33 @@ def test_the_numpy_dtypes_are_the_interpreters():
     for dtype in kinds + kinds:  # (the second time from the table)
         assert interpreter._get_np_dtype(dtype) == interpreter._onebit_real_np_dtype(dtype), dtype
     assert interpreter._get_np_dtype is not interpreter._onebit_real_np_dtype
+
+
+def test_the_overflow_check_is_skipped_only_where_the_interpreter_drops_it(monkeypatch):
+    # the interpreter builds an int32 overflow check at every int +, -, * and asserts it only with debug on:
+    # with debug off an overflowing add wraps (the check is not built); with debug on it is built, and raises
+    import dataclasses
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError
+
+    @triton.jit
+    def add(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i) + 2147483000)
+
+    x = torch.tensor([0, 647, 648, -5], dtype=torch.int32)
+    y = torch.zeros_like(x)
+    add[(1,)](x, y, BLOCK=4)
+    assert y.tolist() == [2147483000, 2147483647, -2147483648, 2147482995]  # (wrapped, as a GPU does)
+    assert "binary_op_sanitize_overflow_impl" in vars(interpreter.interpreter_semantic)  # (installed)
+    builder = interpreter.interpreter_semantic.builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    with pytest.raises(InterpreterError, match="int32 overflow detected for operation add"):
+        add[(1,)](x, y, BLOCK=4)
+    monkeypatch.setattr(interpreter.interpreter_semantic, "binary_op_sanitize_overflow_impl",
+                        interpreter._onebit_real_overflow_check)
+    with pytest.raises(InterpreterError, match="int32 overflow detected for operation add"):
+        add[(1,)](x, y, BLOCK=4)
