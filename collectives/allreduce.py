@@ -303,9 +303,6 @@ class LocalCopies:
         out.view(self.W, -1).copy_(seg.view(1, -1).expand(self.W, -1))
 
 
-_LOCAL = LocalCopies()
-
-
 def _compressed_allreduce(tensor, worker_error, server_error, group, W: int, block=None,
                           transport=None, passes=None) -> torch.Tensor:
     """The algorithm on validated arguments, W > 1; returns the server scales (a view; a copy

@@ -31,6 +31,7 @@ from .triton_kernels import (
     _settings,
     _store_decompressed,
     _store_packed,
+    bfloat16_errors,  # noqa: F401 (this module's answer too: api.own_bfloat16 asks each implementation)
     ticket,
 )
 
@@ -385,13 +386,6 @@ def flag(device: torch.device) -> torch.Tensor:
     if key not in _FLAGS:
         _FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return _FLAGS[key]
-
-
-
-def bfloat16_errors(layout: Layout) -> bool:
-    """Whether the kernels take bfloat16 error buffers as they are (read widened, stored rounded as
-    :func:`onebit.kernels.rounding.narrow_` rounds them: ``store_typed_error``, bitwise): always."""
-    return True
 
 
 def worker_compress(x, e, layout: Layout, out, update_error: bool) -> None:

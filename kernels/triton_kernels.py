@@ -479,7 +479,6 @@ def _partials(count: int, device: torch.device) -> torch.Tensor:
     return torch.empty(count, dtype=torch.float64, device=device)
 
 
-
 def bfloat16_errors(layout: Layout) -> bool:
     """Whether the kernels take bfloat16 error buffers as they are (read widened, stored rounded as
     :func:`onebit.kernels.rounding.narrow_` rounds them: ``store_typed_error``, bitwise): always."""

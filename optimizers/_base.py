@@ -641,6 +641,11 @@ class WarmupThenCompress(OnebitOptimizerBase):
     def _frozen_for_good(self) -> bool:
         return self.compressing
 
+    def _counts_enter_update(self) -> bool:
+        # the warm-up: the update count decides when it ends (a skip agreed on the device counted first),
+        # and the compression's bias corrections, where it has them
+        return not self.compressing or super()._counts_enter_update()
+
     def _enter_compression(self) -> None:
         """Called once, right after the last warm-up update. Preconditioned: the momentum
         buffers change domain, ``m -> m / denom`` (denom frozen from here on), so that the

@@ -92,6 +92,10 @@ class VarianceState:
         (``compression="preconditioned"``, docs/ALGORITHMS.md section 6)."""
         return self.compression == "preconditioned"
 
+    def _reference_maths(self) -> bool:
+        """compression="momentum" without floor or clip: the reference's update, bitwise."""
+        return not self.preconditioned and self.variance_floor is None and self.update_clip is None
+
     def _stale_variance(self) -> bool:
         """Whether updates now use a variance that is not refreshed every step (after the
         freeze; 0/1 Adam: from its first variance update on). Floors exist only then."""

@@ -101,10 +101,6 @@ class OnebitAdam(WarmupThenCompress):
         if overlap:
             self._enable_overlap(lambda: self.compressing, self._fold_one)
 
-    def _reference_maths(self) -> bool:
-        """compression="momentum" without floor or clip: the reference's update, bitwise."""
-        return not self.preconditioned and self.variance_floor is None and self.update_clip is None
-
     def _stale_bc2(self, g: dict) -> float:
         """The frozen variance's bias correction: always when preconditioned (the frozen v must
         estimate E[g^2], as the baseline's v does by the end of the run; docs/ALGORITHMS.md
@@ -230,10 +226,6 @@ class OnebitAdam(WarmupThenCompress):
         if not _fused.warmup_applies(self, reducer, pairs):
             return None
         return self._new_agreement(pairs, reducer, summed=True)
-
-    def _counts_enter_update(self) -> bool:
-        # the warm-up: the update count decides when it ends (and its bias corrections, where it has them)
-        return not self.compressing or super()._counts_enter_update()
 
     def _abandon_step(self) -> None:
         plan = getattr(self, "_fused_cache", None)

@@ -186,10 +186,6 @@ class OnebitLamb(WarmupThenCompress):
             return None
         return self._new_agreement(pairs, reducer)
 
-    def _counts_enter_update(self) -> bool:
-        # the warm-up: the update count decides when it ends (a skip agreed on the device counted first)
-        return not self.compressing or super()._counts_enter_update()
-
     def _lamb_kwargs(self, g: dict) -> dict:
         return dict(lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], min_coeff=self.min_coeff,
                     max_coeff=self.max_coeff, coeff_beta=self.coeff_beta)

@@ -574,7 +574,3 @@ class ZeroOneAdam(OnebitOptimizerBase):
         for m in momenta:
             m.copy_(flat[offset : offset + m.numel()].view_as(m))
             offset += m.numel()
-
-    def _reference_maths(self) -> bool:
-        """compression="momentum" without floor or clip: the reference's update, bitwise."""
-        return not self.preconditioned and self.variance_floor is None and self.update_clip is None

@@ -15,7 +15,7 @@ from helpers import hook_denominators
 
 from onebit.collectives import _hook_fused
 from onebit.collectives._frozen_adam import Denominators, FrozenAdam, frozen_pre_
-from onebit.collectives.allreduce import _LOCAL, _compressed_allreduce, compressed_allreduce_passes
+from onebit.collectives.allreduce import LocalCopies, _compressed_allreduce, compressed_allreduce_passes
 from onebit.kernels import cpu_simd
 from onebit.kernels.backends import use_backend
 from onebit.kernels.fused import hook
@@ -54,7 +54,7 @@ def _around(buffer, d, parts, fa, we, se, block, route: str):
     with use_backend("plain", steps=["hook"]) if route == "plain" else contextlib.nullcontext():
         assert _hook_fused.backend(buffer, d, parts) == (None if route == "plain" else "native")
         post = frozen_pre_(buffer, d, parts, fa)
-    _compressed_allreduce(buffer, we, se, None, 1, block, _LOCAL)
+    _compressed_allreduce(buffer, we, se, None, 1, block, LocalCopies())
     post(buffer)
 
 

@@ -79,19 +79,15 @@ class Table:
         addrs = [[_address(t, name) for t in tensors[name]] for name in self.addresses]
         old = self.key or (None, None, None)
         if old[0] != addrs:
-            self._write(self.addr, torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
+            _write_to(self.addr, torch.tensor(addrs, dtype=torch.int64).view(len(self.addresses), self.K))
         rewritten = old[1] != rows
         if rewritten:  # every step with a learning-rate schedule or bias correction
             padded = [tuple(r) + (0.0,) * (SCALARS - len(r)) for r in rows]
             values = torch.tensor(padded, dtype=torch.float64).view(self.K, SCALARS).to(torch.float32)
-            self._write(self.scal, values)
+            _write_to(self.scal, values)
         if floors is not None and (rewritten or floors is not old[2]):
             self.scal[:, SCALARS - 3].copy_(floors)
         self.key = (addrs, list(rows), floors)
-
-    @staticmethod
-    def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
-        _write_to(dst, src)
 
 
 def _address(t: torch.Tensor | None, column: str) -> int:
