@@ -15,6 +15,11 @@ variants by ``--diag`` (comma-separated):
   elem=B        the same with each element's own second moment (an EMA of the shared averages' squares)
   floor=F       fact/elem: the root raised to at least F times its mean over the matrix (default 0.1)
   start=N       the first compressed iteration (default 2: the hook's start_iter)
+  comp=C        an oracle of Muon's step along plain DDP's: the exact averages too (a second all-reduce,
+                diagnostic only), each matrix's Nesterov update made from the exact and from the decoded
+                averages and orthogonalised (O_exact, O_dec), and Muon's step of that matrix multiplied by
+                1 / s, s = <O_dec, O_exact> / <O_exact, O_exact> (the share of plain DDP's step in the
+                hook's), clamped to [1, C]
 
   torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag server
   torchrun --nproc-per-node 4 bench/studies/muon_gpt2/diag_hook.py --muon-lr 0.05 --diag ""   # plain DDP
@@ -63,6 +68,10 @@ class DiagHook:
         self.es: dict[int, torch.Tensor] = {}
         self.rms: dict[int, torch.Tensor] = {}
         self.m: dict[int, torch.Tensor] = {}
+        self.comp = float(opts["comp"]) if "comp" in opts else None
+        self.exact_m: dict[int, torch.Tensor] = {}
+        self.scales: dict[int, float] = {}
+        self.ratios: list[float] = []
 
     def _exact(self, grads: list[torch.Tensor], W: int) -> None:
         if not grads:
@@ -99,6 +108,11 @@ class DiagHook:
         params, grads = bucket.parameters(), bucket.gradients()
         ours = [i for i, p in enumerate(params) if id(p) in self.ids and it >= self.start]
         self._exact([g for i, g in enumerate(grads) if i not in ours], W)
+        exact = None
+        if self.comp is not None and ours:  # the oracle's exact averages of Muon's matrices
+            exact = torch.cat([grads[i].reshape(-1).float() for i in ours])
+            dist.all_reduce(exact)
+            exact = exact.div_(W).split([grads[i].numel() for i in ours])
         sent, scales = [], []
         for i in ours:
             k, x = id(params[i]), grads[i].reshape(-1).float()
@@ -131,12 +145,27 @@ class DiagHook:
                 if self.pred is not None:
                     y = y + self.pred * self.m.get(k, torch.zeros_like(y))
                 grads[i].copy_(y.view_as(grads[i]))
+        if exact is not None:
+            for i, x in zip(ours, exact, strict=True):
+                k, y = id(params[i]), grads[i].reshape(-1).float()
+                old_e, old_d = self.exact_m.get(k), self.m.get(k)
+                me = (1 - MOMENTUM) * x if old_e is None else old_e * MOMENTUM + (1 - MOMENTUM) * x
+                md = (1 - MOMENTUM) * y if old_d is None else old_d * MOMENTUM + (1 - MOMENTUM) * y
+                self.exact_m[k] = me
+                shape = params[i].shape
+                ue, ud = x.lerp(me, MOMENTUM), y.lerp(md, MOMENTUM)  # (Muon's Nesterov updates)
+                oe, od = (_ns(u.view(shape)).float() for u in (ue, ud))
+                share = float((od * oe).sum() / (oe * oe).sum().clamp_min(1e-30))
+                self.ratios.append(share)
+                self.scales[k] = min(max(1.0 / max(share, 1e-6), 1.0), self.comp)
         for i, p in enumerate(params):  # shared quantities, from the averages every rank holds
             if id(p) in self.ids:
                 y = grads[i].reshape(-1).float()
                 old = self.m.get(id(p))
                 self.m[id(p)] = ((1 - MOMENTUM) * y if old is None
                                  else old.mul_(MOMENTUM).add_(y, alpha=1 - MOMENTUM))
+                if self.comp is not None and i not in ours:  # (averaged exactly: the exact momentum too)
+                    self.exact_m[id(p)] = self.m[id(p)].clone()
                 if self.fact is not None and p.ndim == 2:
                     sq = y.view(p.shape).pow(2)
                     rm, cm = sq.mean(1), sq.mean(0)
@@ -157,6 +186,33 @@ class DiagHook:
 
 def _call(state: DiagHook, bucket):
     return state(None, bucket)
+
+
+def _ns(u: torch.Tensor) -> torch.Tensor:
+    """torch's Muon's orthogonalisation with its defaults."""
+    from torch.optim import _muon
+
+    abc = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+    return _REAL_NS[0](u, abc, _muon.DEFAULT_NS_STEPS, _muon.EPS)
+
+
+_REAL_NS: list = []
+
+
+def _scale_muons_steps(hook: DiagHook, order: list[int]) -> None:
+    """torch's Muon steps its matrices in group order, each through ``_zeropower_via_newtonschulz``: its
+    output for the matrix ``order[i % len]`` multiplied by the hook's scale for it (``comp``)."""
+    from torch.optim import _muon
+
+    real, calls = _muon._zeropower_via_newtonschulz, [0]
+    _REAL_NS.append(real)
+
+    def scaled(update, *args, **kwargs):
+        k = order[calls[0] % len(order)]
+        calls[0] += 1
+        return real(update, *args, **kwargs) * hook.scales.get(k, 1.0)
+
+    _muon._zeropower_via_newtonschulz = scaled
 
 
 def main() -> None:
@@ -180,7 +236,18 @@ def main() -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             trainer = scope["trainer"]
             ids = {id(q) for q in scope["hidden"]}
-            trainer.model_wrapped.register_comm_hook(DiagHook(ids, opts, int(opts.get("start", 2))), _call)
+            hook = DiagHook(ids, opts, int(opts.get("start", 2)))
+            trainer.model_wrapped.register_comm_hook(hook, _call)
+            self.hook = hook
+            if hook.comp is not None:
+                _scale_muons_steps(hook, [id(q) for q in scope["hidden"]])
+
+        def on_train_end(self, args, state, control, **kwargs):
+            hook = getattr(self, "hook", None)
+            if hook is not None and hook.ratios and dist.get_rank() == 0:
+                r = sorted(hook.ratios)
+                print(f"diag share of plain's step: median {r[len(r) // 2]:.3f} p10 {r[len(r) // 10]:.3f} "
+                      f"p90 {r[9 * len(r) // 10]:.3f}", flush=True)
 
     scope = {"__name__": "__main__", "_DIAG": Register()}
     sys.argv = [sys.argv[0], "--optimizer", optimizer, *rest]
