@@ -15,6 +15,9 @@ variants by ``--diag`` (comma-separated):
   elem=B        the same with each element's own second moment (an EMA of the shared averages' squares)
   floor=F       fact/elem: the root raised to at least F times its mean over the matrix (default 0.1)
   start=N       the first compressed iteration (default 2: the hook's start_iter)
+  proj=R        each matrix's gradient split along the top R right singular vectors V of the shared momentum
+                (the matrix laid with its shorter side as rows): the coefficients G V^T averaged exactly
+                (R floats per row of the shorter side), the rest 1-bit with error feedback
   comp=C        an oracle of Muon's step along plain DDP's: the exact averages too (a second all-reduce,
                 diagnostic only), each matrix's Nesterov update made from the exact and from the decoded
                 averages and orthogonalised (O_exact, O_dec), and Muon's step of that matrix multiplied by
@@ -113,9 +116,34 @@ class DiagHook:
             exact = torch.cat([grads[i].reshape(-1).float() for i in ours])
             dist.all_reduce(exact)
             exact = exact.div_(W).split([grads[i].numel() for i in ours])
-        sent, scales = [], []
+        sent, scales, bases = [], [], {}
+        if "proj" in self.opts and ours:
+            coeffs = []
+            for i in ours:
+                k, shape = id(params[i]), params[i].shape
+                m = self.m.get(k)
+                if m is None or len(shape) != 2:
+                    continue
+                wide = shape[0] <= shape[1]
+                m2 = m.view(shape) if wide else m.view(shape).T
+                v = torch.linalg.svd(m2, full_matrices=False).Vh[: int(self.opts["proj"])]
+                g2 = grads[i].float() if wide else grads[i].float().T
+                c = g2 @ v.T
+                bases[i] = (v, wide, c)
+                coeffs.append(c.reshape(-1))
+            if coeffs:
+                flat_c = torch.cat(coeffs)
+                dist.all_reduce(flat_c)
+                flat_c.div_(W)
+                sizes = [b[2].numel() for b in bases.values()]
+                for i, part in zip(list(bases), flat_c.split(sizes), strict=True):
+                    bases[i] = (*bases[i], part.view_as(bases[i][2]))
         for i in ours:
             k, x = id(params[i]), grads[i].reshape(-1).float()
+            if i in bases:  # the part outside the shared subspace
+                v, wide, c, _ = bases[i]
+                rest = c @ v
+                x = x - (rest if wide else rest.T).reshape(-1)
             if self.pred is not None:
                 x = x - self.pred * self.m.get(k, torch.zeros_like(x))
             d = self.rms.get(k) if "scale" in self.opts else None
@@ -144,6 +172,10 @@ class DiagHook:
                     y = y * d
                 if self.pred is not None:
                     y = y + self.pred * self.m.get(k, torch.zeros_like(y))
+                if i in bases:  # the shared subspace's part, averaged exactly
+                    v, wide, _, mean_c = bases[i]
+                    part = mean_c @ v
+                    y = y + (part if wide else part.T).reshape(-1)
                 grads[i].copy_(y.view_as(grads[i]))
         if exact is not None:
             for i, x in zip(ours, exact, strict=True):
