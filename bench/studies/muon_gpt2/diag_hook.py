@@ -75,6 +75,7 @@ class DiagHook:
         self.exact_m: dict[int, torch.Tensor] = {}
         self.scales: dict[int, float] = {}
         self.ratios: list[float] = []
+        self.cosines: list[float] = []  # (the updates' before orthogonalisation)
 
     def _exact(self, grads: list[torch.Tensor], W: int) -> None:
         if not grads:
@@ -186,6 +187,7 @@ class DiagHook:
                 self.exact_m[k] = me
                 shape = params[i].shape
                 ue, ud = x.lerp(me, MOMENTUM), y.lerp(md, MOMENTUM)  # (Muon's Nesterov updates)
+                self.cosines.append(float((ue @ ud) / (ue.norm() * ud.norm()).clamp_min(1e-30)))
                 oe, od = (_ns(u.view(shape)).float() for u in (ue, ud))
                 share = float((od * oe).sum() / (oe * oe).sum().clamp_min(1e-30))
                 self.ratios.append(share)
@@ -280,6 +282,9 @@ def main() -> None:
                 r = sorted(hook.ratios)
                 print(f"diag share of plain's step: median {r[len(r) // 2]:.3f} p10 {r[len(r) // 10]:.3f} "
                       f"p90 {r[9 * len(r) // 10]:.3f}", flush=True)
+                c = sorted(hook.cosines)
+                print(f"diag cosine of the updates before Newton-Schulz: median {c[len(c) // 2]:.3f} "
+                      f"p10 {c[len(c) // 10]:.3f} p90 {c[9 * len(c) // 10]:.3f}", flush=True)
 
     scope = {"__name__": "__main__", "_DIAG": Register()}
     sys.argv = [sys.argv[0], "--optimizer", optimizer, *rest]
