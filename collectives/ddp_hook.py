@@ -47,7 +47,7 @@ from ..kernels._checks import check_group, check_int, check_number
 from ..kernels.layout import check_block
 from ..kernels.preconditioning import sqrt_v_floors, stale_denominator
 from ..kernels.rounding import check_error_dtype
-from . import _hook_fused, _momentum, _several
+from . import _bases, _hook_fused, _momentum, _several
 from ._clip_sketch import ClipSketch
 from ._frozen_adam import (
     FrozenAdam,
@@ -125,12 +125,21 @@ class OnebitCompressHookState:
             compressing (0: its gradient compressed, 1: its momentum): "auto" (the default) is 1 for
             SGD and 0 for Muon, whose gradient compressed measured better than its momentum
             (docs/ALGORITHMS.md 8.3; bench/RESULTS.md "The DDP hook with Muon").
+        momentum_bases: a Muon's matrices (where its momentum share is 0) compressed in the singular
+            bases of its momentum, ``U^T G V``, the average handed back as ``U A V^T`` (the same wire;
+            the compression's error then follows the momentum's spectrum, which Newton-Schulz's output
+            hardly reads, instead of lying flat over the small directions it lifts: docs/ALGORITHMS.md
+            8.4). The bases are made anew every this many iterations (an SVD of each matrix) and kept
+            with the state (``a^2 + b^2`` float32 per ``a x b`` matrix). "auto" (the default):
+            every ``MOMENTUM_BASES_EVERY`` iterations, and not where the share is not 0; None: as they
+            are (section 8.3).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  block: int | None = HOOK_BLOCK, optimizer: torch.optim.Optimizer | None = None,
                  variance_floor: float = 0.1, freeze_step: int | None = None, *,
-                 error_dtype: torch.dtype = torch.bfloat16, momentum_share: float | str = "auto") -> None:
+                 error_dtype: torch.dtype = torch.bfloat16, momentum_share: float | str = "auto",
+                 momentum_bases: int | str | None = "auto") -> None:
         # a 2-D DeviceMesh: each bucket's compressed all-reduce is hierarchical (1-bit between
         # nodes only); the full-precision iterations average over all the mesh's ranks
         self._mesh = process_group if is_mesh(process_group) else None
@@ -143,6 +152,7 @@ class OnebitCompressHookState:
                 raise ValueError(f"momentum_share: expected 'auto' or a number in [0, 1], got "
                                  f"{momentum_share}")
         self.momentum_share = momentum_share
+        self._bases = _momentum_bases(momentum_bases, momentum_share)
         self._frozen_adam = None if freeze_step is None else FrozenAdam(
             check_int("freeze_step", freeze_step, low=1), self.variance_floor)
         self._optimizer = None
@@ -289,6 +299,8 @@ class OnebitCompressHookState:
         if self._frozen_adam is not None:
             state["frozen_adam"] = self._frozen_adam.state()
         state["clip"] = self._clip.state()
+        if self._bases is not None:
+            state["bases"] = self._bases.state()
         return state
 
     def __deepcopy__(self, memo: dict):
@@ -326,10 +338,11 @@ class OnebitCompressHookState:
         return new
 
     def __setstate__(self, state: dict) -> None:
+        alone = "_world_size" not in self.__dict__  # made by unpickling alone (no constructor ran)
         local = {k: v for k, v in self.__dict__.items()
                  if k in ("process_group", "optimizer") or k.startswith("_")}
-        frozen, clip = state.get("frozen_adam"), state.get("clip")
-        skip = ("world_size", "optimizer", "frozen_adam", "clip")
+        frozen, clip, bases = state.get("frozen_adam"), state.get("clip"), state.get("bases")
+        skip = ("world_size", "optimizer", "frozen_adam", "clip", "bases")
         state = {k: v for k, v in state.items() if k not in skip}
         self.__dict__.update(state)
         self.__dict__.update(local)
@@ -363,6 +376,14 @@ class OnebitCompressHookState:
                               for k, v in state.get("early_layouts", {}).items()}
         self.plan = {int(k): tuple(tuple(n) for n in v) for k, v in state.get("plan", {}).items()}
         self.__dict__.setdefault("_frozen_adam", None)
+        self.__dict__.setdefault("_bases", None)
+        if bases is not None:
+            if self._bases is None and alone:
+                self._bases = _bases.MomentumBases(int(bases["every"]))
+            if self._bases is None:
+                raise ValueError("state: saved with momentum_bases (its errors are in those bases); build "
+                                 "the state with momentum_bases set (not None) before loading it")
+            self._bases.load(bases)
         if frozen is not None:
             if self._frozen_adam is None:
                 raise ValueError("state: saved with freeze_step (Adam's frozen variance); build the state "
@@ -442,6 +463,23 @@ class OnebitCompressHookState:
             start, n = offsets[name]
             worker_error[start:start + n].copy_(early[0][q:q + n])
             q += n
+
+
+MOMENTUM_BASES_EVERY = 10  # momentum_bases="auto": new bases every this many iterations (8.4)
+
+
+def _momentum_bases(every, share) -> _bases.MomentumBases | None:
+    """The state's :class:`MomentumBases` from its ``momentum_bases`` argument (None: off)."""
+    if every is None:
+        return None
+    if every == "auto":
+        return _bases.MomentumBases(MOMENTUM_BASES_EVERY)
+    every = check_int("momentum_bases", every, low=1)
+    if share != "auto" and share != 0.0:
+        raise ValueError(f"momentum_bases: a Muon's matrices are turned into its momentum's bases only "
+                         f"where its gradient is compressed (momentum_share 'auto' or 0), got "
+                         f"momentum_share={share}; pass momentum_bases=None to compress its momentum")
+    return _bases.MomentumBases(every)
 
 
 def _rebuilt(index: int, layout: tuple) -> bool:
@@ -668,7 +706,8 @@ def onebit_compress_hook(state: OnebitCompressHookState,
     early = state._early(bucket) if not compressing and it >= state.start_iter else []
     if early:
         _sketch(state, bucket, buffer, layout, early)
-        return _early_allreduce(state, bucket, layout, early)
+        turned = _turn(state, bucket, buffer, layout, it)
+        return _back(_early_allreduce(state, bucket, layout, early), turned)
     if not compressing:
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         buffer.div_(W)
@@ -683,6 +722,34 @@ def onebit_compress_hook(state: OnebitCompressHookState,
         return work.get_future().then(done)
     index = bucket.index()
     _sketch(state, bucket, buffer, layout, range(len(layout)))
+    turned = _turn(state, bucket, buffer, layout, it)
+    return _back(_compressed_call(state, bucket, buffer, layout, index), turned)
+
+
+def _turn(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout, it: int):
+    """A Muon's matrices of the bucket turned into their momentum's bases (section 8.4); what to turn
+    back."""
+    if state._bases is None or state.optimizer is None:
+        return []
+    spans, made = state._bases.turn_(state.optimizer, state.momentum_share, bucket, buffer, layout, it)
+    found = state.errors.get(bucket.index())
+    if made and found is not None and state.layouts.get(bucket.index()) == layout \
+            and found[0].numel() == error_buffer_numel(buffer.numel(), state.compress_group, state.block):
+        # the bucket's own errors carried into the new bases (those of an early part or of the buckets
+        # a fresh DDP's bucket covers are read in them as they are)
+        _bases.carry_(found[0], found[1], made, state._rank if state._mesh is None else None,
+                      state.world_size)
+    return spans
+
+
+def _back(fut: torch.futures.Future, turned: list) -> torch.futures.Future:
+    return fut if not turned else fut.then(lambda done: _bases.turn_back_(done.value(), turned))
+
+
+def _compressed_call(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch.Tensor, layout,
+                     index: int):
+    """A compressed iteration's call: with the frozen Adam's passes, the momenta's, or the optimizer's
+    terms around it (sections 8-8.3)."""
     fa = state._frozen_adam
     adam = None if fa is None else _adam_member(state.optimizer, check=False)
     if fa is not None and adam is not None:

@@ -150,9 +150,11 @@ def _body_pair(steps: int, freeze: int | None, share="auto", combined: bool = Fa
         sent = buffer.clone()
         params = list(bucket.parameters())
         prev = [muon.state[p]["momentum_buffer"].clone() if p in muon.state else None for p in params]
+        bases = st._bases.bases if st._bases is not None else {}
+        turns = [bases.get(name) if share == "auto" else None for name in layout]  # (section 8.4)
 
         def got(f):
-            records.append((index, sent, f.value().clone(), params, prev))
+            records.append((index, sent, f.value().clone(), params, prev, turns))
             return f.value()
 
         return real(st, bucket, buffer, layout, index, passes).then(got)
@@ -164,7 +166,7 @@ def _body_pair(steps: int, freeze: int | None, share="auto", combined: bool = Fa
     ddp_hook._compressed = spy
     ddp.register_comm_hook(state, hook)
     gen = torch.Generator().manual_seed(10 + r)
-    sent_right, momentum_right, compressed_steps = True, True, 0
+    sent_right, momentum_right, compressed_steps, turned_right, turned_steps = True, True, 0, True, 0
     try:
         with use_backend("plain", steps=("hook",)):  # (the pre-pass as torch ops: its input visible)
             for _ in range(steps):
@@ -176,21 +178,28 @@ def _body_pair(steps: int, freeze: int | None, share="auto", combined: bool = Fa
                 for opt in [both] if combined else [muon, adamw]:
                     opt.step()
                 compressed_steps += bool(records)
-                for index, sent, average, params, prev in records:
+                for index, sent, average, params, prev, turns in records:
                     offset = 0
-                    for p, buf in zip(params, prev, strict=True):
+                    for p, buf, turn in zip(params, prev, turns, strict=True):
                         k = p.numel()
                         if buf is not None:  # a Muon matrix: its own momentum sent, the compressed mean kept
                             want = grads[index][offset:offset + k] + (buf * factor).reshape(-1)
+                            a = average[offset:offset + k]
+                            if turn is not None:  # its gradient in its momentum's bases, U^T G V, and back
+                                _, u, vh = turn
+                                turned_right &= bool((u.T @ u - torch.eye(len(u))).abs().max() < 1e-5)
+                                want = (u.T @ want.view(p.shape) @ vh.T).reshape(-1)
+                                a = (u @ a.view(p.shape) @ vh).reshape(-1)
+                                turned_steps += 1
                             sent_right &= torch.equal(sent[offset:offset + k], want)
                             now = muon.state[p]["momentum_buffer"].reshape(-1)
                             # its lerp of the gradient handed back, A - c: (1 - mu) A with the whole momentum
-                            handed = average[offset:offset + k] - (buf * factor).reshape(-1)
+                            handed = a - (buf * factor).reshape(-1)
                             want_m = buf.reshape(-1) * mu + (1.0 - mu) * handed
                             momentum_right &= torch.allclose(now, want_m, rtol=1e-4,
                                                              atol=1e-5 * float(now.abs().max()))
                             if share == 1.0:  # the compressed mean of the ranks' momenta
-                                mean = (1.0 - mu) * average[offset:offset + k]
+                                mean = (1.0 - mu) * a
                                 momentum_right &= torch.allclose(now, mean, rtol=1e-4,
                                                                  atol=1e-5 * float(now.abs().max()))
                         offset += k
@@ -198,7 +207,8 @@ def _body_pair(steps: int, freeze: int | None, share="auto", combined: bool = Fa
     finally:
         ddp_hook._compressed = real
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return flat, sent_right, momentum_right, compressed_steps, bool(torch.isfinite(flat).all())
+    finite = bool(torch.isfinite(flat).all())
+    return flat, sent_right and turned_right, momentum_right, compressed_steps, finite, turned_steps
 
 
 @pytest.mark.parametrize("W, freeze, share",
@@ -206,12 +216,16 @@ def _body_pair(steps: int, freeze: int | None, share="auto", combined: bool = Fa
 def test_muon_and_adamw_behind_one_hook_state(ranks, W, freeze, share):
     # optimizer=[muon, adamw]: each parameter read in its own optimizer's state. With momentum_share=1 Muon's
     # matrices send their own momentum (with freeze_step from the freeze on, with d = 1 beside AdamW's frozen
-    # space) and keep the compressed mean; by default ("auto") they send their gradient; replicas identical
+    # space) and keep the compressed mean; by default ("auto") they send their gradient, turned into their
+    # momentum's bases once Muon made it (section 8.4) and turned back; replicas identical
     got = ranks(W).run(_body_pair, 7, freeze, share)
-    for flat, sent_right, momentum_right, compressed, finite in got:
+    for flat, sent_right, momentum_right, compressed, finite, turned in got:
         assert torch.equal(flat, got[0][0]) and finite
         assert sent_right and momentum_right
         assert compressed == (5 if freeze is None else 3), compressed
+        # each of the 2 matrices turned at every compressed iteration after Muon's first step (the first
+        # compressed one, before the freeze, is 2: Muon has stepped once)
+        assert turned == (0 if share == 1.0 else 2 * compressed), turned
 
 
 def _pair_both_forms(steps: int, freeze: int):
@@ -344,3 +358,138 @@ def test_freeze_step_beside_muon_compresses_muon_from_start_iter(ranks, W, bucke
             assert early_left[2] and early_left[freeze - 1] and not early_left[freeze]
             assert placed and seeds >= 1
         assert "early_errors" in saved and "early_layouts" in saved
+
+
+def _body_bases(steps: int, every: int):
+    # Muon alone behind the hook, its gradient compressed in its momentum's bases (section 8.4), replayed:
+    # the bases are the singular vectors of Muon's momentum at the iteration they are made, anew every
+    # `every` iterations; the hook's average is U A V^T with A = compressed_allreduce(U^T G V) on the bucket
+    # turned matrix by matrix, the errors the replay's own (bitwise); against the float64 mean, the sums of
+    # the averages handed over differ by what the errors still owe
+    W, r = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    opt = Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.01)
+    state = OnebitCompressHookState(start_iter=2, optimizer=opt, momentum_bases=every)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
+    records, errors, mine = [], {}, {}
+
+    def hook(st, bucket):
+        grad, it = bucket.buffer().clone(), st.iter
+        params = list(bucket.parameters())
+        prev = [opt.state[p]["momentum_buffer"].clone() if p in opt.state else None for p in params]
+        fut = onebit_compress_hook(st, bucket)
+        if it < st.start_iter:
+            return fut
+
+        def keep(f):
+            records.append((bucket.index(), it, grad, f.value().clone(), params, prev))
+            return f.value()
+
+        return fut.then(keep)
+
+    ddp.register_comm_hook(state, hook)
+    gen = torch.Generator().manual_seed(10 + r)
+    replay_equal, bases_right, made = True, True, 0
+    handed_sum, mean_sum, largest = {}, {}, {}
+    for _ in range(steps):
+        x, y = torch.randn(16, 12, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        record = sorted(records, key=lambda row: row[0])
+        records.clear()
+        for index, it, grad, out, params, prev in record:
+            turned, offset, new = grad.clone(), 0, []
+            N = padded_numel(grad.numel(), W, 64)
+            had = index in errors
+            we, se = errors.setdefault(index, (torch.zeros(N, dtype=torch.bfloat16),
+                                               torch.zeros(N // W, dtype=torch.bfloat16)))
+            for p, buf in zip(params, prev, strict=True):
+                k = p.numel()
+                if buf is not None and every is not None:
+                    if p not in mine or it - mine[p][0] >= every:
+                        u, _, vh = torch.linalg.svd(buf.float(), full_matrices=True)
+                        new.append((offset, p.shape, mine.get(p), u, vh))
+                        mine[p] = (it, u, vh)
+                        made += 1
+                        u_s, vh_s = state._bases.bases[_name(state, p)][1:]
+                        bases_right &= torch.equal(u, u_s) and torch.equal(vh, vh_s)
+                    _, u, vh = mine[p]
+                    g = grad[offset:offset + k].view(p.shape)
+                    turned[offset:offset + k] = (u.T @ g @ vh.T).reshape(-1)
+                offset += k
+            if new and had:  # the errors carried into the new bases: the server's debt into this worker
+                C = se.numel()  # error (W times: the server averages), then each worker error turned
+                we[r * C:(r + 1) * C] = we[r * C:(r + 1) * C].float() + W * se.float()
+                se.zero_()
+                for lo, shape, old, u, vh in new:
+                    e = we[lo:lo + shape.numel()].view(shape).float()
+                    if old is None:
+                        we[lo:lo + shape.numel()] = (u.T @ e @ vh.T).reshape(-1)
+                    else:
+                        we[lo:lo + shape.numel()] = ((u.T @ old[1]) @ e @ (old[2] @ vh.T)).reshape(-1)
+            average, offset = compressed_allreduce(turned, we, se, block=64), 0
+            mean = grad.double()
+            dist.all_reduce(mean)
+            mean /= W
+            for p, buf in zip(params, prev, strict=True):
+                k = p.numel()
+                if buf is not None and every is not None:
+                    _, u, vh = mine[p]
+                    a = average[offset:offset + k].view(p.shape)
+                    average[offset:offset + k] = (u @ a @ vh).reshape(-1)
+                handed_sum[p] = handed_sum.get(p, 0) + out[offset:offset + k].double()
+                mean_sum[p] = mean_sum.get(p, 0) + mean[offset:offset + k]
+                largest[p] = max(largest.get(p, 0.0), float(mean[offset:offset + k].norm()))
+                offset += k
+            replay_equal &= torch.equal(average, out)
+    # what the sums of the handed averages still owe, in units of the largest step's mean gradient: the last
+    # errors (the workers' averaged, the server's) turned back; carried into each new basis, not lost
+    owed = max(float((handed_sum[p] - mean_sum[p]).norm()) / largest[p] for p in handed_sum)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, replay_equal, bases_right, made, owed, bool(torch.isfinite(flat).all())
+
+
+def _name(state, p):
+    return state._names[id(p)]
+
+
+@pytest.mark.parametrize("W, every", [(2, 3), (3, 2), (3, None)])
+def test_muon_in_its_momentums_bases_is_the_construction(ranks, W, every):
+    # every None: the hook without bases (section 8.3), the same replay untouched: what error feedback owes
+    # there is the yardstick (about 1 step's gradient, 0.86 at 40 steps on 2 ranks; with bases every 3
+    # iterations 0.91, every 10 0.79; read in the new bases without carrying the errors 3.5 and 1.9)
+    steps = 30
+    got = ranks(W).run(_body_bases, steps, every)
+    for flat, replay_equal, bases_right, made, owed, finite in got:
+        assert torch.equal(flat, got[0][0]) and finite  # replicas identical
+        assert replay_equal and bases_right
+        # 3 matrices, bases made at iteration 2 (Muon stepped once) and every `every` after
+        assert made == (0 if every is None else 3 * len(range(2, steps, every))), made
+        assert owed < 2.0, owed
+
+
+def test_momentum_bases_is_checked_and_saved_with_the_state():
+    import pickle
+
+    a = torch.nn.Parameter(torch.randn(4, 6))
+    muon = Muon([a])
+    for bad in (0, -2, 1.5, "often"):
+        with pytest.raises((ValueError, TypeError), match=r"^momentum_bases"):
+            OnebitCompressHookState(optimizer=muon, momentum_bases=bad)
+    with pytest.raises(ValueError, match=r"^momentum_bases: .* momentum_share=1.0"):
+        OnebitCompressHookState(optimizer=muon, momentum_bases=5, momentum_share=1.0)
+    # "auto" beside a momentum share: nothing turned (section 8.3's construction as it is)
+    assert OnebitCompressHookState(optimizer=muon, momentum_share=1.0)._bases is not None
+    state = OnebitCompressHookState(optimizer=muon, momentum_bases=7)
+    u, vh = torch.linalg.qr(torch.randn(4, 4))[0], torch.linalg.qr(torch.randn(6, 6))[0].T
+    state._bases.bases[(0, 1)] = (5, u, vh)
+    back = pickle.loads(pickle.dumps(state))
+    assert back._bases.every == 7 and back._bases.bases[(0, 1)][0] == 5
+    assert torch.equal(back._bases.bases[(0, 1)][1], u) and torch.equal(back._bases.bases[(0, 1)][2], vh)
+    fresh = OnebitCompressHookState(optimizer=muon, momentum_bases=None)
+    with pytest.raises(ValueError, match=r"^state: saved with momentum_bases"):
+        fresh.__setstate__(state.__getstate__())
+    again = OnebitCompressHookState(optimizer=muon)
+    again.__setstate__(state.__getstate__())
+    assert torch.equal(again._bases.bases[(0, 1)][1], u)

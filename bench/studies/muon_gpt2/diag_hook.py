@@ -18,6 +18,18 @@ variants by ``--diag`` (comma-separated):
   proj=R        each matrix's gradient split along the top R right singular vectors V of the shared momentum
                 (the matrix laid with its shorter side as rows): the coefficients G V^T averaged exactly
                 (R floats per row of the shorter side), the rest 1-bit with error feedback
+  rot=K         each matrix compressed in the shared momentum's singular bases (U^T G V; its rows the left
+                singular directions, so a block's scale follows the spectrum), the errors held in those bases,
+                the bases made anew every K iterations
+  rank=R        rot: the bases' top R directions the momentum's, the rest completed by QR against the unit
+                vectors (what R Householder reflections give: R columns stored, not the whole bases)
+  wrk=S         rot: the workers' errors at a new basis, as srv (default exact)
+  side=left     rot: the left (rows') basis alone, the columns as they are
+  srv=S         rot: the server's errors at a new basis: exact (turned into it), keep (left as they are:
+                what a server that holds a chunk of each matrix can do), reset (zeroed) or flush (added
+                to the workers' errors before they are turned, and zeroed: the library's, section 8.4)
+  subset=K      no compression: Muon's matrices averaged exactly over the first K ranks' batches only (plain
+                DDP with W / K times less data for them; with comp: the share a smaller batch's step holds)
   comp=C        an oracle of Muon's step along plain DDP's: the exact averages too (a second all-reduce,
                 diagnostic only), each matrix's Nesterov update made from the exact and from the decoded
                 averages and orthogonalised (O_exact, O_dec), and Muon's step of that matrix multiplied by
@@ -71,6 +83,7 @@ class DiagHook:
         self.es: dict[int, torch.Tensor] = {}
         self.rms: dict[int, torch.Tensor] = {}
         self.m: dict[int, torch.Tensor] = {}
+        self.bases: dict[int, tuple] = {}
         self.comp = float(opts["comp"]) if "comp" in opts else None
         self.exact_m: dict[int, torch.Tensor] = {}
         self.scales: dict[int, float] = {}
@@ -99,6 +112,39 @@ class DiagHook:
         root = v.sqrt().reshape(-1)
         return torch.maximum(root, self.floor * root.mean()).clamp_min(1e-20)
 
+    def _basis(self, k: int, shape) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared momentum's full singular bases (U, V^T) of parameter ``k`` (alike on every rank), made
+        anew every ``rot`` iterations; the errors held in the old bases turned into the new ones (the
+        server's by ``srv``: exact, keep (left as they are) or reset). None before any momentum."""
+        m = self.m.get(k)
+        if m is None or len(shape) != 2:
+            return None
+        got, every = self.bases.get(k), int(self.opts["rot"])
+        if got is None or self.it - got[2] >= every:
+            u, _, vh = torch.linalg.svd(m.view(shape).double(), full_matrices=True)
+            if "rank" in self.opts:  # the top R directions, completed by QR against the unit vectors
+                r = int(self.opts["rank"])
+                u = torch.linalg.qr(torch.cat([u[:, :r], torch.eye(shape[0], dtype=u.dtype)], 1)).Q
+                vh = torch.linalg.qr(torch.cat([vh[:r].T, torch.eye(shape[1], dtype=u.dtype)], 1)).Q.T
+            if self.opts.get("side") == "left":  # the rows' side alone
+                vh = torch.eye(shape[1], dtype=u.dtype)
+            u, vh = u.float(), vh.float()
+            old_u = torch.eye(shape[0]) if got is None else got[0]
+            old_vh = torch.eye(shape[1]) if got is None else got[1]
+            turn = (u.T @ old_u, old_vh @ vh.T)  # old coordinates -> new: U'^T U E V^T V'
+            if self.opts.get("srv") == "flush" and k in self.es and k in self.ew:
+                self.ew[k].add_(self.es[k])  # the server's debt into the workers' (each rank: the mean)
+                self.es[k].zero_()
+            hows = (self.opts.get("wrk", "exact"), self.opts.get("srv", "exact"))
+            for table, how in zip((self.ew, self.es), hows, strict=True):
+                e = table.get(k)
+                if e is None or how in ("keep", "flush"):
+                    continue
+                e.copy_((turn[0] @ e.view(shape) @ turn[1]).reshape(-1) if how == "exact" else 0.0)
+            got = (u, vh, self.it)
+            self.bases[k] = got
+        return got[0], got[1]
+
     def _error(self, table: dict, k: int, like: torch.Tensor) -> torch.Tensor:
         e = table.setdefault(k, torch.zeros_like(like))
         if self.decay is not None:
@@ -117,6 +163,16 @@ class DiagHook:
             exact = torch.cat([grads[i].reshape(-1).float() for i in ours])
             dist.all_reduce(exact)
             exact = exact.div_(W).split([grads[i].numel() for i in ours])
+        if "subset" in self.opts and ours:  # plain DDP's averages over the first K ranks' batches only
+            K = int(self.opts["subset"])
+            flat = torch.cat([grads[i].reshape(-1).float() for i in ours])
+            flat.mul_(1.0 / K if dist.get_rank() < K else 0.0)
+            dist.all_reduce(flat)
+            for i, part in zip(ours, flat.split([grads[i].numel() for i in ours]), strict=True):
+                grads[i].copy_(part.view_as(grads[i]))
+            ours_sent = []
+        else:
+            ours_sent = ours
         sent, scales, bases = [], [], {}
         if "proj" in self.opts and ours:
             coeffs = []
@@ -139,7 +195,7 @@ class DiagHook:
                 sizes = [b[2].numel() for b in bases.values()]
                 for i, part in zip(list(bases), flat_c.split(sizes), strict=True):
                     bases[i] = (*bases[i], part.view_as(bases[i][2]))
-        for i in ours:
+        for i in ours_sent:
             k, x = id(params[i]), grads[i].reshape(-1).float()
             if i in bases:  # the part outside the shared subspace
                 v, wide, c, _ = bases[i]
@@ -152,6 +208,10 @@ class DiagHook:
                 d = self._factored(k, params[i].shape)
             if d is not None:
                 x = x / d
+            rot = self._basis(k, params[i].shape) if "rot" in self.opts else None
+            if rot is not None:  # compressed in the shared momentum's singular bases, errors there too
+                u, vh = rot
+                x = (u.T @ x.view(params[i].shape) @ vh.T).reshape(-1)
             e = self._error(self.ew, k, x)
             z = x + e
             c = block_sign(z, self.block)
@@ -169,6 +229,9 @@ class DiagHook:
                     z = y + es
                     y = block_sign(z, self.block)
                     es.copy_(z - y)
+                rot = self.bases.get(k) if "rot" in self.opts else None
+                if rot is not None:  # back from the bases
+                    y = (rot[0] @ y.view(params[i].shape) @ rot[1]).reshape(-1)
                 if d is not None:
                     y = y * d
                 if self.pred is not None:

@@ -1,0 +1,111 @@
+"""Muon's matrices compressed in the singular bases of their momentum (docs/ALGORITHMS.md 8.4).
+
+Before a compressed all-reduce the DDP hook turns the gradient ``G`` of each of a Muon's matrices into
+``U^T G V`` in its place in the bucket, and the average back into ``U A V^T`` after it: ``U``, ``V`` the
+singular vectors of the Muon's ``momentum_buffer`` (the same on every rank), made anew every ``every``
+iterations. The errors stay in the turned coordinates; at new bases a bucket's own errors are carried
+into them (:func:`carry_`: the server's debt moved into its rank's worker error, each worker error
+turned), so that error feedback owes what it owed. Only where the Muon's momentum share is 0 (its
+gradient compressed: the hook's default): a momentum term added before the call would be in the other
+coordinates."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _momentum, _several
+
+Name = tuple[int, int]
+
+
+class MomentumBases:
+    """Each matrix's bases by its name in the hook's layout: ``(made at iteration, U, V^T)``."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.bases: dict[Name, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def state(self) -> dict:
+        return {"every": self.every,
+                "bases": {name: (it, u.clone(), vh.clone()) for name, (it, u, vh) in self.bases.items()}}
+
+    def load(self, saved: dict) -> None:
+        """The saved bases (the interval stays this state's own)."""
+        self.bases = {tuple(name): (int(it), u, vh) for name, (it, u, vh) in saved["bases"].items()}
+
+    def turn_(self, optimizer, share, bucket, buffer: torch.Tensor, layout, it: int) -> tuple[list, list]:
+        """Turn the bucket's Muon matrices in ``buffer`` in place (``G <- U^T G V``), their bases made
+        first where due; returns what :func:`turn_back_` needs (empty: nothing turned) and what
+        :func:`carry_` needs (the matrices given new bases)."""
+        spans, made, lo = [], [], 0
+        for p, name in zip(bucket.parameters(), layout, strict=True):
+            hi = lo + p.numel()
+            m = None if p.ndim != 2 or name == (-1, -1) else momentum_of(optimizer, p, share)
+            if m is not None:
+                got = self.bases.get(name)
+                if got is None or it - got[0] >= self.every:
+                    new = bases_of(m)
+                    if new is not None:
+                        made.append((lo, hi, p.shape, None if got is None else got[1:], new))
+                        got = (it, *new)
+                        self.bases[name] = got
+                if got is not None and got[1].device == buffer.device:
+                    _, u, vh = got
+                    view = buffer[lo:hi].view(p.shape)
+                    view.copy_(u.T @ view.float() @ vh.T)
+                    spans.append((lo, hi, p.shape, u, vh))
+            lo = hi
+        return spans, made
+
+
+def turn_back_(out: torch.Tensor, spans: list) -> torch.Tensor:
+    """``A <- U A V^T`` for each span :meth:`MomentumBases.turn_` turned; ``out`` returned."""
+    for lo, hi, shape, u, vh in spans:
+        view = out[lo:hi].view(shape)
+        view.copy_(u @ view.float() @ vh)
+    return out
+
+
+def carry_(worker_error: torch.Tensor, server_error: torch.Tensor, made: list, rank: int | None,
+           world_size: int) -> None:
+    """Before a bucket's first call in new bases (``made``, from :meth:`MomentumBases.turn_`), its
+    errors carried into them: what this rank's server still owes added to its own worker error on the
+    chunk it serves, ``world_size`` times (the server averages the workers' messages, so the total owed
+    is the same) and the server error zeroed; then each matrix's worker error (this rank holds it whole)
+    turned from the old bases into the new, ``E <- U'^T U E V^T V'``. ``rank`` None (a mesh, whose
+    servers are nodes): the server error is left as it is."""
+    if rank is not None:
+        size = server_error.numel()
+        chunk = worker_error[rank * size:(rank + 1) * size]
+        chunk.copy_(chunk.float() + world_size * server_error.float())
+        server_error.zero_()
+    for lo, hi, shape, old, new in made:
+        view = worker_error[lo:hi].view(shape)
+        e = view.float()
+        u, vh = new
+        if old is None:  # from the plain coordinates
+            view.copy_(u.T @ e @ vh.T)
+        else:
+            view.copy_((u.T @ old[0]) @ e @ (old[1] @ vh.T))
+
+
+def momentum_of(optimizer, p: torch.Tensor, share) -> torch.Tensor | None:
+    """The ``momentum_buffer`` of ``p`` where its optimizer is a Muon (``torch.optim.Muon``'s lerp
+    convention) whose momentum share is 0; None elsewhere and before the Muon made it."""
+    if optimizer is None:
+        return None
+    owner = optimizer.owner_of(p) if isinstance(optimizer, _several.Several) else optimizer
+    if owner is None or _momentum.convention(owner) != "lerp" or _momentum.share_of(owner, share) != 0.0:
+        return None
+    buf = owner.state.get(p, {}).get("momentum_buffer")
+    return None if buf is None or buf.shape != p.shape else buf.detach()
+
+
+def bases_of(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(U, V^T)`` of ``m = U S V^T`` (full, float32, on ``m``'s device); None where ``m`` is not finite
+    (the bases in use are kept)."""
+    m = m.float()
+    if not bool(torch.isfinite(m).all()):
+        return None
+    u, _, vh = torch.linalg.svd(m, full_matrices=True)
+    return u.contiguous(), vh.contiguous()
