@@ -49,7 +49,10 @@ class MomentumBases:
                         made.append((lo, hi, p.shape, None if got is None else got[1:], new))
                         got = (it, *new)
                         self.bases[name] = got
-                if got is not None and got[1].device == buffer.device:
+                if got is not None:
+                    if got[1].device != buffer.device:  # (loaded elsewhere)
+                        got = (got[0], got[1].to(buffer.device), got[2].to(buffer.device))
+                        self.bases[name] = got
                     _, u, vh = got
                     view = buffer[lo:hi].view(p.shape)
                     view.copy_(u.T @ view.float() @ vh.T)
@@ -66,19 +69,17 @@ def turn_back_(out: torch.Tensor, spans: list) -> torch.Tensor:
     return out
 
 
-def carry_(worker_error: torch.Tensor, server_error: torch.Tensor, made: list, rank: int | None,
+def carry_(worker_error: torch.Tensor, server_error: torch.Tensor, made: list, rank: int,
            world_size: int) -> None:
     """Before a bucket's first call in new bases (``made``, from :meth:`MomentumBases.turn_`), its
     errors carried into them: what this rank's server still owes added to its own worker error on the
     chunk it serves, ``world_size`` times (the server averages the workers' messages, so the total owed
     is the same) and the server error zeroed; then each matrix's worker error (this rank holds it whole)
-    turned from the old bases into the new, ``E <- U'^T U E V^T V'``. ``rank`` None (a mesh, whose
-    servers are nodes): the server error is left as it is."""
-    if rank is not None:
-        size = server_error.numel()
-        chunk = worker_error[rank * size:(rank + 1) * size]
-        chunk.copy_(chunk.float() + world_size * server_error.float())
-        server_error.zero_()
+    turned from the old bases into the new, ``E <- U'^T U E V^T V'``."""
+    size = server_error.numel()
+    chunk = worker_error[rank * size:(rank + 1) * size]
+    chunk.copy_(chunk.float() + world_size * server_error.float())
+    server_error.zero_()
     for lo, hi, shape, old, new in made:
         view = worker_error[lo:hi].view(shape)
         e = view.float()

@@ -733,12 +733,11 @@ def _turn(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch
         return []
     spans, made = state._bases.turn_(state.optimizer, state.momentum_share, bucket, buffer, layout, it)
     found = state.errors.get(bucket.index())
-    if made and found is not None and state.layouts.get(bucket.index()) == layout \
-            and found[0].numel() == error_buffer_numel(buffer.numel(), state.compress_group, state.block):
-        # the bucket's own errors carried into the new bases (those of an early part or of the buckets
-        # a fresh DDP's bucket covers are read in them as they are)
-        _bases.carry_(found[0], found[1], made, state._rank if state._mesh is None else None,
-                      state.world_size)
+    if made and found is not None and state._mesh is None and state.layouts.get(bucket.index()) == layout \
+            and found[0].numel() == error_buffer_numel(buffer.numel(), state.process_group, state.block):
+        # the bucket's own errors carried into the new bases (those of an early part, of the buckets a
+        # fresh DDP's bucket covers, and a mesh's, which hold shards of the bucket, are read as they are)
+        _bases.carry_(found[0], found[1], made, state._rank, state.world_size)
     return spans
 
 

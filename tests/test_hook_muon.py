@@ -493,3 +493,40 @@ def test_momentum_bases_is_checked_and_saved_with_the_state():
     again = OnebitCompressHookState(optimizer=muon)
     again.__setstate__(state.__getstate__())
     assert torch.equal(again._bases.bases[(0, 1)][1], u)
+
+
+def _body_mesh(steps: int):
+    # a 2 x 2 mesh: the gradients turned as on a flat group, the errors (shards of the bucket) kept as are
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    model = _Pair()
+    matrices = [model.hidden.weight, model.hidden2.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    muon, adamw = Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
+    state = OnebitCompressHookState(process_group=mesh, start_iter=2, optimizer=[muon, adamw],
+                                    momentum_bases=3)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
+    ddp.register_comm_hook(state, onebit_compress_hook)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 20, (16, 6), generator=gen)
+        y = (x < 10).sum(1) % 5  # (learnable from the mean of the embeddings)
+        muon.zero_grad()
+        adamw.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        muon.step()
+        adamw.step()
+        losses.append(float(loss.detach()))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, sorted(it for it, _, _ in state._bases.bases.values()), losses
+
+
+def test_muon_in_its_momentums_bases_on_a_mesh(ranks):
+    got = ranks(4).run(_body_mesh, 40)
+    for flat, made, losses in got:
+        assert torch.equal(flat, got[0][0]) and bool(torch.isfinite(flat).all())  # replicas identical
+        assert made == [38, 38], made  # both matrices' bases made at 2, 5, ..., 38
+        assert sum(losses[-3:]) < sum(losses[:3])  # it trains
