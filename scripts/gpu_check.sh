@@ -6,14 +6,14 @@
 # without the network. Results go to $OUT (default bench/out/gpu).
 #
 #   bash scripts/gpu_check.sh            # everything, about 6 minutes on an H100
-#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer | profile | memory
+#   bash scripts/gpu_check.sh tests      # one part: env | tests | kernels | optimizer | profile | memory | bases
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out/gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 py="${ONEBIT_GPU_PYTHON:-python3}"
-parts=("${@:-env tests memory kernels optimizer profile}")
+parts=("${@:-env tests memory kernels optimizer profile bases}")
 parts=(${parts[*]})
 has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
@@ -71,4 +71,10 @@ if has profile; then
     timeout 150 "$py" bench/bench_profile.py --device cuda $mode --top onebit_compress_nosync \
       --csv "$OUT/profile-cuda.csv" 2>&1 | grep -v '^USDT' | tee -a "$OUT/profile.log" | tail -n 9
   done
+fi
+if has bases; then
+  # issue 59: the DDP hook's momentum bases for Muon (docs/ALGORITHMS.md 8.4): the SVD every 10 iterations and
+  # the turns, against Muon's own Newton-Schulz step, on a language model's matrix shapes
+  timeout 120 "$py" bench/bench_bases.py --device cuda --shapes 1024x1024 4096x4096 4096x11008 2>&1 \
+    | tee "$OUT/bases.log"
 fi

@@ -130,3 +130,9 @@ def test_bench_zoa_rest_times_both_forms():
     rest, held = (line for line in out.splitlines() if line.startswith(("at rest:", "held:")))
     # the measured bytes: at rest the momentum and sync_params are not held (8 B per parameter fewer)
     assert float(rest.split(", ")[-1].split()[0]) + 7.9 < float(held.split(", ")[-1].split()[0])
+
+
+def test_bench_bases_times_each_part():
+    out = _run("bench_bases.py", "--device", "cpu", "--shapes", "16x24", "--repeats", "1")
+    row = [line for line in out.splitlines() if line.startswith("| 16x24 |")]
+    assert len(row) == 1 and row[0].endswith("| 2.17 |"), out  # (16^2 + 24^2) / (16 * 24) bytes per byte

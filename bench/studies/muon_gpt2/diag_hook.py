@@ -23,6 +23,8 @@ variants by ``--diag`` (comma-separated):
                 the bases made anew every K iterations
   rank=R        rot: the bases' top R directions the momentum's, the rest completed by QR against the unit
                 vectors (what R Householder reflections give: R columns stored, not the whole bases)
+  order=O       rot: the blocks taken in the order of the elements' expected size, prod (s_k s_l, the
+                momentum's singular values) or sum (k + l), instead of row by row
   wrk=S         rot: the workers' errors at a new basis, as srv (default exact)
   side=left     rot: the left (rows') basis alone, the columns as they are
   srv=S         rot: the server's errors at a new basis: exact (turned into it), keep (left as they are:
@@ -84,6 +86,7 @@ class DiagHook:
         self.rms: dict[int, torch.Tensor] = {}
         self.m: dict[int, torch.Tensor] = {}
         self.bases: dict[int, tuple] = {}
+        self.perm: dict[int, torch.Tensor] = {}
         self.comp = float(opts["comp"]) if "comp" in opts else None
         self.exact_m: dict[int, torch.Tensor] = {}
         self.scales: dict[int, float] = {}
@@ -121,7 +124,17 @@ class DiagHook:
             return None
         got, every = self.bases.get(k), int(self.opts["rot"])
         if got is None or self.it - got[2] >= every:
-            u, _, vh = torch.linalg.svd(m.view(shape).double(), full_matrices=True)
+            u, sv, vh = torch.linalg.svd(m.view(shape).double(), full_matrices=True)
+            if "order" in self.opts:  # the elements of U^T G V laid out in the order of their expected size
+                a, b = shape
+                ka = torch.zeros(a, dtype=torch.float64)
+                kb = torch.zeros(b, dtype=torch.float64)
+                ka[: len(sv)], kb[: len(sv)] = sv, sv
+                if self.opts["order"] == "prod":
+                    key = -(ka[:, None] * kb[None, :])
+                else:  # "sum": by k + l
+                    key = (torch.arange(a)[:, None] + torch.arange(b)[None, :]).double()
+                self.perm[k] = torch.argsort(key.reshape(-1), stable=True)
             if "rank" in self.opts:  # the top R directions, completed by QR against the unit vectors
                 r = int(self.opts["rank"])
                 u = torch.linalg.qr(torch.cat([u[:, :r], torch.eye(shape[0], dtype=u.dtype)], 1)).Q
@@ -144,6 +157,15 @@ class DiagHook:
             got = (u, vh, self.it)
             self.bases[k] = got
         return got[0], got[1]
+
+    def _sign(self, k: int, z: torch.Tensor) -> torch.Tensor:
+        """block_sign of ``z``, its blocks taken in the order ``perm`` (where set) instead of row-major."""
+        perm = self.perm.get(k) if "rot" in self.opts else None
+        if perm is None:
+            return block_sign(z, self.block)
+        out = torch.empty_like(z)
+        out[perm] = block_sign(z[perm], self.block)
+        return out
 
     def _error(self, table: dict, k: int, like: torch.Tensor) -> torch.Tensor:
         e = table.setdefault(k, torch.zeros_like(like))
@@ -214,7 +236,7 @@ class DiagHook:
                 x = (u.T @ x.view(params[i].shape) @ vh.T).reshape(-1)
             e = self._error(self.ew, k, x)
             z = x + e
-            c = block_sign(z, self.block)
+            c = self._sign(k, z)
             e.copy_(z - c)
             sent.append(c)
             scales.append(d)
@@ -227,7 +249,7 @@ class DiagHook:
                 if "server" in self.opts:
                     es = self._error(self.es, k, y)
                     z = y + es
-                    y = block_sign(z, self.block)
+                    y = self._sign(k, z)
                     es.copy_(z - y)
                 rot = self.bases.get(k) if "rot" in self.opts else None
                 if rot is not None:  # back from the bases
