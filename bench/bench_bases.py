@@ -1,8 +1,8 @@
 """What the DDP hook's momentum bases cost (docs/ALGORITHMS.md 8.4; issue 59), per matrix shape, against
 Muon's own Newton-Schulz step on the same matrix: the bases (a full SVD of the momentum, made every
 ``MOMENTUM_BASES_EVERY`` iterations), the turn before the collective (``U^T G V``) and the turn after
-(``U A V^T``), and the bases' memory against the matrix's. Median of ``--repeats`` timed calls after one
-untimed, synchronised on a GPU.
+(``U A V^T``), and the bases' memory against the matrix's. Medians (bench/_common.py's ``timer``: triton's
+do_bench on a GPU, else ``--repeats`` wall-clock calls after one untimed).
 
   python bench/bench_bases.py --device cuda --shapes 1024x1024 4096x4096 4096x11008
   python bench/bench_bases.py --device cpu --shapes 128x512 512x512
@@ -11,26 +11,15 @@ untimed, synchronised on a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 from onebit.collectives.ddp_hook import MOMENTUM_BASES_EVERY
 
-
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import timer  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +29,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     device = torch.device(args.device)
+    time = timer(device, args.repeats)
     from torch.optim import _muon
 
     abc = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
@@ -54,12 +44,12 @@ def main() -> None:
         m = torch.randn(a, b, device=device, generator=g)
         grad = torch.randn(a, b, device=device, generator=g)
         u, _, vh = torch.linalg.svd(m, full_matrices=True)  # (as the hook makes them)
-        svd = _timed(lambda m=m: torch.linalg.svd(m, full_matrices=True), device, args.repeats)
-        turn = _timed(lambda u=u, vh=vh, grad=grad: u @ (u.T @ grad @ vh.T) @ vh, device, args.repeats)
-        ns = _timed(lambda grad=grad: _muon._zeropower_via_newtonschulz(grad, abc, _muon.DEFAULT_NS_STEPS,
-                                                                       _muon.EPS), device, args.repeats)
-        print(f"| {a}x{b} | {svd * 1e3:.1f} | {svd * 1e3 / MOMENTUM_BASES_EVERY:.2f} | {turn * 1e3:.2f} "
-              f"| {ns * 1e3:.2f} | {(a * a + b * b) / (a * b):.2f} |", flush=True)
+        svd = time(lambda m=m: torch.linalg.svd(m, full_matrices=True))[0]
+        turn = time(lambda u=u, vh=vh, grad=grad: u @ (u.T @ grad @ vh.T) @ vh)[0]
+        ns = time(lambda grad=grad: _muon._zeropower_via_newtonschulz(grad, abc, _muon.DEFAULT_NS_STEPS,
+                                                                     _muon.EPS))[0]
+        print(f"| {a}x{b} | {svd:.1f} | {svd / MOMENTUM_BASES_EVERY:.2f} | {turn:.2f} "
+              f"| {ns:.2f} | {(a * a + b * b) / (a * b):.2f} |", flush=True)
 
 
 if __name__ == "__main__":
