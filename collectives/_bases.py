@@ -5,7 +5,10 @@ Before a compressed all-reduce the DDP hook turns the gradient ``G`` of each of 
 singular vectors of the Muon's ``momentum_buffer`` (the same on every rank), made anew every ``every``
 iterations. The errors stay in the turned coordinates; at new bases a bucket's own errors are carried
 into them (:func:`carry_`: the server's debt moved into its rank's worker error, each worker error
-turned), so that error feedback owes what it owed. Only where the Muon's momentum share is 0 (its
+turned), so that error feedback owes what it owed. Element ``(k, l)`` of the turned matrix is sent
+divided by ``w_kl``, ``s_k + s_l`` of the momentum's singular values (:func:`weights`), and multiplied
+back after: the error that reaches Newton-Schulz's output is ``E_kl / (s_k + s_l)``, so the codec
+minimises that one. Only where the Muon's momentum share is 0 (its
 gradient compressed: the hook's default): a momentum term added before the call would be in the other
 coordinates."""
 
@@ -16,25 +19,45 @@ import torch
 from . import _momentum, _several
 
 Name = tuple[int, int]
+FLOOR = 0.01  # weights: s_k + s_l raised to at least this fraction of their mean
+
+
+def weights(shape, s: torch.Tensor | None) -> torch.Tensor | None:
+    """``w_kl = max(s_k + s_l, FLOOR * mean) / mean`` for an ``a x b`` matrix, ``s`` its momentum's
+    singular values (descending; 0 past its rank); None where ``s`` is None or sums to nothing (the
+    turned matrix sent as it is)."""
+    if s is None:
+        return None
+    a, b = shape
+    sa, sb = s.new_zeros(a), s.new_zeros(b)
+    sa[: len(s)], sb[: len(s)] = s, s
+    w = sa[:, None] + sb[None, :]
+    mean = float(s.sum()) * (1.0 / a + 1.0 / b)  # (w's mean, from s alone)
+    if not mean > 0.0:
+        return None
+    return w.clamp_min_(FLOOR * mean).div_(mean)
 
 
 class MomentumBases:
-    """Each matrix's bases by its name in the hook's layout: ``(made at iteration, U, V^T)``."""
+    """Each matrix's bases by its name in the hook's layout: ``(made at iteration, U, V^T, s)``, ``s``
+    the momentum's singular values then (None in bases saved before the weights: sent unweighted)."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self.bases: dict[Name, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.bases: dict[Name, tuple] = {}
 
     def state(self) -> dict:
         return {"every": self.every,
-                "bases": {name: (it, u.clone(), vh.clone()) for name, (it, u, vh) in self.bases.items()}}
+                "bases": {name: (it, u.clone(), vh.clone(), None if sv is None else sv.clone())
+                          for name, (it, u, vh, sv) in self.bases.items()}}
 
     def load(self, saved: dict) -> None:
         """The saved bases (the interval stays this state's own)."""
-        self.bases = {tuple(name): (int(it), u, vh) for name, (it, u, vh) in saved["bases"].items()}
+        self.bases = {tuple(name): (int(got[0]), got[1], got[2], got[3] if len(got) > 3 else None)
+                      for name, got in saved["bases"].items()}
 
     def turn_(self, optimizer, share, bucket, buffer: torch.Tensor, layout, it: int) -> tuple[list, list]:
-        """Turn the bucket's Muon matrices in ``buffer`` in place (``G <- U^T G V``), their bases made
+        """Turn the bucket's Muon matrices in ``buffer`` in place (``G <- (U^T G V) / w``), their bases made
         first where due; returns what :func:`turn_back_` needs (empty: nothing turned) and what
         :func:`carry_` needs (the matrices given new bases)."""
         spans, made, lo = [], [], 0
@@ -51,21 +74,24 @@ class MomentumBases:
                         self.bases[name] = got
                 if got is not None:
                     if got[1].device != buffer.device:  # (loaded elsewhere)
-                        got = (got[0], got[1].to(buffer.device), got[2].to(buffer.device))
+                        got = (got[0], *(None if t is None else t.to(buffer.device) for t in got[1:]))
                         self.bases[name] = got
-                    _, u, vh = got
+                    _, u, vh, sv = got
+                    w = weights(p.shape, sv)
                     view = buffer[lo:hi].view(p.shape)
-                    view.copy_(u.T @ view.float() @ vh.T)
-                    spans.append((lo, hi, p.shape, u, vh))
+                    turned = u.T @ view.float() @ vh.T
+                    view.copy_(turned if w is None else turned.div_(w))
+                    spans.append((lo, hi, p.shape, u, vh, w))
             lo = hi
         return spans, made
 
 
 def turn_back_(out: torch.Tensor, spans: list) -> torch.Tensor:
-    """``A <- U A V^T`` for each span :meth:`MomentumBases.turn_` turned; ``out`` returned."""
-    for lo, hi, shape, u, vh in spans:
+    """``A <- U (A w) V^T`` for each span :meth:`MomentumBases.turn_` turned; ``out`` returned."""
+    for lo, hi, shape, u, vh, w in spans:
         view = out[lo:hi].view(shape)
-        view.copy_(u @ view.float() @ vh)
+        a = view.float() if w is None else view.float() * w
+        view.copy_(u @ a @ vh)
     return out
 
 
@@ -75,7 +101,8 @@ def carry_(worker_error: torch.Tensor, server_error: torch.Tensor, made: list, r
     errors carried into them: what this rank's server still owes added to its own worker error on the
     chunk it serves, ``world_size`` times (the server averages the workers' messages, so the total owed
     is the same) and the server error zeroed; then each matrix's worker error (this rank holds it whole)
-    turned from the old bases into the new, ``E <- U'^T U E V^T V'``."""
+    turned from the old bases into the new, ``E <- (U'^T U (E w) V^T V') / w'`` (``w``, ``w'`` the
+    weights of the old bases and of the new)."""
     size = server_error.numel()
     chunk = worker_error[rank * size:(rank + 1) * size]
     chunk.copy_(chunk.float() + world_size * server_error.float())
@@ -83,11 +110,14 @@ def carry_(worker_error: torch.Tensor, server_error: torch.Tensor, made: list, r
     for lo, hi, shape, old, new in made:
         view = worker_error[lo:hi].view(shape)
         e = view.float()
-        u, vh = new
+        u, vh, sv = new
         if old is None:  # from the plain coordinates
-            view.copy_(u.T @ e @ vh.T)
+            e = u.T @ e @ vh.T
         else:
-            view.copy_((u.T @ old[0]) @ e @ (old[1] @ vh.T))
+            w_old = weights(shape, old[2])
+            e = (u.T @ old[0]) @ (e if w_old is None else e * w_old) @ (old[1] @ vh.T)
+        w = weights(shape, sv)
+        view.copy_(e if w is None else e.div_(w))
 
 
 def momentum_of(optimizer, p: torch.Tensor, share) -> torch.Tensor | None:
@@ -102,11 +132,11 @@ def momentum_of(optimizer, p: torch.Tensor, share) -> torch.Tensor | None:
     return None if buf is None or buf.shape != p.shape else buf.detach()
 
 
-def bases_of(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(U, V^T)`` of ``m = U S V^T`` (full, float32, on ``m``'s device); None where ``m`` is not finite
-    (the bases in use are kept)."""
+def bases_of(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(U, V^T, s)`` of ``m = U diag(s) V^T`` (full, float32, on ``m``'s device); None where ``m`` is not
+    finite (the bases in use are kept)."""
     m = m.float()
     if not bool(torch.isfinite(m).all()):
         return None
-    u, _, vh = torch.linalg.svd(m, full_matrices=True)
-    return u.contiguous(), vh.contiguous()
+    u, sv, vh = torch.linalg.svd(m, full_matrices=True)
+    return u.contiguous(), vh.contiguous(), sv.contiguous()

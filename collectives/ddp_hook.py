@@ -126,10 +126,11 @@ class OnebitCompressHookState:
             SGD and 0 for Muon, whose gradient compressed measured better than its momentum
             (docs/ALGORITHMS.md 8.3; bench/RESULTS.md "The DDP hook with Muon").
         momentum_bases: a Muon's matrices (where its momentum share is 0) compressed in the singular
-            bases of its momentum, ``U^T G V``, the average handed back as ``U A V^T`` (the same wire;
-            the compression's error then follows the momentum's spectrum, which Newton-Schulz's output
-            hardly reads, instead of lying flat over the small directions it lifts: docs/ALGORITHMS.md
-            8.4). The bases are made anew every this many iterations (an SVD of each matrix) and kept
+            bases of its momentum, ``(U^T G V) / w``, the average handed back as ``U (A w) V^T``, with
+            ``w_kl = s_k + s_l`` of the momentum's singular values (the same wire; the compression's
+            error then lies where Newton-Schulz's output hardly reads it, in the momentum's large
+            directions, instead of flat over the small ones it lifts: docs/ALGORITHMS.md 8.4). The
+            bases are made anew every this many iterations (an SVD of each matrix) and kept
             with the state (``a^2 + b^2`` float32 per ``a x b`` matrix). "auto" (the default):
             every ``MOMENTUM_BASES_EVERY`` iterations, and not where the share is not 0; None: as they
             are (section 8.3).

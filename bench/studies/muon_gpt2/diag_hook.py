@@ -26,6 +26,16 @@ variants by ``--diag`` (comma-separated):
   order=O       rot: the blocks taken in the order of the elements' expected size, prod (s_k s_l, the
                 momentum's singular values) or sum (k + l), instead of row by row
   wrk=S         rot: the workers' errors at a new basis, as srv (default exact)
+  bnorm=B       rot: each element of U^T G V divided by the root of a factored second moment in the bases
+                (row and column means of the decoded averages' squares there, EMA with beta B; floored by
+                floor) before its block's sign and scale, multiplied back after; the errors unnormalised
+  snorm=F       rot: each element (k, l) of U^T G V divided by s_k + s_l (the momentum's singular values when
+                the bases were made, 0 past its rank; floored at F times their mean) before its block's sign
+                and scale, multiplied back after: the error weighted as Newton-Schulz reads it (its output
+                turns by (E_kl - E_lk) / (s_k + s_l)); the errors unnormalised
+  spow=P        snorm: (s_k + s_l) ** P instead (default 1)
+  iter=1        rot: new bases (after the first SVD) by one step of orthogonal iteration from the old ones,
+                U' = Q of [M V, I] (its first a columns), V' = Q of [M^T U', I]: matmuls and QRs, no SVD
   side=left     rot: the left (rows') basis alone, the columns as they are
   srv=S         rot: the server's errors at a new basis: exact (turned into it), keep (left as they are:
                 what a server that holds a chunk of each matrix can do), reset (zeroed) or flush (added
@@ -87,6 +97,11 @@ class DiagHook:
         self.m: dict[int, torch.Tensor] = {}
         self.bases: dict[int, tuple] = {}
         self.perm: dict[int, torch.Tensor] = {}
+        self.bnorm = float(opts["bnorm"]) if "bnorm" in opts else None
+        self.snorm = float(opts["snorm"]) if "snorm" in opts else None
+        self.sw: dict[int, torch.Tensor] = {}
+        self.brows: dict[int, torch.Tensor] = {}
+        self.bcols: dict[int, torch.Tensor] = {}
         self.comp = float(opts["comp"]) if "comp" in opts else None
         self.exact_m: dict[int, torch.Tensor] = {}
         self.scales: dict[int, float] = {}
@@ -124,7 +139,15 @@ class DiagHook:
             return None
         got, every = self.bases.get(k), int(self.opts["rot"])
         if got is None or self.it - got[2] >= every:
-            u, sv, vh = torch.linalg.svd(m.view(shape).double(), full_matrices=True)
+            if "iter" in self.opts and got is not None:  # one step of orthogonal iteration, warm
+                mm = m.view(shape).double()
+                a, b = shape
+                eye_a, eye_b = torch.eye(a, dtype=mm.dtype), torch.eye(b, dtype=mm.dtype)
+                u = torch.linalg.qr(torch.cat([mm @ got[1].double().T[:, :a], eye_a], 1)).Q
+                vh = torch.linalg.qr(torch.cat([mm.T @ u[:, :b], eye_b], 1)).Q.T
+                sv = torch.linalg.svdvals(mm)
+            else:
+                u, sv, vh = torch.linalg.svd(m.view(shape).double(), full_matrices=True)
             if "order" in self.opts:  # the elements of U^T G V laid out in the order of their expected size
                 a, b = shape
                 ka = torch.zeros(a, dtype=torch.float64)
@@ -141,6 +164,12 @@ class DiagHook:
                 vh = torch.linalg.qr(torch.cat([vh[:r].T, torch.eye(shape[1], dtype=u.dtype)], 1)).Q.T
             if self.opts.get("side") == "left":  # the rows' side alone
                 vh = torch.eye(shape[1], dtype=u.dtype)
+            if self.snorm is not None:
+                a, b = shape
+                ka, kb = torch.zeros(a, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
+                ka[: len(sv)], kb[: len(sv)] = sv, sv
+                w = (ka[:, None] + kb[None, :]).reshape(-1).float() ** float(self.opts.get("spow", 1))
+                self.sw[k] = torch.maximum(w, self.snorm * w.mean()).clamp_min(1e-20)
             u, vh = u.float(), vh.float()
             old_u = torch.eye(shape[0]) if got is None else got[0]
             old_vh = torch.eye(shape[1]) if got is None else got[1]
@@ -158,8 +187,25 @@ class DiagHook:
             self.bases[k] = got
         return got[0], got[1]
 
+    def _bdiv(self, k: int) -> torch.Tensor | None:
+        """bnorm: the root of the factored second moment of parameter ``k`` in its bases (flat), floored."""
+        r, c = self.brows.get(k), self.bcols.get(k)
+        if r is None:
+            return None
+        root = (torch.outer(r, c) / r.mean().clamp_min(1e-30)).sqrt().reshape(-1)
+        return torch.maximum(root, self.floor * root.mean()).clamp_min(1e-20)
+
     def _sign(self, k: int, z: torch.Tensor) -> torch.Tensor:
-        """block_sign of ``z``, its blocks taken in the order ``perm`` (where set) instead of row-major."""
+        """block_sign of ``z``, its blocks taken in the order ``perm`` (where set) instead of row-major;
+        bnorm: of ``z`` divided elementwise by :meth:`_bdiv`, multiplied back."""
+        dn = self._bdiv(k) if self.bnorm is not None else None
+        if self.snorm is not None:
+            dn = self.sw.get(k)
+        if dn is not None:
+            return self._sign_plain(k, z / dn) * dn
+        return self._sign_plain(k, z)
+
+    def _sign_plain(self, k: int, z: torch.Tensor) -> torch.Tensor:
         perm = self.perm.get(k) if "rot" in self.opts else None
         if perm is None:
             return block_sign(z, self.block)
@@ -252,6 +298,13 @@ class DiagHook:
                     y = self._sign(k, z)
                     es.copy_(z - y)
                 rot = self.bases.get(k) if "rot" in self.opts else None
+                if rot is not None and self.bnorm is not None:  # the shared second moment in the bases
+                    sq = y.view(params[i].shape).pow(2)
+                    rm, cm = sq.mean(1), sq.mean(0)
+                    r, c = self.brows.get(k), self.bcols.get(k)
+                    b = self.bnorm
+                    self.brows[k] = rm if r is None else r.mul_(b).add_(rm, alpha=1 - b)
+                    self.bcols[k] = cm if c is None else c.mul_(b).add_(cm, alpha=1 - b)
                 if rot is not None:  # back from the bases
                     y = (rot[0] @ y.view(params[i].shape) @ rot[1]).reshape(-1)
                 if d is not None:
