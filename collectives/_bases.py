@@ -23,24 +23,20 @@ FLOOR = 0.01  # weights: s_k + s_l raised to at least this fraction of their mea
 
 
 def weights(shape, s: torch.Tensor | None) -> torch.Tensor | None:
-    """``w_kl = max(s_k + s_l, FLOOR * mean) / mean`` for an ``a x b`` matrix, ``s`` its momentum's
-    singular values (descending; 0 past its rank); None where ``s`` is None or sums to nothing (the
-    turned matrix sent as it is)."""
+    """``w_kl = max(s_k + s_l, FLOOR)`` for an ``a x b`` matrix, ``s`` its momentum's singular values
+    (descending; 0 past its rank) divided as :func:`bases_of` leaves them (``s_k + s_l`` has mean 1);
+    None where ``s`` is None (the turned matrix sent as it is). Nothing read back to the host."""
     if s is None:
         return None
     a, b = shape
     sa, sb = s.new_zeros(a), s.new_zeros(b)
     sa[: len(s)], sb[: len(s)] = s, s
-    w = sa[:, None] + sb[None, :]
-    mean = float(s.sum()) * (1.0 / a + 1.0 / b)  # (w's mean, from s alone)
-    if not mean > 0.0:
-        return None
-    return w.clamp_min_(FLOOR * mean).div_(mean)
+    return (sa[:, None] + sb[None, :]).clamp_min_(FLOOR)
 
 
 class MomentumBases:
     """Each matrix's bases by its name in the hook's layout: ``(made at iteration, U, V^T, s)``, ``s``
-    the momentum's singular values then (None in bases saved before the weights: sent unweighted)."""
+    the momentum's singular values then, as :func:`bases_of` divides them (None: sent unweighted)."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -132,11 +128,14 @@ def momentum_of(optimizer, p: torch.Tensor, share) -> torch.Tensor | None:
     return None if buf is None or buf.shape != p.shape else buf.detach()
 
 
-def bases_of(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(U, V^T, s)`` of ``m = U diag(s) V^T`` (full, float32, on ``m``'s device); None where ``m`` is not
-    finite (the bases in use are kept)."""
+def bases_of(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(U, V^T, s / mean)`` of ``m = U diag(s) V^T`` (full, float32, on ``m``'s device), ``mean`` that
+    of ``s_k + s_l`` over the ``a x b`` elements, ``sum(s) (1/a + 1/b)``; its third None where ``m`` is 0
+    (sent unweighted); None where ``m`` is not finite (the bases in use are kept). Two host reads."""
     m = m.float()
     if not bool(torch.isfinite(m).all()):
         return None
     u, sv, vh = torch.linalg.svd(m, full_matrices=True)
-    return u.contiguous(), vh.contiguous(), sv.contiguous()
+    a, b = m.shape
+    mean = float(sv.sum()) * (1.0 / a + 1.0 / b)
+    return u.contiguous(), vh.contiguous(), sv.div(mean).contiguous() if mean > 0.0 else None

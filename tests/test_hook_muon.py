@@ -17,7 +17,7 @@ from onebit.collectives import (
     onebit_compress_hook,
     padded_numel,
 )
-from onebit.collectives._bases import FLOOR, weights
+from onebit.collectives._bases import FLOOR, bases_of, weights
 from onebit.optimizers import Combined
 
 Muon = getattr(torch.optim, "Muon", None)
@@ -365,9 +365,10 @@ def test_freeze_step_beside_muon_compresses_muon_from_start_iter(ranks, W, bucke
 def _body_bases(steps: int, every: int):
     # Muon alone behind the hook, its gradient compressed in its momentum's bases (section 8.4), replayed:
     # the bases are the singular vectors of Muon's momentum at the iteration they are made, anew every
-    # `every` iterations; the hook's average is U A V^T with A = compressed_allreduce(U^T G V) on the bucket
-    # turned matrix by matrix, the errors the replay's own (bitwise); against the float64 mean, the sums of
-    # the averages handed over differ by what the errors still owe
+    # `every` iterations; the hook's average is U (A w) V^T with A = compressed_allreduce((U^T G V) / w) on
+    # the bucket turned matrix by matrix (w from the momentum's singular values), the errors the replay's own
+    # (bitwise); against the float64 mean, the sums of the averages handed over differ by what the errors
+    # still owe
     W, r = dist.get_world_size(), dist.get_rank()
     model = _model()
     opt = Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.01)
@@ -411,6 +412,7 @@ def _body_bases(steps: int, every: int):
                 if buf is not None and every is not None:
                     if p not in mine or it - mine[p][0] >= every:
                         u, sv, vh = torch.linalg.svd(buf.float(), full_matrices=True)
+                        sv = sv.div(float(sv.sum()) * (1.0 / p.shape[0] + 1.0 / p.shape[1]))  # (mean 1)
                         new.append((offset, p.shape, mine.get(p), u, vh, weights(p.shape, sv)))
                         mine[p] = (it, u, vh, weights(p.shape, sv))
                         made += 1
@@ -482,11 +484,12 @@ def _name(state, p):
 @pytest.mark.parametrize("W, every", [(2, 3), (3, 2), (3, None)])
 def test_muon_in_its_momentums_bases_is_the_construction(ranks, W, every):
     # every None: the hook without bases (section 8.3), the same replay untouched. What the sums owe is
-    # exactly the last errors turned back (`unpaid`: 0.04 of the largest step's mean gradient, the errors'
-    # bfloat16 roundings; 0.01 without bases); a carry that drops the errors at new bases leaves 8-10 unpaid,
+    # exactly the last errors turned back (`unpaid`: 0.03-0.05 of the largest step's mean gradient, the
+    # errors' bfloat16 roundings; 0.01 without bases); a carry that drops the errors at new bases leaves 8-10 unpaid,
     # one that leaves the server's debt where it is 2-6, one that forgets the old bases' weights 9e3-6e4.
-    # Weighted, the debt itself is larger than without bases (2.8 on 2 ranks every 3 iterations, 1.6 on 3
-    # every 2, against 0.88; bounded: 3.4 at 90 iterations, 2.1 at 270): the errors lie where w is large
+    # Weighted, the debt itself is larger than without bases and swings (on 2 ranks every 3 iterations 5.7,
+    # 2.1, 2.1 at 30, 90, 270 iterations; on 3 every 2 1.2, 1.6, 0.7; against 0.88): the errors lie where w
+    # is large. `unpaid` grows with the roundings (0.05, 0.08, 0.12 at 30, 90, 270 on 2 ranks)
     steps = 30
     got = ranks(W).run(_body_bases, steps, every)
     for flat, replay_equal, bases_right, made, owed, finite, unpaid in got:
@@ -494,15 +497,16 @@ def test_muon_in_its_momentums_bases_is_the_construction(ranks, W, every):
         assert replay_equal and bases_right
         # 3 matrices, bases made at iteration 2 (Muon stepped once) and every `every` after
         assert made == (0 if every is None else 3 * len(range(2, steps, every))), made
-        assert owed < 4.0, owed
-        assert unpaid < 0.1, unpaid
+        assert owed < 8.0, owed
+        assert unpaid < 0.15, unpaid
 
 
 @pytest.mark.parametrize("a, b", [(5, 5), (7, 3), (3, 8), (1, 6)])
 def test_the_weights_are_newton_schulzs_sensitivity(a, b):
     # w_kl = s_k + s_l (0 past the rank), raised to at least FLOOR of its mean and divided by that mean, in
     # float64 from the definition: the singular values of a fresh momentum, one with an always-zero input
-    # feature (a zero column), one of rank 1; a zero momentum sends its matrix unweighted
+    # feature (a zero column), one of rank 1; a zero momentum sends its matrix unweighted. bases_of gives
+    # the singular values divided so, and the bases of m (m = U S V^T)
     gen = torch.Generator().manual_seed(a * 10 + b)
     for kind in ("fresh", "dead", "rank1", "zero"):
         m = torch.randn(a, b, generator=gen, dtype=torch.float64)
@@ -514,10 +518,12 @@ def test_the_weights_are_newton_schulzs_sensitivity(a, b):
         elif kind == "zero":
             m.zero_()
         s = torch.linalg.svdvals(m)
-        w = weights((a, b), s.float())
+        u, vh, sn = bases_of(m.float())
+        w = weights((a, b), sn)
         if kind == "zero":
-            assert w is None
+            assert sn is None and w is None
             continue
+        assert torch.allclose((u.double()[:, :len(s)] * s) @ vh.double()[:len(s)], m, atol=1e-5)
         full = torch.zeros(a, b, dtype=torch.float64)
         for k in range(a):
             for j in range(b):
