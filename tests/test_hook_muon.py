@@ -485,8 +485,9 @@ def _name(state, p):
 def test_muon_in_its_momentums_bases_is_the_construction(ranks, W, every):
     # every None: the hook without bases (section 8.3), the same replay untouched. What the sums owe is
     # exactly the last errors turned back (`unpaid`: 0.03-0.05 of the largest step's mean gradient, the
-    # errors' bfloat16 roundings; 0.01 without bases); a carry that drops the errors at new bases leaves 8-10 unpaid,
-    # one that leaves the server's debt where it is 2-6, one that forgets the old bases' weights 9e3-6e4.
+    # errors' bfloat16 roundings; 0.01 without bases); a carry that drops the errors at new bases leaves
+    # 8-10 unpaid, one that leaves the server's debt where it is 2-6, one that forgets the old bases'
+    # weights 9e3-6e4.
     # Weighted, the debt itself is larger than without bases and swings (on 2 ranks every 3 iterations 5.7,
     # 2.1, 2.1 at 30, 90, 270 iterations; on 3 every 2 1.2, 1.6, 0.7; against 0.88): the errors lie where w
     # is large. `unpaid` grows with the roundings (0.05, 0.08, 0.12 at 30, 90, 270 on 2 ranks)
