@@ -34,6 +34,11 @@ variants by ``--diag`` (comma-separated):
                 and scale, multiplied back after: the error weighted as Newton-Schulz reads it (its output
                 turns by (E_kl - E_lk) / (s_k + s_l)); the errors unnormalised
   spow=P        snorm: (s_k + s_l) ** P instead (default 1)
+  pair=L        rot: the square block of U^T G V sent as pairs' antisymmetric parts (X_kl - X_lk) / sqrt 2
+                above the diagonal and symmetric parts (X_kl + X_lk) / sqrt 2 below it (orthogonal, the errors
+                held there); with snorm the symmetric parts and the diagonal weighted L times more (their
+                errors only move the singular values, which Newton-Schulz discards)
+  pdiag=D       pair: the diagonal weighted D times more instead of L
   iter=1        rot: new bases (after the first SVD) by one step of orthogonal iteration from the old ones,
                 U' = Q of [M V, I] (its first a columns), V' = Q of [M^T U', I]: matmuls and QRs, no SVD
   side=left     rot: the left (rows') basis alone, the columns as they are
@@ -170,11 +175,19 @@ class DiagHook:
                 ka[: len(sv)], kb[: len(sv)] = sv, sv
                 w = (ka[:, None] + kb[None, :]).reshape(-1).float() ** float(self.opts.get("spow", 1))
                 self.sw[k] = torch.maximum(w, self.snorm * w.mean()).clamp_min(1e-20)
+                if "pair" in self.opts:  # the symmetric parts and the diagonal: L times the weight
+                    r = min(a, b)
+                    low = torch.zeros(a, b, dtype=torch.bool)
+                    low[:r, :r] = torch.ones(r, r, dtype=torch.bool).tril()
+                    lam, on = float(self.opts["pair"]), torch.eye(a, b, dtype=torch.bool).reshape(-1)
+                    self.sw[k] = torch.where(low.reshape(-1), self.sw[k] * lam, self.sw[k])
+                    if "pdiag" in self.opts:  # the diagonal's own factor instead
+                        self.sw[k] = torch.where(on, self.sw[k] / lam * float(self.opts["pdiag"]), self.sw[k])
             u, vh = u.float(), vh.float()
             old_u = torch.eye(shape[0]) if got is None else got[0]
             old_vh = torch.eye(shape[1]) if got is None else got[1]
             turn = (u.T @ old_u, old_vh @ vh.T)  # old coordinates -> new: U'^T U E V^T V'
-            if self.opts.get("srv") == "flush" and k in self.es and k in self.ew:
+            if self.opts.get("srv") == "flush" and k in self.es and k in self.ew:  # (pair: alike coordinates)
                 self.ew[k].add_(self.es[k])  # the server's debt into the workers' (each rank: the mean)
                 self.es[k].zero_()
             hows = (self.opts.get("wrk", "exact"), self.opts.get("srv", "exact"))
@@ -182,7 +195,12 @@ class DiagHook:
                 e = table.get(k)
                 if e is None or how in ("keep", "flush"):
                     continue
-                e.copy_((turn[0] @ e.view(shape) @ turn[1]).reshape(-1) if how == "exact" else 0.0)
+                if how != "exact":
+                    e.zero_()
+                    continue
+                old = _unpair(e.view(shape)) if "pair" in self.opts else e.view(shape)
+                new = turn[0] @ old @ turn[1]
+                e.copy_((_pair(new) if "pair" in self.opts else new).reshape(-1))
             got = (u, vh, self.it)
             self.bases[k] = got
         return got[0], got[1]
@@ -279,7 +297,8 @@ class DiagHook:
             rot = self._basis(k, params[i].shape) if "rot" in self.opts else None
             if rot is not None:  # compressed in the shared momentum's singular bases, errors there too
                 u, vh = rot
-                x = (u.T @ x.view(params[i].shape) @ vh.T).reshape(-1)
+                x = u.T @ x.view(params[i].shape) @ vh.T
+                x = (_pair(x) if "pair" in self.opts else x).reshape(-1)
             e = self._error(self.ew, k, x)
             z = x + e
             c = self._sign(k, z)
@@ -306,7 +325,8 @@ class DiagHook:
                     self.brows[k] = rm if r is None else r.mul_(b).add_(rm, alpha=1 - b)
                     self.bcols[k] = cm if c is None else c.mul_(b).add_(cm, alpha=1 - b)
                 if rot is not None:  # back from the bases
-                    y = (rot[0] @ y.view(params[i].shape) @ rot[1]).reshape(-1)
+                    yv = _unpair(y.view(params[i].shape)) if "pair" in self.opts else y.view(params[i].shape)
+                    y = (rot[0] @ yv @ rot[1]).reshape(-1)
                 if d is not None:
                     y = y * d
                 if self.pred is not None:
@@ -354,6 +374,27 @@ class DiagHook:
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
+
+
+def _pair(x: torch.Tensor) -> torch.Tensor:
+    """The square block's pairs: (X_kl - X_lk) / sqrt 2 at (k, l) above the diagonal, (X_kl + X_lk) / sqrt 2
+    at (l, k) below it; the diagonal and the rest as they are (an orthogonal map)."""
+    r = min(x.shape)
+    sq = x[:r, :r]
+    up, lo = sq.triu(1), sq.tril(-1).T
+    out = x.clone()
+    out[:r, :r] = (up - lo) * 0.5**0.5 + ((up + lo) * 0.5**0.5).T + torch.diag(torch.diagonal(sq))
+    return out
+
+
+def _unpair(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pair`."""
+    r = min(y.shape)
+    sq = y[:r, :r]
+    anti, sym = sq.triu(1), sq.tril(-1).T
+    out = y.clone()
+    out[:r, :r] = (anti + sym) * 0.5**0.5 + ((sym - anti) * 0.5**0.5).T + torch.diag(torch.diagonal(sq))
+    return out
 
 
 def _call(state: DiagHook, bucket):
