@@ -736,10 +736,45 @@ def _turn(state: OnebitCompressHookState, bucket: dist.GradBucket, buffer: torch
     found = state.errors.get(bucket.index())
     if made and found is not None and state._mesh is None and state.layouts.get(bucket.index()) == layout \
             and found[0].numel() == error_buffer_numel(buffer.numel(), state.process_group, state.block):
-        # the bucket's own errors carried into the new bases (those of an early part, of the buckets a
-        # fresh DDP's bucket covers, and a mesh's, which hold shards of the bucket, are read as they are)
+        # the bucket's own errors carried into the new bases (those of the buckets a fresh DDP's bucket
+        # covers, and a mesh's, which hold shards of the bucket, are read as they are)
         _bases.carry_(found[0], found[1], made, state._rank, state.world_size)
+    if made and state.early_errors and state._mesh is None:
+        _carry_early(state, bucket, layout, made)
     return spans
+
+
+def _carry_early(state: OnebitCompressHookState, bucket: dist.GradBucket, layout, made: list) -> None:
+    """Before the freeze, a mixed bucket's early part (a Muon's matrices beside the Adam-type's
+    parameters, :func:`_early_allreduce`) holds its own errors, over its matrices laid end to end:
+    carried into the new bases as a bucket's own are (``_bases.carry_``), each matrix at its place in
+    the part. Without it the part's errors, held in the old bases, were read in the new ones (an SVD's
+    directions and their signs change): on the HF page's GPT-2 over 2,000 steps never frozen, 1.306
+    against 1.267 (bench/RESULTS.md "The DDP hook with Muon", session 45)."""
+    sizes = [g.numel() for g in bucket.gradients()]
+    size_of = dict(zip(layout, sizes, strict=True))
+    starts = dict(zip(layout, itertools.accumulate([0, *sizes[:-1]]), strict=True))
+    by_start = {entry[0]: entry for entry in made}
+    made_of = {}
+    for name in layout:
+        entry = by_start.get(starts[name])
+        if entry is not None and entry[1] - entry[0] == size_of[name]:
+            made_of[name] = entry
+    for key, names in state._cover(layout) or [(bucket.index(), layout)]:
+        ours, found = state.early_layouts.get(key), state.early_errors.get(key)
+        if found is None or ours is None or not set(ours) <= set(names):
+            continue
+        if found[0].numel() != error_buffer_numel(sum(size_of[n] for n in ours), state.compress_group,
+                                                  state.block):
+            continue
+        sub, q = [], 0
+        for name in ours:
+            entry = made_of.get(name)
+            if entry is not None:
+                sub.append((q, q + size_of[name], *entry[2:]))
+            q += size_of[name]
+        if sub:
+            _bases.carry_(found[0], found[1], sub, state._rank, state.world_size)
 
 
 def _back(fut: torch.futures.Future, turned: list) -> torch.futures.Future:

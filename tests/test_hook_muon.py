@@ -477,6 +477,81 @@ def _body_bases(steps: int, every: int):
     return flat, replay_equal, bases_right, made, owed, bool(torch.isfinite(flat).all()), unpaid
 
 
+def _body_early_bases(steps: int, every: int, bucket_mb: float):
+    # Muon's matrices beside AdamW's parameters, freeze_step beyond the run: Muon's compressed in its
+    # momentum's bases from start_iter as a mixed bucket's early part, with its own errors, AdamW's exact.
+    # From outside: the sums of the averages handed over against the sums of the exact means differ by
+    # exactly the early parts' last errors turned back from the bases in use, as for a bucket's own
+    W, r = dist.get_world_size(), dist.get_rank()
+    model = _Pair()
+    matrices = [model.hidden.weight, model.hidden2.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    muon, adamw = Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
+    state = OnebitCompressHookState(start_iter=2, optimizer=Combined([muon, adamw]), freeze_step=10 * steps,
+                                    momentum_bases=every)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    ddp.register_comm_hook(state, onebit_compress_hook)
+    gen = torch.Generator().manual_seed(10 + r)
+    handed_sum, mean_sum, largest = {}, {}, {}
+    for it in range(steps):
+        x, y = torch.randint(0, 20, (16, 6), generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        for p in model.parameters():
+            p.grad = None
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        exact = {}
+        for p in matrices:
+            mean = p.grad.double()
+            dist.all_reduce(mean)
+            exact[p] = mean / W
+        muon.zero_grad()
+        adamw.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        if it >= 2:  # compressed from start_iter
+            for p in matrices:
+                handed_sum[p] = handed_sum.get(p, 0) + p.grad.double()
+                mean_sum[p] = mean_sum.get(p, 0) + exact[p]
+                largest[p] = max(largest.get(p, 0.0), float(exact[p].norm()))
+        muon.step()
+        adamw.step()
+    by_name = {_name(state, p): p for p in matrices}
+    unpaid, parts = 0.0, 0
+    for key in sorted(state.early_errors):
+        we, se = state.early_errors[key]
+        debt = we.float()
+        dist.all_reduce(debt)
+        debt /= W
+        chunks = [torch.empty(se.numel()) for _ in range(W)]
+        dist.all_gather(chunks, se.float())
+        debt += torch.cat(chunks)
+        q = 0
+        for name in state.early_layouts[key]:
+            p = by_name[name]
+            k = p.numel()
+            d = debt[q:q + k].double().view(p.shape)
+            _, u, vh, sv = state._bases.bases[name]
+            w = weights(p.shape, sv)
+            d = u.double() @ (d if w is None else d * w.double()) @ vh.double()
+            unpaid = max(unpaid, float((handed_sum[p] - mean_sum[p] + d).norm()) / largest[p])
+            parts += 1
+            q += k
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, parts, unpaid, bool(torch.isfinite(flat).all())
+
+
+@pytest.mark.parametrize("W, every, bucket_mb", [(2, 3, 25.0), (3, 2, 25.0), (3, 2, 0.004)])
+def test_an_early_parts_errors_follow_new_bases(ranks, W, every, bucket_mb):
+    # issue 59, session 45: before the freeze a mixed bucket's early part (Muon's matrices beside AdamW's
+    # parameters) has its own errors; at new bases they are carried as a bucket's own (section 8.4). What
+    # the handed sums owe is exactly those errors turned back (unpaid 0.03-0.04 of the largest step's mean
+    # gradient, the bfloat16 roundings); with the part's errors read in the new bases as they were (the
+    # library before session 45) 5.5-6.5, and the HF page's GPT-2 never frozen ended at 1.306 against 1.267
+    got = ranks(W).run(_body_early_bases, 30, every, bucket_mb)
+    for flat, parts, unpaid, finite in got:
+        assert torch.equal(flat, got[0][0]) and finite  # replicas identical
+        assert parts == 2  # both matrices in early parts (one mixed bucket, or two)
+        assert unpaid < 0.15, unpaid
+
+
 def _name(state, p):
     return state._names[id(p)]
 
