@@ -405,6 +405,68 @@ def test_hf_trainer_clips_by_the_agreed_norm_and_a_skipped_step_holds_the_schedu
     assert got["max_grad_norm"] == 0.05  # the Trainer's setting is back after train()
 
 
+SGD_CLIP = """
+import gc, json
+import torch, torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from onebit.integrations.transformers import attach
+
+
+class Handed(TrainerCallback):
+    # before onebit's callback: the norm of the gradient the hook handed over, and the Trainer's setting
+    def __init__(self):
+        self.norms, self.settings = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+        self.norms.append(float(torch.cat(grads).double().norm()))
+        self.settings.append(args.max_grad_norm)
+
+
+torch.manual_seed(0)
+data = torch.randint(0, 64, (512, 32), generator=torch.Generator().manual_seed(0))
+train = [{"input_ids": x, "labels": x} for x in data]
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+args = TrainingArguments("out", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False,
+                         max_steps=8, per_device_train_batch_size=4, max_grad_norm=1e6, logging_steps=1,
+                         report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+handed = Handed()
+trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[handed],
+                  optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}))
+attach(trainer)
+trainer.train()
+norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
+every = [None, None]
+dist.all_gather_object(every, norms)
+if dist.get_rank() == 0:
+    print(json.dumps(dict(norms=every, handed=handed.norms, settings=handed.settings,
+                          max_grad_norm=args.max_grad_norm)))
+del trainer, model; gc.collect()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_hf_trainer_clips_an_sgd_behind_the_hook_by_the_agreed_norm(tmp_path):
+    # issue 59, session 45: behind the hook without freeze_step (an SGD's momentum, a Muon's gradient) the
+    # gradient handed over from start_iter (2) is the compressed average, whose 1-bit noise torch's norm
+    # reads (here 1.4-2.6x the estimate); the Trainer's clip becomes the agreed estimate of the mean
+    # gradient's norm there too (before, only an Adam-type's after its freeze did)
+    script = tmp_path / "sgd_clip.py"
+    script.write_text(textwrap.dedent(SGD_CLIP))
+    run = launch(script, nproc=2, cwd=tmp_path, env=_env())
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{\"norms\"")][0])
+    norms, handed = got["norms"], got["handed"]
+    assert len(norms[0]) == 8 and norms[0] == norms[1], norms  # logged every step, the same on both ranks
+    assert got["settings"] == [0.0] * 8 and got["max_grad_norm"] == 1e6, got  # taken over, then put back
+    for t, (norm, own) in enumerate(zip(norms[0], handed, strict=True)):
+        if t < 2:  # full precision: torch's norm of the averaged gradient
+            assert norm == pytest.approx(own, rel=1e-5), (t, norm, own)
+        else:  # compressed: the estimate, well under the norm of the 1-bit average handed over
+            assert norm < own / 1.2, (t, norm, own)
+
+
 def test_agreed_scaler_keeps_torchs_settings_and_scale():
     import torch
 

@@ -118,11 +118,14 @@ class Session:
     def clip_is_local(self) -> bool:
         """Whether the framework's clip_grad_norm_ would not see the averaged gradient: each
         rank's own with a 1-bit optimizer on several ranks (after its freeze; before it, to
-        keep one code path), or the gradient rebuilt from 1-bit momentum (``freeze_step``)."""
+        keep one code path), or with the compression hook its compressed iterations' average,
+        whose 1-bit noise the norm reads (1.5-4x the mean gradient's on the HF page's GPT-2): an
+        SGD's or a Muon's from ``start_iter``, the gradient rebuilt from 1-bit momentum after
+        ``freeze_step``. The hook state's clip is torch's in its full-precision iterations."""
         opt = self.onebit_optimizer
         if opt is not None:
             return opt.world_size > 1
-        return self.hook_state is not None and self.hook_state.freeze_step is not None
+        return self.hook_state is not None and self.hook_state.world_size > 1
 
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the optimizer's gradients by a norm every rank agrees on and return it: a 1-bit

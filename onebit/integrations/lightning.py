@@ -11,8 +11,9 @@ DDP model and the optimizer both exist, on any device:
 * a torch optimizer gets the DDP compression hook with ``optimizer=`` (SGD's momentum; an
   Adam-type optimizer 1-bit Adam's recipe, ``freeze_step`` a quarter of the run by default:
   docs/ALGORITHMS.md 8.2); a 1-bit optimizer gets its warm-up hook (``register_ddp_hook``);
-* where the framework's clip would not see the averaged gradient (a 1-bit optimizer, or an
-  Adam-type optimizer after its freeze), the clip uses the norm every rank agrees on;
+* where the framework's clip would not see the averaged gradient (a 1-bit optimizer, or a torch
+  optimizer behind the hook, whose compressed average carries 1-bit noise), the clip uses the
+  norm every rank agrees on;
   ``gradient_clip_val`` (algorithm ``"norm"``) is applied that way instead of torch's
   ``clip_grad_norm_``;
 * every rank's onebit state (error buffers, counters, the hook's state) is written beside the

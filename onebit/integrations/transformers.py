@@ -13,8 +13,8 @@ the Trainer has built the optimizer and Accelerate the DDP model):
   Adam-type one follows 1-bit Adam's recipe with ``freeze_step`` a quarter of ``max_steps`` by
   default: docs/ALGORITHMS.md 8.2), and a 1-bit optimizer its warm-up hook (``register_ddp_hook``);
 * where torch's clip would not see the averaged gradient (a 1-bit optimizer: after its freeze
-  each rank holds its own gradient; an Adam-type optimizer behind the hook after its freeze:
-  the gradient carries the momentum's 1-bit noise), turns the Trainer's gradient clipping
+  each rank holds its own gradient; a torch optimizer behind the hook: its compressed iterations'
+  average carries 1-bit noise), turns the Trainer's gradient clipping
   (``max_grad_norm``, on by default) into a clip by the norm every rank agrees on, with the same
   ``max_grad_norm``. The logged ``grad_norm`` is then the agreed norm;
 * saves every rank's onebit state (the optimizer's error buffers and counters, the hook's
