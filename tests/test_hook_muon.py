@@ -262,18 +262,24 @@ def test_several_optimizers_are_checked_each():
             OnebitCompressHookState(optimizer=[muon, adamw], momentum_share=bad)
 
 
+def _pair_behind_the_hook(freeze: int, bucket_mb: float, **options):
+    """_Pair's matrices to Muon, the rest to AdamW, one hook state (start_iter 2, ``freeze_step``) and DDP."""
+    model = _Pair()
+    matrices = [model.hidden.weight, model.hidden2.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    muon, adamw = Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
+    state = OnebitCompressHookState(start_iter=2, optimizer=Combined([muon, adamw]), freeze_step=freeze,
+                                    **options)
+    return model, matrices, muon, adamw, state, DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+
+
 def _body_early(steps: int, freeze: int, bucket_mb: float):
     # freeze_step beside Muon: Muon's matrices compressed from start_iter, AdamW's averaged exactly until
     # the freeze; what each iteration's averaged gradients are, against the exact mean of the ranks'
     from onebit.collectives import ddp_hook
 
     W, r = dist.get_world_size(), dist.get_rank()
-    model = _Pair()
-    matrices = [model.hidden.weight, model.hidden2.weight]
-    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
-    muon, adamw = Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
-    state = OnebitCompressHookState(start_iter=2, optimizer=Combined([muon, adamw]), freeze_step=freeze)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    model, matrices, muon, adamw, state, ddp = _pair_behind_the_hook(freeze, bucket_mb)
     mixed = set()
 
     def hook(st, bucket):
@@ -456,13 +462,7 @@ def _body_bases(steps: int, every: int):
     # bfloat16 roundings (where a basis was dropped without carrying, or carried wrong, it is not)
     unpaid = 0.0
     for index in sorted(last):
-        we, se = errors[index]
-        debt = we.float()
-        dist.all_reduce(debt)
-        debt /= W
-        chunks = [torch.empty(se.numel()) for _ in range(W)]
-        dist.all_gather(chunks, se.float())
-        debt += torch.cat(chunks)
+        debt = _debt(*errors[index], W)
         offset = 0
         for p in last[index]:
             k = p.numel()
@@ -483,13 +483,8 @@ def _body_early_bases(steps: int, every: int, bucket_mb: float):
     # From outside: the sums of the averages handed over against the sums of the exact means differ by
     # exactly the early parts' last errors turned back from the bases in use, as for a bucket's own
     W, r = dist.get_world_size(), dist.get_rank()
-    model = _Pair()
-    matrices = [model.hidden.weight, model.hidden2.weight]
-    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
-    muon, adamw = Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
-    state = OnebitCompressHookState(start_iter=2, optimizer=Combined([muon, adamw]), freeze_step=10 * steps,
-                                    momentum_bases=every)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    model, matrices, muon, adamw, state, ddp = _pair_behind_the_hook(10 * steps, bucket_mb,
+                                                                     momentum_bases=every)
     ddp.register_comm_hook(state, onebit_compress_hook)
     gen = torch.Generator().manual_seed(10 + r)
     handed_sum, mean_sum, largest = {}, {}, {}
@@ -516,13 +511,7 @@ def _body_early_bases(steps: int, every: int, bucket_mb: float):
     by_name = {_name(state, p): p for p in matrices}
     unpaid, parts = 0.0, 0
     for key in sorted(state.early_errors):
-        we, se = state.early_errors[key]
-        debt = we.float()
-        dist.all_reduce(debt)
-        debt /= W
-        chunks = [torch.empty(se.numel()) for _ in range(W)]
-        dist.all_gather(chunks, se.float())
-        debt += torch.cat(chunks)
+        debt = _debt(*state.early_errors[key], W)
         q = 0
         for name in state.early_layouts[key]:
             p = by_name[name]
@@ -554,6 +543,17 @@ def test_an_early_parts_errors_follow_new_bases(ranks, W, every, bucket_mb):
 
 def _name(state, p):
     return state._names[id(p)]
+
+
+def _debt(we: torch.Tensor, se: torch.Tensor, W: int) -> torch.Tensor:
+    """What error feedback still owes over a call's elements: the workers' errors averaged, plus each
+    server's error on the chunk it serves (float32, on every rank)."""
+    debt = we.float()
+    dist.all_reduce(debt)
+    debt /= W
+    chunks = [torch.empty(se.numel()) for _ in range(W)]
+    dist.all_gather(chunks, se.float())
+    return debt + torch.cat(chunks)
 
 
 @pytest.mark.parametrize("W, every", [(2, 3), (3, 2), (3, None)])

@@ -351,6 +351,13 @@ def test_lightning_backbone_finetuning_resumes_with_its_cohort(tmp_path):
     assert FOREIGN not in err, err[-3000:]
 
 
+TINY_GPT2 = """
+torch.manual_seed(0)
+data = torch.randint(0, 64, (512, 32), generator=torch.Generator().manual_seed(0))
+train = [{"input_ids": x, "labels": x} for x in data]
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+"""  # a 1-layer GPT-2 on random tokens (the clip scripts' model)
+
 CLIP_AND_SKIP = """
 import gc, json, math
 import torch, torch.distributed as dist
@@ -366,10 +373,7 @@ class Poison(TrainerCallback):
             next(model.parameters()).grad.view(-1)[0] = math.nan
 
 
-torch.manual_seed(0)
-data = torch.randint(0, 64, (512, 32), generator=torch.Generator().manual_seed(0))
-train = [{"input_ids": x, "labels": x} for x in data]
-model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+""" + TINY_GPT2 + """
 args = TrainingArguments("out", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False,
                          max_steps=8, per_device_train_batch_size=4, max_grad_norm=0.05, logging_steps=1,
                          report_to="none", save_strategy="no", disable_tqdm=True)
@@ -390,12 +394,17 @@ dist.destroy_process_group()
 """
 
 
-def test_hf_trainer_clips_by_the_agreed_norm_and_a_skipped_step_holds_the_schedule(tmp_path):
-    script = tmp_path / "clip.py"
-    script.write_text(textwrap.dedent(CLIP_AND_SKIP))
+def _norms_of(tmp_path, name: str, text: str) -> dict:
+    """Run a two-rank script that prints one JSON line starting with {"norms"; that line, read."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(text))
     run = launch(script, nproc=2, cwd=tmp_path, env=_env())
     assert run.returncode == 0, run.stderr[-4000:]
-    got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{\"norms\"")][0])
+    return json.loads([line for line in run.stdout.splitlines() if line.startswith("{\"norms\"")][0])
+
+
+def test_hf_trainer_clips_by_the_agreed_norm_and_a_skipped_step_holds_the_schedule(tmp_path):
+    got = _norms_of(tmp_path, "clip.py", CLIP_AND_SKIP)
     norms = got["norms"]
     assert len(norms[0]) == 8 and all(n > 0.05 for n in norms[0][:5]), norms  # the clip was active
     # torch's clip on local gradients logs each rank's own norm after the freeze (step 3 on)
@@ -423,10 +432,7 @@ class Handed(TrainerCallback):
         self.settings.append(args.max_grad_norm)
 
 
-torch.manual_seed(0)
-data = torch.randint(0, 64, (512, 32), generator=torch.Generator().manual_seed(0))
-train = [{"input_ids": x, "labels": x} for x in data]
-model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+""" + TINY_GPT2 + """
 args = TrainingArguments("out", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False,
                          max_steps=8, per_device_train_batch_size=4, max_grad_norm=1e6, logging_steps=1,
                          report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
@@ -452,11 +458,7 @@ def test_hf_trainer_clips_an_sgd_behind_the_hook_by_the_agreed_norm(tmp_path):
     # gradient handed over from start_iter (2) is the compressed average, whose 1-bit noise torch's norm
     # reads (here 1.4-2.6x the estimate); the Trainer's clip becomes the agreed estimate of the mean
     # gradient's norm there too (before, only an Adam-type's after its freeze did)
-    script = tmp_path / "sgd_clip.py"
-    script.write_text(textwrap.dedent(SGD_CLIP))
-    run = launch(script, nproc=2, cwd=tmp_path, env=_env())
-    assert run.returncode == 0, run.stderr[-4000:]
-    got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{\"norms\"")][0])
+    got = _norms_of(tmp_path, "sgd_clip.py", SGD_CLIP)
     norms, handed = got["norms"], got["handed"]
     assert len(norms[0]) == 8 and norms[0] == norms[1], norms  # logged every step, the same on both ranks
     assert got["settings"] == [0.0] * 8 and got["max_grad_norm"] == 1e6, got  # taken over, then put back
