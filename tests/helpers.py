@@ -251,14 +251,14 @@ class WireCounter:
     collectives are wrapped while the context is open (FSDP's and onebit's calls alike), each
     call's bytes by the ring algorithm's count (all-reduce 2(G-1)/G of the tensor, all-to-all and
     reduce-scatter (G-1)/G of the input, all-gather G-1 times the input), for every group over
-    ``group``'s ranks. ``bytes`` sums them;
+    ``group``'s ranks. ``bytes`` sums them, ``sent`` sums them by collective;
     ``calls`` counts them by collective."""
 
     NAMES = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor",
              "all_gather_single", "all_gather")
 
     def __init__(self, group) -> None:
-        self.group, self.bytes, self.calls = group, 0, {}
+        self.group, self.bytes, self.calls, self.sent = group, 0, {}, {}
         self.ranks = sorted(dist.get_process_group_ranks(group))
 
     def _count(self, name, args, kwargs) -> None:
@@ -277,6 +277,7 @@ class WireCounter:
             sent = {"all_reduce": 2 * (G - 1) * n // G, "all_to_all_single": (G - 1) * n // G,
                     "reduce_scatter_tensor": (G - 1) * n // G}.get(name, (G - 1) * n)
         self.bytes += sent
+        self.sent[name] = self.sent.get(name, 0) + sent
         self.calls[name] = self.calls.get(name, 0) + 1
 
     def __enter__(self):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import WireCounter
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit.collectives import (
@@ -367,6 +368,64 @@ def test_freeze_step_beside_muon_compresses_muon_from_start_iter(ranks, W, bucke
             assert placed and seeds >= 1
         assert "early_errors" in saved and "early_layouts" in saved
 
+
+def _body_wire(steps: int, freeze: int, bucket_mb: float):
+    # every torch.distributed call each iteration makes, counted from outside onebit, beside its own count
+    model, matrices, muon, adamw, state, ddp = _pair_behind_the_hook(freeze, bucket_mb)
+    ddp.register_comm_hook(state, onebit_compress_hook)
+    gen = torch.Generator().manual_seed(20 + dist.get_rank())
+    rows = []
+    for it in range(steps):
+        x, y = torch.randint(0, 20, (16, 6), generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        before = state.stats()
+        with WireCounter(dist.group.WORLD) as wire:
+            muon.zero_grad()
+            adamw.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        after = state.stats()
+        rows.append((it, dict(wire.sent), dict(wire.calls),
+                     after["bytes_compressed"] - before["bytes_compressed"],
+                     after["bytes_full"] - before["bytes_full"]))
+        muon.step()
+        adamw.step()
+    sizes = [(p.numel(), any(p is m for m in matrices)) for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, rows, sizes
+
+
+@pytest.mark.parametrize("W, bucket_mb", [(2, 25.0), (3, 25.0), (3, 0.004)])
+def test_the_wire_counted_from_outside_is_1_5_bits_per_muon_element_from_start_iter(ranks, W, bucket_mb):
+    # issue 59's wire line: Muon's matrices 1.5 bits per element per message (signs, a float32 scale per
+    # 64) from start_iter (2), AdamW's half in float32 until its freeze_step (5) and 1-bit after; counted
+    # from outside (every torch.distributed call wrapped, tests/helpers.py), and the hook's own count agrees
+    freeze, steps = 5, 8
+    got = ranks(W).run(_body_wire, steps, freeze, bucket_mb)
+    ring = 2 * (W - 1) / W  # each collective pair sends (W - 1) / W of a message twice
+
+    def padded(ns):  # the most a message pads: each parameter alone, to whole blocks of W * 64
+        return sum(-(-n // (64 * W)) * 64 * W for n in ns) / sum(ns)
+
+    for flat, rows, sizes in got:
+        assert torch.equal(flat, got[0][0]) and bool(torch.isfinite(flat).all())
+        muons = [n for n, is_muon in sizes if is_muon]
+        n_muon, n_rest = sum(muons), sum(n for n, is_muon in sizes if not is_muon)
+        for it, sent, calls, compressed, full in rows:
+            assert set(sent) <= {"all_reduce", "all_to_all_single", "all_gather_into_tensor"}, sent
+            on_wire_c = sent.get("all_to_all_single", 0) + sent.get("all_gather_into_tensor", 0)
+            on_wire_f = sent.get("all_reduce", 0)
+            assert (on_wire_c, on_wire_f) == (compressed, full), (it, sent, compressed, full)
+            rounding = calls.get("all_reduce", 0)  # a byte per call where (W - 1) / W is not whole
+            if it < 2:
+                assert on_wire_c == 0
+                assert abs(on_wire_f - ring * 4 * (n_muon + n_rest)) <= rounding
+            elif it < freeze:
+                assert abs(on_wire_f - ring * 4 * n_rest) <= rounding  # AdamW's half, float32
+                bits = 8 * on_wire_c / (ring * n_muon)
+                assert 1.5 <= bits <= 1.5 * padded(muons), (it, bits)
+            else:
+                assert on_wire_f == 0
+                bits = 8 * on_wire_c / (ring * (n_muon + n_rest))
+                assert 1.5 <= bits <= 1.5 * padded([n for n, _ in sizes]), (it, bits)
 
 def _body_bases(steps: int, every: int):
     # Muon alone behind the hook, its gradient compressed in its momentum's bases (section 8.4), replayed:
