@@ -114,7 +114,8 @@ def worker(args) -> None:
         given = opts if args.give == "all" else [o for o in opts if type(o).__name__.lower() == args.give]
         state = OnebitCompressHookState(start_iter=args.start_iter, block=_block(args.block),
                                         optimizer=given if args.precondition or frozen else None,
-                                        freeze_step=frozen, momentum_bases=_bases(args), **_dtype(args))
+                                        freeze_step=frozen, momentum_bases=_bases(args), **_dtype(args),
+                                        **_share(args))
         ddp.register_comm_hook(state, onebit_compress_hook)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     log = open(args.log_jsonl, "w") if rank == 0 else None
@@ -176,6 +177,8 @@ def main() -> None:
     p.add_argument("--momentum-bases", default="auto",
                    help="Muon's matrices in their momentum's bases (OnebitCompressHookState's "
                    "momentum_bases): 'auto' (the default), 'none', or new bases every this many iterations")
+    p.add_argument("--momentum-share", default="auto",
+                   help="OnebitCompressHookState's momentum_share: 'auto' (the default) or a number, 0-1")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="default: bench/out/ddp_hook[-mlp]")
     p.add_argument("--reuse", action="store_true", help="keep logs that already have a final line")
@@ -210,6 +213,8 @@ def main() -> None:
                 tag += f"-{args.error_dtype}" if hook == "onebit" and args.error_dtype != "default" else ""
                 turned = hook == "onebit" and optimizer == "muon" and args.momentum_bases != "auto"
                 tag += f"-bases{args.momentum_bases}" if turned else ""
+                shared = hook == "onebit" and args.momentum_share != "auto"
+                tag += f"-share{args.momentum_share}" if shared else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
                 path = os.path.join(args.out, f"{name}.jsonl")
                 logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
@@ -278,6 +283,11 @@ def _bases(args):
         "auto" if args.momentum_bases == "auto" else int(args.momentum_bases))
 
 
+def _share(args) -> dict:
+    """--momentum-share as OnebitCompressHookState's momentum_share (absent: the library's default)."""
+    return {} if args.momentum_share == "auto" else {"momentum_share": float(args.momentum_share)}
+
+
 def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> list[dict]:
     """One torchrun of the worker unless --reuse finds a finished log; returns its rows."""
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -290,7 +300,8 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--bucket-cap-mb", str(args.bucket_cap_mb), "--start-iter", str(args.start_iter),
            "--seed", str(seed), "--freeze-step", str(args.freeze_step),
            "--error-dtype", args.error_dtype, "--muon-adamw-lr", str(args.muon_adamw_lr),
-           "--give", args.give, "--momentum-bases", args.momentum_bases] + (
+           "--give", args.give, "--momentum-bases", args.momentum_bases,
+           "--momentum-share", args.momentum_share] + (
                ["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
