@@ -427,6 +427,7 @@ def test_the_wire_counted_from_outside_is_1_5_bits_per_muon_element_from_start_i
                 bits = 8 * on_wire_c / (ring * (n_muon + n_rest))
                 assert 1.5 <= bits <= 1.5 * padded([n for n, _ in sizes]), (it, bits)
 
+
 def _body_bases(steps: int, every: int):
     # Muon alone behind the hook, its gradient compressed in its momentum's bases (section 8.4), replayed:
     # the bases are the singular vectors of Muon's momentum at the iteration they are made, anew every
