@@ -102,7 +102,8 @@ def worker(args) -> None:
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     if args.optimizer == "muon":  # the hidden matrices (Muon's 2-D only), an AdamW for the rest
         hidden, rest = muon_split(model)
-        opts = [torch.optim.Muon(hidden, lr=args.lr, momentum=0.95, weight_decay=0.0),
+        opts = [torch.optim.Muon(hidden, lr=args.lr, momentum=0.95, weight_decay=0.0,
+                                 nesterov=args.muon_nesterov == "on"),
                 torch.optim.AdamW(rest, lr=args.muon_adamw_lr, betas=(0.9, 0.99), weight_decay=0.0)]
     elif args.optimizer == "sgd":
         opts = [torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)]
@@ -168,6 +169,8 @@ def main() -> None:
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[lr for o, lr in PAIRS if o == "adamw"],
                    help="AdamW's learning rates (default: the demo's 2e-3)")
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02], help="Muon's learning rates")
+    p.add_argument("--muon-nesterov", default="on", choices=["on", "off"],
+                   help="torch.optim.Muon's nesterov (the default: on)")
     p.add_argument("--muon-adamw-lr", type=float, default=2e-3, help="the learning rate of Muon's AdamW")
     p.add_argument("--give", default="all", choices=["all", "muon", "adamw"],
                    help="with --precondition and muon: which of the pair the hook's state reads (the other's "
@@ -215,6 +218,7 @@ def main() -> None:
                 tag += f"-bases{args.momentum_bases}" if turned else ""
                 shared = hook == "onebit" and args.momentum_share != "auto"
                 tag += f"-share{args.momentum_share}" if shared else ""
+                tag += "-nesterovoff" if optimizer == "muon" and args.muon_nesterov == "off" else ""
                 name = f"{optimizer}-{lr:g}-{hook}{tag}" + (f"-seed{seed}" if seed else "")
                 path = os.path.join(args.out, f"{name}.jsonl")
                 logs[(seed, optimizer, lr, hook)] = _run(args, optimizer, lr, hook, seed, path)
@@ -301,7 +305,7 @@ def _run(args, optimizer: str, lr: float, hook: str, seed: int, path: str) -> li
            "--seed", str(seed), "--freeze-step", str(args.freeze_step),
            "--error-dtype", args.error_dtype, "--muon-adamw-lr", str(args.muon_adamw_lr),
            "--give", args.give, "--momentum-bases", args.momentum_bases,
-           "--momentum-share", args.momentum_share] + (
+           "--muon-nesterov", args.muon_nesterov, "--momentum-share", args.momentum_share] + (
                ["--precondition"] if args.precondition else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
