@@ -14,12 +14,59 @@ coordinates."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import os
+
 import torch
 
 from . import _momentum, _several
 
 Name = tuple[int, int]
 FLOOR = 0.01  # weights: s_k + s_l raised to at least this fraction of their mean
+
+
+def _mkl_threads_local():
+    """MKL's ``mkl_set_num_threads_local`` from torch's own library where torch was built with MKL
+    (None elsewhere)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        fn = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        fn = fn.MKL_Set_Num_Threads_Local  # the C interface (the lower-case names take pointers)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_THREADS_LOCAL = _mkl_threads_local()
+
+
+@contextlib.contextmanager
+def serial():
+    """MKL single-threaded on this thread inside the block (restored after). The bases' SVD and products
+    run on every rank and must round alike there: MKL's rounding follows the threads a call gets, which
+    with its dynamic threading follow what else runs (the turn back runs in the communication callback
+    while the backward pass goes on), and on a 2-core AMD EPYC the replicas of the tests' small model
+    ended 1e-4 apart after 30 iterations (docs/ALGORITHMS.md 8.4, "Cost")."""
+    if _THREADS_LOCAL is None:
+        yield
+        return
+    before = _THREADS_LOCAL(1)
+    try:
+        yield
+    finally:
+        _THREADS_LOCAL(before)
+
+
+def _serial(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with serial():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def weights(shape, s: torch.Tensor | None) -> torch.Tensor | None:
@@ -52,6 +99,7 @@ class MomentumBases:
         self.bases = {tuple(name): (int(got[0]), got[1], got[2], got[3] if len(got) > 3 else None)
                       for name, got in saved["bases"].items()}
 
+    @_serial
     def turn_(self, optimizer, share, bucket, buffer: torch.Tensor, layout, it: int) -> tuple[list, list]:
         """Turn the bucket's Muon matrices in ``buffer`` in place (``G <- (U^T G V) / w``), their bases made
         first where due; returns what :func:`turn_back_` needs (empty: nothing turned) and what
@@ -82,6 +130,7 @@ class MomentumBases:
         return spans, made
 
 
+@_serial
 def turn_back_(out: torch.Tensor, spans: list) -> torch.Tensor:
     """``A <- U (A w) V^T`` for each span :meth:`MomentumBases.turn_` turned; ``out`` returned."""
     for lo, hi, shape, u, vh, w in spans:
@@ -91,6 +140,7 @@ def turn_back_(out: torch.Tensor, spans: list) -> torch.Tensor:
     return out
 
 
+@_serial
 def carry_(worker_error: torch.Tensor, server_error: torch.Tensor, made: list, rank: int,
            world_size: int) -> None:
     """Before a bucket's first call in new bases (``made``, from :meth:`MomentumBases.turn_`), its

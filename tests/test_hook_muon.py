@@ -18,7 +18,7 @@ from onebit.collectives import (
     onebit_compress_hook,
     padded_numel,
 )
-from onebit.collectives._bases import FLOOR, bases_of, weights
+from onebit.collectives._bases import FLOOR, bases_of, serial, weights
 from onebit.optimizers import Combined
 
 Muon = getattr(torch.optim, "Muon", None)
@@ -460,61 +460,63 @@ def _body_bases(steps: int, every: int):
     gen = torch.Generator().manual_seed(10 + r)
     replay_equal, bases_right, made = True, True, 0
     handed_sum, mean_sum, largest, last = {}, {}, {}, {}
-    for _ in range(steps):
-        x, y = torch.randn(16, 12, generator=gen), torch.randint(0, 5, (16,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        record = sorted(records, key=lambda row: row[0])
-        records.clear()
-        for index, it, grad, out, params, prev in record:
-            turned, offset, new = grad.clone(), 0, []
-            N = padded_numel(grad.numel(), W, 64)
-            had = index in errors
-            we, se = errors.setdefault(index, (torch.zeros(N, dtype=torch.bfloat16),
-                                               torch.zeros(N // W, dtype=torch.bfloat16)))
-            for p, buf in zip(params, prev, strict=True):
-                k = p.numel()
-                if buf is not None and every is not None:
-                    if p not in mine or it - mine[p][0] >= every:
-                        u, sv, vh = torch.linalg.svd(buf.float(), full_matrices=True)
-                        sv = sv.div(float(sv.sum()) * (1.0 / p.shape[0] + 1.0 / p.shape[1]))  # (mean 1)
-                        new.append((offset, p.shape, mine.get(p), u, vh, weights(p.shape, sv)))
-                        mine[p] = (it, u, vh, weights(p.shape, sv))
-                        made += 1
-                        u_s, vh_s, sv_s = state._bases.bases[_name(state, p)][1:]
-                        bases_right &= torch.equal(u, u_s) and torch.equal(vh, vh_s) and torch.equal(sv, sv_s)
-                    _, u, vh, w = mine[p]
-                    g = grad[offset:offset + k].view(p.shape)
-                    turned[offset:offset + k] = (u.T @ g @ vh.T).div_(w).reshape(-1)
-                offset += k
-            if new and had:  # the errors carried into the new bases: the server's debt into this worker
-                C = se.numel()  # error (W times: the server averages), then each worker error turned
-                we[r * C:(r + 1) * C] = we[r * C:(r + 1) * C].float() + W * se.float()
-                se.zero_()
-                for lo, shape, old, u, vh, w in new:  # E <- (U'^T U (E w) V^T V') / w'
-                    e = we[lo:lo + shape.numel()].view(shape).float()
-                    if old is None:
-                        we[lo:lo + shape.numel()] = (u.T @ e @ vh.T).div_(w).reshape(-1)
-                    else:
-                        e = (u.T @ old[1]) @ (e * old[3]) @ (old[2] @ vh.T)
-                        we[lo:lo + shape.numel()] = e.div_(w).reshape(-1)
-            average, offset = compressed_allreduce(turned, we, se, block=64), 0
-            mean = grad.double()
-            dist.all_reduce(mean)
-            mean /= W
-            for p, buf in zip(params, prev, strict=True):
-                k = p.numel()
-                if buf is not None and every is not None:
-                    _, u, vh, w = mine[p]
-                    a = average[offset:offset + k].view(p.shape)
-                    average[offset:offset + k] = (u @ (a * w) @ vh).reshape(-1)
-                handed_sum[p] = handed_sum.get(p, 0) + out[offset:offset + k].double()
-                mean_sum[p] = mean_sum.get(p, 0) + mean[offset:offset + k]
-                largest[p] = max(largest.get(p, 0.0), float(mean[offset:offset + k].norm()))
-                offset += k
-            replay_equal &= torch.equal(average, out)
-            last[index] = params
+    with serial():  # the replay's SVD and products single-threaded, as the hook's (_bases.serial)
+        for _ in range(steps):
+            x, y = torch.randn(16, 12, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            record = sorted(records, key=lambda row: row[0])
+            records.clear()
+            for index, it, grad, out, params, prev in record:
+                turned, offset, new = grad.clone(), 0, []
+                N = padded_numel(grad.numel(), W, 64)
+                had = index in errors
+                we, se = errors.setdefault(index, (torch.zeros(N, dtype=torch.bfloat16),
+                                                   torch.zeros(N // W, dtype=torch.bfloat16)))
+                for p, buf in zip(params, prev, strict=True):
+                    k = p.numel()
+                    if buf is not None and every is not None:
+                        if p not in mine or it - mine[p][0] >= every:
+                            u, sv, vh = torch.linalg.svd(buf.float(), full_matrices=True)
+                            sv = sv.div(float(sv.sum()) * (1.0 / p.shape[0] + 1.0 / p.shape[1]))  # (mean 1)
+                            new.append((offset, p.shape, mine.get(p), u, vh, weights(p.shape, sv)))
+                            mine[p] = (it, u, vh, weights(p.shape, sv))
+                            made += 1
+                            u_s, vh_s, sv_s = state._bases.bases[_name(state, p)][1:]
+                            bases_right &= (torch.equal(u, u_s) and torch.equal(vh, vh_s)
+                                            and torch.equal(sv, sv_s))
+                        _, u, vh, w = mine[p]
+                        g = grad[offset:offset + k].view(p.shape)
+                        turned[offset:offset + k] = (u.T @ g @ vh.T).div_(w).reshape(-1)
+                    offset += k
+                if new and had:  # the errors carried into the new bases: the server's debt into this worker
+                    C = se.numel()  # error (W times: the server averages), then each worker error turned
+                    we[r * C:(r + 1) * C] = we[r * C:(r + 1) * C].float() + W * se.float()
+                    se.zero_()
+                    for lo, shape, old, u, vh, w in new:  # E <- (U'^T U (E w) V^T V') / w'
+                        e = we[lo:lo + shape.numel()].view(shape).float()
+                        if old is None:
+                            we[lo:lo + shape.numel()] = (u.T @ e @ vh.T).div_(w).reshape(-1)
+                        else:
+                            e = (u.T @ old[1]) @ (e * old[3]) @ (old[2] @ vh.T)
+                            we[lo:lo + shape.numel()] = e.div_(w).reshape(-1)
+                average, offset = compressed_allreduce(turned, we, se, block=64), 0
+                mean = grad.double()
+                dist.all_reduce(mean)
+                mean /= W
+                for p, buf in zip(params, prev, strict=True):
+                    k = p.numel()
+                    if buf is not None and every is not None:
+                        _, u, vh, w = mine[p]
+                        a = average[offset:offset + k].view(p.shape)
+                        average[offset:offset + k] = (u @ (a * w) @ vh).reshape(-1)
+                    handed_sum[p] = handed_sum.get(p, 0) + out[offset:offset + k].double()
+                    mean_sum[p] = mean_sum.get(p, 0) + mean[offset:offset + k]
+                    largest[p] = max(largest.get(p, 0.0), float(mean[offset:offset + k].norm()))
+                    offset += k
+                replay_equal &= torch.equal(average, out)
+                last[index] = params
     # what the sums of the handed averages still owe, in units of the largest step's mean gradient: the last
     # errors (the workers' averaged, the server's) turned back; carried into each new basis, not lost
     owed = max(float((handed_sum[p] - mean_sum[p]).norm()) / largest[p] for p in handed_sum)
