@@ -28,13 +28,14 @@ FLOOR = 0.01  # weights: s_k + s_l raised to at least this fraction of their mea
 
 
 def _mkl_threads_local():
-    """MKL's ``mkl_set_num_threads_local`` from torch's own library where torch was built with MKL
-    (None elsewhere)."""
+    """MKL's ``MKL_Set_Num_Threads_Local`` (its C interface) from torch's own library where torch was
+    built with MKL and ships it as ``lib/libtorch_cpu.so`` (None elsewhere: the calls keep MKL's
+    threads)."""
     if not torch.backends.mkl.is_available():
         return None
     try:
         fn = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        fn = fn.MKL_Set_Num_Threads_Local  # the C interface (the lower-case names take pointers)
+        fn = fn.MKL_Set_Num_Threads_Local  # (the lower-case names take a pointer)
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
