@@ -20,11 +20,45 @@ ROOT = os.path.dirname(HERE)
 
 
 def git_commit() -> str:
-    """The checkout's commit (with ``+dirty`` when files differ), or '' outside git."""
+    """The commit of the onebit code a benchmark runs, with ``+dirty`` when its files differ: this
+    checkout's, or, where ``onebit`` is imported from elsewhere (another checkout's editable install, an
+    installed wheel), ``<that checkout's commit> (onebit at <path>)`` or ``onebit <version> at <path>``,
+    so that a row never names a commit whose code did not run; '' where nothing is known."""
+    where = _onebit_root()
+    commit = _commit_of(where or ROOT)
+    if where is None or os.path.realpath(where) == os.path.realpath(ROOT):
+        return commit
+    if commit:
+        return f"{commit} (onebit at {where})"
+    from importlib import metadata
+
     try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+        return f"onebit {metadata.version('onebit')} at {where}"
+    except metadata.PackageNotFoundError:
+        return f"onebit at {where}"
+
+
+def _onebit_root() -> str | None:
+    """The folder the imported ``onebit.collectives`` lives in, one up (a checkout's root, or the
+    installed package's folder); None where onebit does not import."""
+    try:
+        import onebit.collectives as collectives
+    except ImportError:
+        return None
+    return os.path.dirname(os.path.dirname(os.path.abspath(collectives.__file__)))
+
+
+def _commit_of(folder: str) -> str:
+    """The commit (with ``+dirty``) of the git checkout whose root ``folder`` is, or '' (not a checkout's
+    root: an installed package inside some checkout is not that checkout's code)."""
+    try:
+        top = subprocess.run(["git", "-C", folder, "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        if os.path.realpath(top) != os.path.realpath(folder):
+            return ""
+        head = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", folder, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
