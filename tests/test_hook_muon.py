@@ -6,6 +6,8 @@ identical); an optimizer whose momentum onebit does not know is refused, naming 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -743,3 +745,19 @@ def test_muon_in_its_momentums_bases_on_a_mesh(ranks):
         assert torch.equal(flat, got[0][0]) and bool(torch.isfinite(flat).all())  # replicas identical
         assert made == [38, 38], made  # both matrices' bases made at 2, 5, ..., 38
         assert sum(losses[-3:]) < sum(losses[:3])  # it trains
+
+
+def test_the_bases_run_with_mkl_single_threaded_where_torch_has_mkl():
+    """The replica fix (_bases.serial) must not vanish silently: where torch ships MKL on Linux, MKL's
+    thread-local setter is found, sets 1 thread inside the block and restores what was there after."""
+    from onebit.collectives import _bases
+
+    if not (torch.backends.mkl.is_available() and sys.platform.startswith("linux")):
+        pytest.skip("torch without MKL here: nothing to hold single-threaded")
+    setter = _bases._THREADS_LOCAL
+    assert setter is not None, "MKL_Set_Num_Threads_Local not found in torch's libtorch_cpu.so"
+    outside = setter(0)  # (0: MKL's global setting; returns what was set on this thread)
+    setter(outside)
+    with serial():
+        assert setter(1) == 1  # (1 inside, and left at 1)
+    assert setter(outside) == outside  # restored on leaving
